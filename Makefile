@@ -1,0 +1,45 @@
+# `make demo` and `make test` work on a fresh machine from nothing.
+#
+# Environment: the active virtualenv when there is one (a GPU user installs their own CUDA torch there
+# first), otherwise ./.venv. Torch: whatever torch the environment already has is kept and pinned while the
+# rest installs; with none, `torch==2.13.0` is installed (on this project's CPU machines a local CPU wheel).
+
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+ifdef VIRTUAL_ENV
+ENV_DIR ?= $(VIRTUAL_ENV)
+else
+ENV_DIR ?= .venv
+endif
+PY := $(ENV_DIR)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(ENV_DIR)/.composer-installed
+PROMPT ?= a red circle moving left on a black background
+OUTPUT ?= outputs/demo.mp4
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(ENV_DIR)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(ENV_DIR)/torch-pin.txt
+	$(PIP) install -q -c $(ENV_DIR)/torch-pin.txt -e ".[dev,serve]"
+	$(PY) -c "import torch, composer; print('composer installed with torch', torch.__version__)"
+	touch $(STAMP)
+
+demo: install
+	$(ENV_DIR)/bin/composer generate --prompt "$(PROMPT)" --output $(OUTPUT)
+
+test: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(ENV_DIR)/bin/ruff check composer tests benchmarks
+
+bench: install
+	$(PY) benchmarks/wan_vs_diffusers.py
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,1 @@
+"""The `composer` command line: one module per verb."""

@@ -1,0 +1,35 @@
+"""`composer <verb>`: generate, models. A ComposerError prints as one line and exits 1; no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from composer.errors import ComposerError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from composer.cli import generate, models
+
+    parser = argparse.ArgumentParser(prog="composer", description="Inference engine for video diffusion models.")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="{generate,models}")
+    generate.add_parser(sub)
+    models.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except ComposerError as exc:
+        print(f"composer: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("composer: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Base PipelineConfig (how a family's pipeline is wired) and SamplingParam (what one request asks for)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from composer._fields import coerce, field_types, raise_if_errors, unknown_key_errors
+
+
+@dataclass
+class PipelineConfig:
+    """Family-level facts a pipeline needs beyond the model folder. Subclass per family with real defaults."""
+
+    # Prompts are tokenized to this many tokens (padded and truncated), as the family was trained.
+    text_encoder_max_length: int = 512
+    # Clean prompts like the reference pipeline (ftfy when installed, HTML unescape, collapse whitespace).
+    clean_prompts: bool = True
+
+
+@dataclass
+class SamplingParam:
+    """One generation request. Same field names as `generate_video` kwargs, CLI flags, YAML and HTTP."""
+
+    prompt: str | None = field(default=None, metadata={"help": "what the video shows"})
+    negative_prompt: str | None = field(
+        default=None, metadata={"help": "what to steer away from (used with guidance_scale > 1)"}
+    )
+    height: int = field(default=480, metadata={"help": "frame height in pixels"})
+    width: int = field(default=832, metadata={"help": "frame width in pixels"})
+    num_frames: int = field(default=81, metadata={"help": "frames in the video (4k+1 for Wan's VAE)"})
+    num_inference_steps: int = field(default=50, metadata={"help": "denoising steps"})
+    guidance_scale: float = field(default=5.0, metadata={"help": "classifier-free guidance scale (<= 1 disables CFG)"})
+    flow_shift: float | None = field(
+        default=None, metadata={"help": "timestep shift of the flow-matching schedule (default: the model folder's)"}
+    )
+    seed: int | None = field(default=None, metadata={"help": "random seed (same meaning as in diffusers); default: random"})
+    fps: int = field(default=16, metadata={"help": "frames per second of the written video"})
+    output_path: str | None = field(default=None, metadata={"help": "where to write the video (.mp4, .gif, or a folder of PNGs)"})
+
+    def updated(self, **overrides: Any) -> SamplingParam:
+        """A copy with `overrides` applied (None values ignored); one ConfigError lists every bad key/value."""
+        errors = unknown_key_errors(type(self), overrides, "sampling parameter")
+        hints = field_types(type(self))
+        values = {}
+        for key, value in overrides.items():
+            if key in hints and value is not None:
+                values[key] = coerce(value, hints[key], key, errors)
+        raise_if_errors(errors, "sampling parameters")
+        return dataclasses.replace(self, **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

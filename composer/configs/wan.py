@@ -1,0 +1,47 @@
+"""Wan2.1 text-to-video: defaults of the released checkpoints (Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from composer.configs.base import PipelineConfig, SamplingParam
+from composer.registry.configs import register_configs
+
+# The English negative prompt published with the Wan2.1 diffusers checkpoints.
+WAN_NEGATIVE_PROMPT = (
+    "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, static, "
+    "overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly "
+    "drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, messy "
+    "background, three legs, many people in the background, walking backwards"
+)
+
+
+@dataclass
+class WanT2VConfig(PipelineConfig):
+    """Wan2.1 T2V: UMT5 prompts of 512 tokens, zero-padded past the prompt's length."""
+
+    text_encoder_max_length: int = 512
+
+
+@dataclass
+class WanT2V480PSamplingParam(SamplingParam):
+    """Wan2.1 T2V at 480p: 832x480, 81 frames at 16 fps, 50 steps, CFG 5.0, flow shift 3.0."""
+
+    negative_prompt: str | None = WAN_NEGATIVE_PROMPT
+    height: int = 480
+    width: int = 832
+    num_frames: int = 81
+    num_inference_steps: int = 50
+    guidance_scale: float = 5.0
+    flow_shift: float | None = 3.0
+    fps: int = 16
+
+
+
+register_configs(
+    WanT2VConfig,
+    WanT2V480PSamplingParam,
+    hf_model_paths=["Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers"],
+    model_detectors=[lambda path, class_name: class_name == "WanPipeline"],
+    name="wan2.1-t2v",
+)

@@ -1,0 +1,57 @@
+"""Typed errors. Each says what was expected, what was given, and how to fix it.
+
+The CLI prints a `ComposerError` as one message without a traceback and exits non-zero; anything else is a
+bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ComposerError(Exception):
+    """Base class of every error composer raises on purpose."""
+
+
+class ConfigError(ComposerError, ValueError):
+    """A runtime or sampling setting is unknown or out of range."""
+
+
+class InvalidInputError(ComposerError, ValueError):
+    """A generation request cannot be run as given (bad size, frame count, step count, prompt...)."""
+
+
+class ModelNotFoundError(ComposerError, FileNotFoundError):
+    """A model folder or hub id could not be found (locally or in the Hugging Face cache)."""
+
+
+class ModelFormatError(ComposerError, ValueError):
+    """A model folder exists but is not laid out as expected (no model_index.json, bad JSON, missing part)."""
+
+
+class UnknownModelError(ComposerError, KeyError):
+    """No registered model family, pipeline or model class matches what the folder asks for."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointError(ComposerError, ValueError):
+    """A weights file is corrupt, or its tensors do not fit the model (names or shapes)."""
+
+
+class UnsupportedError(ComposerError, NotImplementedError):
+    """The model or option is recognised but not supported by this version of composer."""
+
+
+class StageVerificationError(InvalidInputError):
+    """A stage's input or output check failed. Names the stage, the field, the value and the rule."""
+
+    def __init__(self, stage: str, phase: str, failures: list[tuple[str, str, str]]):
+        self.stage = stage
+        self.phase = phase
+        self.failures = failures
+        lines = [f"{field} = {value}: expected {rule}" for field, value, rule in failures]
+        if len(lines) == 1:
+            msg = f"{stage} {phase} check failed: {lines[0]}"
+        else:
+            msg = f"{stage} {phase} checks failed:\n  " + "\n  ".join(lines)
+        super().__init__(msg)

@@ -1,0 +1,154 @@
+"""One ComponentLoader per kind of module in a model folder.
+
+- composer models (the DiT): composer's own class from the model registry, weights via `load_weights`;
+- diffusers models (the VAE) and schedulers: diffusers' own `from_pretrained`;
+- transformers models (the text encoder) and tokenizers: transformers' own `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+from composer.errors import CheckpointError, ComposerError, ModelFormatError, UnknownModelError
+from composer.loader.model_index import ComponentSpec
+from composer.loader.weights import load_weights
+from composer.logging import get_logger
+from composer.registry.models import get_model_class, has_model_class
+
+logger = get_logger(__name__)
+
+
+class ComponentLoader:
+    """Loads one component (a subfolder of the model folder) onto a device in a dtype."""
+
+    def load(self, folder: Path, spec: ComponentSpec, device: torch.device, dtype: torch.dtype | None) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def for_spec(spec: ComponentSpec, folder: Path) -> ComponentLoader:
+        """Pick the loader for a model_index entry."""
+        class_name = _config_class_name(folder) or spec.class_name
+        if has_model_class(class_name):
+            return ComposerModelLoader()
+        if spec.library == "diffusers":
+            import diffusers
+
+            cls = getattr(diffusers, spec.class_name, None)
+            if cls is None:
+                raise UnknownModelError(f"diffusers has no class '{spec.class_name}' (component '{spec.name}')")
+            if issubclass(cls, diffusers.SchedulerMixin):
+                return SchedulerLoader()
+            return DiffusersModelLoader()
+        if spec.library == "transformers":
+            if "Tokenizer" in spec.class_name or "Processor" in spec.class_name:
+                return TokenizerLoader()
+            return TransformersModelLoader()
+        raise UnknownModelError(
+            f"component '{spec.name}' comes from library '{spec.library}' ({spec.class_name}), which composer "
+            "cannot load (expected diffusers or transformers)"
+        )
+
+
+def _config_class_name(folder: Path) -> str | None:
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("_class_name")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+
+
+def _require_folder(folder: Path, spec: ComponentSpec) -> None:
+    if not folder.is_dir():
+        raise ModelFormatError(
+            f"model_index.json lists component '{spec.name}' ({spec.class_name}) but {folder} does not exist"
+        )
+
+
+def _wrap_load_error(exc: Exception, folder: Path, spec: ComponentSpec) -> ComposerError:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "safetensors" in text.lower() or "header" in text.lower() or "deserializ" in text.lower():
+        return CheckpointError(f"could not read the weights of '{spec.name}' in {folder}: {text}")
+    return ModelFormatError(f"could not load '{spec.name}' ({spec.class_name}) from {folder}: {text}")
+
+
+class ComposerModelLoader(ComponentLoader):
+    """composer's own model class (found by the model registry), built on meta, filled from safetensors."""
+
+    def load(self, folder, spec, device, dtype):
+        _require_folder(folder, spec)
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise ModelFormatError(f"{folder} has no config.json for component '{spec.name}'")
+        try:
+            raw = json.loads(config_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelFormatError(f"{config_path} is not valid JSON: {exc}") from exc
+        cls = get_model_class(raw.get("_class_name") or spec.class_name)
+        config = cls.config_class.from_dict(raw)
+        with torch.device("meta"):
+            model = cls(config)
+        scheme = load_weights(model, folder, device, dtype or torch.float32)
+        leftovers = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+        if leftovers:
+            raise CheckpointError(f"{cls.__name__} still has unloaded tensors after loading: {leftovers[:5]}")
+        logger.debug("loaded %s from %s (%s naming)", cls.__name__, folder, scheme)
+        return model.eval().requires_grad_(False)
+
+
+class DiffusersModelLoader(ComponentLoader):
+    def load(self, folder, spec, device, dtype):
+        import diffusers
+
+        _require_folder(folder, spec)
+        cls = getattr(diffusers, spec.class_name)
+        try:
+            model = cls.from_pretrained(str(folder), torch_dtype=dtype)
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            raise _wrap_load_error(exc, folder, spec) from exc
+        return model.to(device).eval().requires_grad_(False)
+
+
+class TransformersModelLoader(ComponentLoader):
+    def load(self, folder, spec, device, dtype):
+        import transformers
+
+        _require_folder(folder, spec)
+        cls = getattr(transformers, spec.class_name, None)
+        if cls is None:
+            raise UnknownModelError(f"transformers has no class '{spec.class_name}' (component '{spec.name}')")
+        dtype_kw = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+        try:
+            model = cls.from_pretrained(str(folder), **{dtype_kw: dtype})
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            raise _wrap_load_error(exc, folder, spec) from exc
+        return model.to(device).eval().requires_grad_(False)
+
+
+class TokenizerLoader(ComponentLoader):
+    def load(self, folder, spec, device, dtype):
+        from transformers import AutoTokenizer
+
+        _require_folder(folder, spec)
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError) as exc:
+            raise _wrap_load_error(exc, folder, spec) from exc
+
+
+class SchedulerLoader(ComponentLoader):
+    def load(self, folder, spec, device, dtype):
+        import diffusers
+
+        _require_folder(folder, spec)
+        cls = getattr(diffusers, spec.class_name)
+        try:
+            return cls.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError) as exc:
+            raise _wrap_load_error(exc, folder, spec) from exc

@@ -1,0 +1,59 @@
+"""Turn what the user typed (a local folder or a hub id) into a local model folder."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from composer.errors import ModelNotFoundError
+from composer.logging import get_logger
+
+logger = get_logger(__name__)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def looks_like_hub_id(name: str) -> bool:
+    return bool(_HUB_ID.match(name)) and not name.startswith((".", "/"))
+
+
+def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
+    """A local folder as is; a hub id from the Hugging Face cache (downloaded when online).
+
+    Raises ModelNotFoundError with what was tried and how to fix it.
+    """
+    text = str(path_or_id)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise ModelNotFoundError(f"{text} is a file; expected a model folder (one holding model_index.json)")
+    if not looks_like_hub_id(text):
+        raise ModelNotFoundError(f"model folder {text} does not exist")
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(text, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    except Exception as exc:  # noqa: BLE001 - a malformed cache entry; fall through to download
+        logger.debug("cache lookup for %s failed: %s", text, exc)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    if not offline:
+        logger.info("%s is not in the Hugging Face cache: downloading", text)
+        try:
+            return Path(snapshot_download(text))
+        except Exception as exc:  # noqa: BLE001 - network, auth, missing repo: all end the same way for the user
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise ModelNotFoundError(
+                f"{text} is neither a local folder nor in the Hugging Face cache, and downloading it failed "
+                f"({reason}). Download it where there is network (`huggingface-cli download {text}`) and copy "
+                "the cache, or pass --model-path to a local folder."
+            ) from exc
+    raise ModelNotFoundError(
+        f"{text} is neither a local folder nor in the Hugging Face cache (HF_HUB_OFFLINE is set, so it was not "
+        f"downloaded). Run `huggingface-cli download {text}` where there is network, or pass a local folder."
+    )

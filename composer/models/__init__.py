@@ -1,0 +1,1 @@
+"""composer's own model code. Each model module declares `EntryClass`; the model registry finds it by AST."""

@@ -1,0 +1,1 @@
+"""Building blocks shared by composer's models: norms, rotary embeddings, timestep embeddings."""

@@ -1,0 +1,87 @@
+"""WanTransformerConfig: read from a diffusers `config.json` or the original Wan release's `config.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from composer.errors import ModelFormatError, UnsupportedError
+from composer.logging import get_logger
+
+logger = get_logger(__name__)
+
+# Original Wan release config keys -> diffusers keys (dim and num_heads give the head dim).
+_ORIGINAL_KEYS = {
+    "in_dim": "in_channels",
+    "out_dim": "out_channels",
+    "num_heads": "num_attention_heads",
+    "text_dim": "text_dim",
+    "freq_dim": "freq_dim",
+    "ffn_dim": "ffn_dim",
+    "num_layers": "num_layers",
+    "eps": "eps",
+    "cross_attn_norm": "cross_attn_norm",
+}
+_IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "text_len", "window_size", "model_type"}
+
+
+@dataclass
+class WanTransformerConfig:
+    """Wan DiT hyper-parameters, with diffusers' names and the released 14B defaults."""
+
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    num_attention_heads: int = 40
+    attention_head_dim: int = 128
+    in_channels: int = 16
+    out_channels: int = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    ffn_dim: int = 13824
+    num_layers: int = 40
+    cross_attn_norm: bool = True
+    qk_norm: str | None = "rms_norm_across_heads"
+    eps: float = 1e-6
+    image_dim: int | None = None
+    added_kv_proj_dim: int | None = None
+    rope_max_seq_len: int = 1024
+    pos_embed_seq_len: int | None = None
+    rope_theta: float = 10000.0
+
+    @property
+    def hidden_size(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> WanTransformerConfig:
+        """Accept diffusers' config.json or the original release's (`dim`, `num_heads`, `in_dim`, ...)."""
+        raw = dict(raw)
+        if "dim" in raw and "num_attention_heads" not in raw:  # original Wan naming
+            dim, heads = raw.pop("dim"), raw.get("num_heads")
+            if not heads or dim % heads:
+                raise ModelFormatError(f"original Wan config: dim {dim} is not divisible by num_heads {heads}")
+            raw["attention_head_dim"] = dim // heads
+            if isinstance(raw.get("qk_norm"), bool):
+                raw["qk_norm"] = "rms_norm_across_heads" if raw["qk_norm"] else None
+            raw = {_ORIGINAL_KEYS.get(k, k): v for k, v in raw.items()}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known - _IGNORED_KEYS)
+        if unknown:
+            logger.debug("ignoring transformer config keys %s", unknown)
+        values = {k: v for k, v in raw.items() if k in known}
+        if "patch_size" in values:
+            values["patch_size"] = tuple(values["patch_size"])
+        config = cls(**values)
+        config.check_supported()
+        return config
+
+    def check_supported(self) -> None:
+        if self.image_dim is not None or self.added_kv_proj_dim is not None:
+            raise UnsupportedError(
+                "this Wan transformer takes image conditioning (image_dim / added_kv_proj_dim set: an I2V or "
+                "FLF2V checkpoint); composer supports Wan2.1 text-to-video transformers so far"
+            )
+        if self.qk_norm not in (None, "rms_norm_across_heads"):
+            raise UnsupportedError(f"Wan qk_norm {self.qk_norm!r} is not supported (expected rms_norm_across_heads)")
+        if self.attention_head_dim % 2:
+            raise ModelFormatError(f"attention_head_dim must be even for rotary embedding, got {self.attention_head_dim}")

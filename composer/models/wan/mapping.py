@@ -1,0 +1,33 @@
+"""Checkpoint parameter names -> composer's Wan DiT names, as data (ordered regex rules, applied in turn).
+
+composer names differ from diffusers only where diffusers' names carry its module plumbing
+(`to_out.0`, `ffn.net.0.proj`). The original Wan release uses its own names (`self_attn.q`, `modulation`,
+`head.head`) and calls the cross-attention norm `norm3`.
+"""
+
+from __future__ import annotations
+
+DIFFUSERS_TO_COMPOSER: list[tuple[str, str]] = [
+    (r"\.to_out\.0\.", ".to_out."),
+    (r"\.ffn\.net\.0\.proj\.", ".ffn.fc_in."),
+    (r"\.ffn\.net\.2\.", ".ffn.fc_out."),
+]
+
+ORIGINAL_TO_COMPOSER: list[tuple[str, str]] = [
+    (r"^model\.diffusion_model\.", ""),  # ComfyUI-style prefix
+    (r"^time_embedding\.0\.", "condition_embedder.time_embedder.linear_1."),
+    (r"^time_embedding\.2\.", "condition_embedder.time_embedder.linear_2."),
+    (r"^text_embedding\.0\.", "condition_embedder.text_embedder.linear_1."),
+    (r"^text_embedding\.2\.", "condition_embedder.text_embedder.linear_2."),
+    (r"^time_projection\.1\.", "condition_embedder.time_proj."),
+    (r"\.self_attn\.", ".attn1."),
+    (r"\.cross_attn\.", ".attn2."),
+    (r"\.attn([12])\.([qkv])\.", r".attn\1.to_\2."),
+    (r"\.attn([12])\.o\.", r".attn\1.to_out."),
+    (r"^blocks\.(\d+)\.norm3\.", r"blocks.\1.norm2."),
+    (r"^blocks\.(\d+)\.modulation$", r"blocks.\1.scale_shift_table"),
+    (r"\.ffn\.0\.", ".ffn.fc_in."),
+    (r"\.ffn\.2\.", ".ffn.fc_out."),
+    (r"^head\.head\.", "proj_out."),
+    (r"^head\.modulation$", "scale_shift_table"),
+]

@@ -1,0 +1,245 @@
+"""Wan2.1 diffusion transformer (DiT), composer's own implementation, loading diffusers' weights.
+
+    x: [B, C, F, H, W] latents -> patchify (Conv3d) -> tokens [B, S, D]
+    for each block (timestep modulation from a shared projection + a learned per-block table):
+        x = x + gate1 * SelfAttn(LN(x) * (1 + scale1) + shift1)      (3D RoPE, RMSNorm on q and k)
+        x = x + CrossAttn(LN_affine(x), text)
+        x = x + gate2 * FFN(LN(x) * (1 + scale2) + shift2)
+    -> LN * (1 + scale) + shift -> Linear -> unpatchify -> [B, C, F, H, W] (the flow / noise prediction)
+
+Precision follows the reference: norms, modulation and residual adds in fp32, matmuls in the model dtype.
+Attention goes through `composer.models.attention.Attention`, the one place it is computed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from composer.models.attention import Attention
+from composer.models.layers.embeddings import sinusoidal_timestep_embedding
+from composer.models.layers.norm import FP32LayerNorm
+from composer.models.layers.rotary import apply_rotary, rope_frequencies
+from composer.models.wan.config import WanTransformerConfig
+from composer.models.wan.mapping import DIFFUSERS_TO_COMPOSER, ORIGINAL_TO_COMPOSER
+
+Rotary = tuple[torch.Tensor, torch.Tensor]
+
+
+class WanSelfAttention(nn.Module):
+    """Multi-head self-attention with RMSNorm across heads on q/k and 3D RoPE."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float, qk_norm: bool):
+        super().__init__()
+        self.num_heads = num_heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.Linear(dim, dim)
+        self.norm_q = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        self.norm_k = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        self.attention = Attention()
+
+    def project_qkv(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (normed, rotated) and v as [B, S, heads, head_dim]."""
+        q = self.norm_q(self.to_q(x)).unflatten(2, (self.num_heads, -1))
+        k = self.norm_k(self.to_k(x)).unflatten(2, (self.num_heads, -1))
+        v = self.to_v(x).unflatten(2, (self.num_heads, -1))
+        return apply_rotary(q, *rotary), apply_rotary(k, *rotary), v
+
+    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, rotary)
+        return self.to_out(self.attention(q, k, v).flatten(2))
+
+
+class WanCrossAttention(nn.Module):
+    """Attention from video tokens to the text embedding (no mask: padded text tokens are zero embeddings)."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float, qk_norm: bool):
+        super().__init__()
+        self.num_heads = num_heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.Linear(dim, dim)
+        self.norm_q = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        self.norm_k = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        self.attention = Attention()
+
+    def project_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.norm_k(self.to_k(context)).unflatten(2, (self.num_heads, -1))
+        v = self.to_v(context).unflatten(2, (self.num_heads, -1))
+        return k, v
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        q = self.norm_q(self.to_q(x)).unflatten(2, (self.num_heads, -1))
+        k, v = self.project_kv(context)
+        return self.to_out(self.attention(q, k, v).flatten(2))
+
+
+class WanFeedForward(nn.Module):
+    """Linear -> GELU (tanh approximation) -> Linear."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.fc_in = nn.Linear(dim, ffn_dim)
+        self.fc_out = nn.Linear(ffn_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+
+
+class WanTransformerBlock(nn.Module):
+    """Self-attention, cross-attention and FFN, each modulated by the timestep (adaLN with gates)."""
+
+    def __init__(self, config: WanTransformerConfig):
+        super().__init__()
+        dim, heads, eps = config.hidden_size, config.num_attention_heads, config.eps
+        qk_norm = config.qk_norm is not None
+        self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
+        self.attn1 = WanSelfAttention(dim, heads, eps, qk_norm)
+        self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
+        self.attn2 = WanCrossAttention(dim, heads, eps, qk_norm)
+        self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
+        self.ffn = WanFeedForward(dim, config.ffn_dim)
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, timestep_proj: torch.Tensor, rotary: Rotary
+    ) -> torch.Tensor:
+        # timestep_proj: [B, 6, D]; each of the six chunks broadcasts over the tokens as [B, 1, D].
+        shift1, scale1, gate1, shift2, scale2, gate2 = (self.scale_shift_table + timestep_proj.float()).chunk(6, dim=1)
+
+        h = (self.norm1(x.float()) * (1 + scale1) + shift1).type_as(x)
+        x = (x.float() + self.attn1(h, rotary) * gate1).type_as(x)
+
+        h = self.norm2(x.float()).type_as(x)
+        x = x + self.attn2(h, context)
+
+        h = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
+        x = (x.float() + self.ffn(h).float() * gate2).type_as(x)
+        return x
+
+
+class WanTimestepMLP(nn.Module):
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class WanTextProjection(nn.Module):
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
+
+
+class WanConditionEmbedder(nn.Module):
+    """Timestep -> (temb, six modulation vectors); text embedding -> model width."""
+
+    def __init__(self, config: WanTransformerConfig):
+        super().__init__()
+        dim = config.hidden_size
+        self.freq_dim = config.freq_dim
+        self.time_embedder = WanTimestepMLP(config.freq_dim, dim)
+        self.time_proj = nn.Linear(dim, 6 * dim)
+        self.text_embedder = WanTextProjection(config.text_dim, dim)
+
+    def embed_timestep(self, timestep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """timestep [N] -> temb [N, D] and timestep_proj [N, 6, D], in `dtype` (the activations' dtype)."""
+        freq = sinusoidal_timestep_embedding(timestep, self.freq_dim)
+        weight_dtype = self.time_embedder.linear_1.weight.dtype
+        temb = self.time_embedder(freq.to(weight_dtype)).to(dtype)
+        return temb, self.time_proj(F.silu(temb)).unflatten(1, (6, -1))
+
+    def embed_text(self, text: torch.Tensor) -> torch.Tensor:
+        return self.text_embedder(text)
+
+
+class WanTransformer3DModel(nn.Module):
+    """Wan2.1 DiT. Loads diffusers `WanTransformer3DModel` checkpoints and the original Wan release's."""
+
+    class_names = ("WanTransformer3DModel", "WanModel")
+    config_class = WanTransformerConfig
+    # checkpoint naming -> composer naming (see composer/loader/weights.py)
+    param_name_mappings = {"diffusers": DIFFUSERS_TO_COMPOSER, "original": ORIGINAL_TO_COMPOSER}
+    ignored_checkpoint_keys = (r"\.norm_added_q\.",)
+    # Kept in fp32 whatever the load dtype, as the reference keeps them.
+    keep_in_fp32 = (r"^condition_embedder\.time_embedder\.", r"scale_shift_table$", r"^blocks\.\d+\.norm2\.")
+
+    def __init__(self, config: WanTransformerConfig):
+        super().__init__()
+        config.check_supported()
+        self.config = config
+        dim = config.hidden_size
+        self.patch_embedding = nn.Conv3d(
+            config.in_channels, dim, kernel_size=config.patch_size, stride=config.patch_size
+        )
+        self.condition_embedder = WanConditionEmbedder(config)
+        self.blocks = nn.ModuleList([WanTransformerBlock(config) for _ in range(config.num_layers)])
+        self.norm_out = FP32LayerNorm(dim, config.eps, elementwise_affine=False)
+        self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self._rope_cache: OrderedDict[tuple, Rotary] = OrderedDict()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.proj_out.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.proj_out.weight.device
+
+    def rotary(self, grid: tuple[int, int, int], device: torch.device, frame_offset: int = 0) -> Rotary:
+        """RoPE cos/sin for a token grid, cached per (grid, offset, device): steps reuse one table."""
+        key = (grid, frame_offset, str(device))
+        if key not in self._rope_cache:
+            if len(self._rope_cache) >= 8:
+                self._rope_cache.popitem(last=False)
+            self._rope_cache[key] = rope_frequencies(
+                self.config.attention_head_dim, grid, frame_offset, self.config.rope_theta, device
+            )
+        return self._rope_cache[key]
+
+    def patchify(self, latents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """[B, C, F, H, W] -> tokens [B, F'*H'*W', D] and the token grid (F', H', W')."""
+        x = self.patch_embedding(latents)
+        grid = tuple(x.shape[2:])
+        return x.flatten(2).transpose(1, 2).contiguous(), grid
+
+    def unpatchify(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """[B, S, C*pt*ph*pw] -> [B, C, F, H, W]."""
+        pt, ph, pw = self.config.patch_size
+        f, h, w = grid
+        x = tokens.reshape(tokens.shape[0], f, h, w, pt, ph, pw, -1)
+        return x.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def forward(
+        self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden_states [B, C, F, H, W], timestep [B], encoder_hidden_states [B, L, text_dim] -> [B, C, F, H, W]."""
+        x, grid = self.patchify(hidden_states)
+        rotary = self.rotary(grid, x.device)
+        context = self.condition_embedder.embed_text(encoder_hidden_states)
+        temb, timestep_proj = self.condition_embedder.embed_timestep(timestep, encoder_hidden_states.dtype)
+
+        for block in self.blocks:
+            x = block(x, context, timestep_proj, rotary)
+
+        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+        return self.unpatchify(self.proj_out(x), grid)
+
+
+EntryClass = WanTransformer3DModel

@@ -1,0 +1,1 @@
+"""Pipelines: an ordered list of stages over loaded modules. Each family module declares `EntryClass`."""

@@ -1,0 +1,51 @@
+"""Wan2.1 text-to-video: UMT5 text encoder, composer's Wan DiT, Wan VAE, the folder's flow scheduler."""
+
+from __future__ import annotations
+
+from composer.errors import UnsupportedError
+from composer.pipelines.base import ComposedPipeline
+from composer.stages.decoding import DecodingStage
+from composer.stages.denoising import DenoisingStage
+from composer.stages.input_validation import InputValidationStage
+from composer.stages.latents import LatentPreparationStage
+from composer.stages.text_encoding import TextEncodingStage
+from composer.stages.timesteps import TimestepPreparationStage
+
+
+class WanPipeline(ComposedPipeline):
+    """validate -> encode text -> timesteps -> noise -> denoise (CFG) -> decode."""
+
+    class_names = ("WanPipeline",)
+    required_modules = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+
+    def check_supported(self) -> None:
+        extra = self.index.extra
+        if extra.get("boundary_ratio") is not None or "transformer_2" in self.index.components:
+            raise UnsupportedError(
+                f"{self.folder} is a two-expert Wan2.2 folder (boundary_ratio / transformer_2); composer "
+                "serves Wan2.1 text-to-video so far"
+            )
+        if extra.get("expand_timesteps"):
+            raise UnsupportedError(f"{self.folder} is a Wan2.2 TI2V folder (expand_timesteps); not supported yet")
+
+    def create_stages(self) -> None:
+        vae, transformer = self.modules["vae"], self.modules["transformer"]
+        temporal = vae.config.scale_factor_temporal
+        spatial = vae.config.scale_factor_spatial
+        patch = transformer.config.patch_size
+        self.add_stage(InputValidationStage(spatial_multiple=spatial * max(patch[1], patch[2]), temporal_factor=temporal))
+        self.add_stage(
+            TextEncodingStage(
+                self.modules["text_encoder"],
+                self.modules["tokenizer"],
+                max_length=self.config.text_encoder_max_length,
+                clean=self.config.clean_prompts,
+            )
+        )
+        self.add_stage(TimestepPreparationStage(self.modules["scheduler"], self.device))
+        self.add_stage(LatentPreparationStage(transformer.config.in_channels, temporal, spatial, self.device))
+        self.add_stage(DenoisingStage(transformer, progress=self.runtime.progress))
+        self.add_stage(DecodingStage(vae))
+
+
+EntryClass = WanPipeline

@@ -1,0 +1,127 @@
+"""Config registry: which (PipelineConfig, SamplingParam) pair a model folder or hub id gets.
+
+Resolution order: exact hub id > short name (the id's last part, case-insensitive, also matched against a
+local folder's name) > detectors (called with the path and model_index `_class_name`) > an error listing
+the known families.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+
+from composer.configs.base import PipelineConfig, SamplingParam
+from composer.errors import UnknownModelError
+
+Detector = Callable[[str, "str | None"], bool]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A registered family: its config classes, the hub ids it answers to and its detectors."""
+
+    name: str
+    pipeline_config_cls: type[PipelineConfig]
+    sampling_param_cls: type[SamplingParam]
+    hf_model_paths: tuple[str, ...]
+    model_detectors: tuple[Detector, ...]
+
+
+@dataclass(frozen=True)
+class ResolvedConfigs:
+    family: ModelFamily
+    matched_by: str  # "hub id", "short name" or "detector"
+
+    def pipeline_config(self) -> PipelineConfig:
+        return self.family.pipeline_config_cls()
+
+    def sampling_param(self) -> SamplingParam:
+        return self.family.sampling_param_cls()
+
+
+_families: list[ModelFamily] = []
+_builtins_loaded = False
+_lock = threading.Lock()
+
+
+def register_configs(
+    pipeline_config_cls: type[PipelineConfig],
+    sampling_param_cls: type[SamplingParam],
+    hf_model_paths: Sequence[str] = (),
+    model_detectors: Sequence[Detector] = (),
+    name: str | None = None,
+) -> ModelFamily:
+    """Register a family. Hub ids must be unique across families."""
+    family = ModelFamily(
+        name=name or pipeline_config_cls.__name__,
+        pipeline_config_cls=pipeline_config_cls,
+        sampling_param_cls=sampling_param_cls,
+        hf_model_paths=tuple(hf_model_paths),
+        model_detectors=tuple(model_detectors),
+    )
+    with _lock:
+        taken = {p: f.name for f in _families for p in f.hf_model_paths}
+        for path in family.hf_model_paths:
+            if path in taken:
+                raise ValueError(f"hub id {path} is already registered by family {taken[path]}")
+        _families.append(family)
+    return family
+
+
+def registered_families() -> list[ModelFamily]:
+    _load_builtins()
+    return list(_families)
+
+
+_HF_CACHE_SNAPSHOT = re.compile(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]")
+
+
+def hub_id_of(model: str) -> str:
+    """The hub id a string names: itself, or the id behind a Hugging Face cache snapshot folder."""
+    match = _HF_CACHE_SNAPSHOT.search(model)
+    return f"{match.group(1)}/{match.group(2)}" if match else model
+
+
+def _short_name(model: str) -> str:
+    return PurePath(model.rstrip("/\\")).name.lower()
+
+
+def resolve_configs(model: str, class_name: str | None = None) -> ResolvedConfigs:
+    """Find the family for a hub id or local path (`class_name`: model_index.json's `_class_name`)."""
+    families = registered_families()
+    hub_id = hub_id_of(model)
+    for family in families:
+        if hub_id in family.hf_model_paths:
+            return ResolvedConfigs(family, "hub id")
+    short = _short_name(hub_id)
+    for family in families:
+        if any(_short_name(p) == short for p in family.hf_model_paths):
+            return ResolvedConfigs(family, "short name")
+    for family in families:
+        if any(detector(model, class_name) for detector in family.model_detectors):
+            return ResolvedConfigs(family, "detector")
+    known = "\n  ".join(
+        f"{f.name}: {', '.join(f.hf_model_paths) or '(detector only)'}" for f in families
+    )
+    raise UnknownModelError(
+        f"no registered model family matches '{model}'"
+        + (f" (model_index _class_name '{class_name}')" if class_name else "")
+        + f". Known families:\n  {known}\nSee docs/adding-a-model-family.md to add one."
+    )
+
+
+def _load_builtins() -> None:
+    """Import every module of composer.configs once; each family module registers itself at its end."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    import composer.configs
+
+    for info in pkgutil.iter_modules(composer.configs.__path__):
+        importlib.import_module(f"composer.configs.{info.name}")

@@ -1,0 +1,104 @@
+"""RuntimeArgs: how a model runs (device, precision, attention backend...), fixed at load time.
+
+Every field has the same name as a `VideoGenerator.from_pretrained` keyword, a `composer generate` flag
+(`attention_backend` -> `--attention-backend`) and a key under `runtime:` in a YAML preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from composer._fields import coerce, field_types, raise_if_errors, unknown_key_errors
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+@dataclass
+class RuntimeArgs:
+    """Load-time settings. Build with `RuntimeArgs.from_kwargs(...)` to get every bad knob in one error."""
+
+    device: str = field(default="auto", metadata={"help": "'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1'..."})
+    dtype: str = field(
+        default="auto", metadata={"help": "transformer precision: auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16"}
+    )
+    text_encoder_dtype: str | None = field(
+        default=None, metadata={"help": "text encoder precision (default: same as --dtype)"}
+    )
+    vae_dtype: str = field(default="fp32", metadata={"help": "VAE precision (fp32 keeps decode quality)"})
+    attention_backend: str = field(
+        default="auto", metadata={"help": "auto (flash-attn when installed and usable, else SDPA), sdpa, flash"}
+    )
+    progress: bool = field(default=True, metadata={"help": "show progress bars for long steps"})
+    verify_values: bool = field(
+        default=False, metadata={"help": "let stage checks read tensor values (NaN/inf; synchronises the device)"}
+    )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> RuntimeArgs:
+        """Build and validate; raises one ConfigError listing every unknown or invalid knob."""
+        errors = unknown_key_errors(cls, kwargs, "runtime option")
+        hints = field_types(cls)
+        values = {}
+        for key, value in kwargs.items():
+            if key in hints:
+                if isinstance(value, torch.dtype):
+                    value = dtype_name(value) if value in DTYPES.values() else str(value)
+                values[key] = coerce(value, hints[key], key, errors)
+        args = cls(**values) if not errors else None
+        if args is not None:
+            errors += args.validation_errors()
+        raise_if_errors(errors, "runtime options")
+        return args  # type: ignore[return-value]
+
+    def validation_errors(self) -> list[str]:
+        errors = []
+        for name in ("dtype", "text_encoder_dtype", "vae_dtype"):
+            value = getattr(self, name)
+            if value is None or (name == "dtype" and value == "auto"):
+                continue
+            if value not in DTYPES:
+                errors.append(f"{name} = {value!r}: expected one of fp32, bf16, fp16")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            errors.append(f"attention_backend = {self.attention_backend!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+        try:
+            device = self.torch_device
+            if device.type == "cuda" and not torch.cuda.is_available():
+                errors.append(f"device = {self.device!r}: CUDA is not available on this machine (use 'cpu' or 'auto')")
+        except RuntimeError as exc:
+            errors.append(f"device = {self.device!r}: {exc}")
+        return errors
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    @property
+    def text_encoder_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.text_encoder_dtype] if self.text_encoder_dtype else self.torch_dtype
+
+    @property
+    def vae_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.vae_dtype]

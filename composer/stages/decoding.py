@@ -1,0 +1,52 @@
+"""DecodingStage: latents -> uint8 RGB frames on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from composer.batch import ForwardBatch
+from composer.stages.base import Stage
+from composer.stages.validators import V, VerificationResult
+
+
+def denormalize_latents(latents: torch.Tensor, vae_config) -> torch.Tensor:
+    """Undo the latent normalisation the DiT was trained with (per-channel mean/std, or a scaling factor)."""
+    if getattr(vae_config, "latents_mean", None) is not None and getattr(vae_config, "latents_std", None) is not None:
+        shape = (1, -1) + (1,) * (latents.ndim - 2)
+        mean = torch.tensor(vae_config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae_config.latents_std).view(shape).to(latents.device, latents.dtype)
+        return latents / inv_std + mean
+    scaling = getattr(vae_config, "scaling_factor", 1.0) or 1.0
+    shift = getattr(vae_config, "shift_factor", 0.0) or 0.0
+    return latents / scaling + shift
+
+
+def video_to_frames(video: torch.Tensor) -> torch.Tensor:
+    """VAE output [B, 3, T, H, W] in [-1, 1] -> uint8 [B, T, H, W, 3] on the CPU."""
+    video = (video * 0.5 + 0.5).clamp(0, 1)
+    return (video.permute(0, 2, 3, 4, 1).float() * 255).round().to(torch.uint8).cpu()
+
+
+class DecodingStage(Stage):
+    """Denormalizes the latents and decodes them with the VAE into frames (`batch.frames`)."""
+
+    def __init__(self, vae: torch.nn.Module):
+        self.vae = vae
+
+    def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        result.add_check("latents", batch.latents, V.ndim(5))
+
+    def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        expected = (batch.batch_size, batch.num_frames, batch.height, batch.width, 3)
+        if batch.frames is None or tuple(batch.frames.shape) != expected:
+            shape = None if batch.frames is None else list(batch.frames.shape)
+            result.add_failure("frames", shape, f"uint8 frames of shape {list(expected)}")
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        latents = denormalize_latents(latents.to(self.vae.device, self.vae.dtype), self.vae.config)
+        return self.vae.decode(latents, return_dict=False)[0]
+
+    def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        batch.frames = video_to_frames(self.decode(batch.latents)).numpy()
+        return batch

@@ -1,0 +1,51 @@
+"""InputValidationStage: reject a request the model cannot run, before any work, with the nearest valid value."""
+
+from __future__ import annotations
+
+from composer.batch import ForwardBatch
+from composer.stages.base import Stage
+from composer.stages.validators import V, VerificationResult
+
+
+def _nearest_multiple(value: object, n: int) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"nearest valid: {max(n, round(value / n) * n)}"
+    return ""
+
+
+class InputValidationStage(Stage):
+    """Checks prompt, size, frame count, steps, guidance and seed against the model's constraints.
+
+    `spatial_multiple`: VAE spatial factor x DiT patch size (16 for Wan); `temporal_factor`: the VAE's
+    temporal compression (num_frames must be temporal_factor*k + 1).
+    """
+
+    def __init__(self, spatial_multiple: int, temporal_factor: int):
+        self.spatial_multiple = spatial_multiple
+        self.temporal_factor = temporal_factor
+
+    def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        n, t = self.spatial_multiple, self.temporal_factor
+        result.add_check("prompt", batch.prompt, V.non_empty_strings)
+        if batch.negative_prompt is not None:
+            if len(batch.negative_prompt) != len(batch.prompt) or not all(
+                isinstance(s, str) for s in batch.negative_prompt
+            ):
+                result.add_failure("negative_prompt", batch.negative_prompt, f"{len(batch.prompt)} string(s), one per prompt")
+        result.add_check("height", batch.height, V.divisible_by(n), hint=_nearest_multiple(batch.height, n))
+        result.add_check("width", batch.width, V.divisible_by(n), hint=_nearest_multiple(batch.width, n))
+        frames = batch.num_frames
+        frames_hint = (
+            f"nearest valid: {max(1, round((frames - 1) / t) * t + 1)}"
+            if isinstance(frames, int) and not isinstance(frames, bool)
+            else ""
+        )
+        result.add_check("num_frames", frames, V.congruent(t, 1), hint=frames_hint)
+        result.add_check("num_inference_steps", batch.num_inference_steps, V.positive_int)
+        result.add_check("guidance_scale", batch.guidance_scale, V.non_negative_number)
+        if batch.flow_shift is not None:
+            result.add_check("flow_shift", batch.flow_shift, V.positive_number)
+        result.add_check("seed", batch.seed, V.int_in_range(0, 2**63 - 1))
+
+    def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        return batch

@@ -1,0 +1,50 @@
+"""TimestepPreparationStage: a fresh scheduler for the request, with its timesteps set."""
+
+from __future__ import annotations
+
+from composer.batch import ForwardBatch
+from composer.errors import UnsupportedError
+from composer.stages.base import Stage
+from composer.stages.validators import V, VerificationResult
+
+
+def scheduler_with_shift(template, flow_shift: float | None):
+    """A new scheduler of the template's class and config, with `flow_shift` applied when given.
+
+    Schedulers carry state between steps, so each request gets its own instance. diffusers names the
+    shift `flow_shift` (UniPC, DPM-Solver) or `shift` (flow-match Euler).
+    """
+    overrides = {}
+    if flow_shift is not None:
+        config = template.config
+        if "flow_shift" in config:
+            overrides["flow_shift"] = flow_shift
+        elif "shift" in config:
+            overrides["shift"] = flow_shift
+        else:
+            raise UnsupportedError(
+                f"{type(template).__name__} has no flow shift setting; leave flow_shift unset for this model"
+            )
+        if config.get("use_dynamic_shifting"):
+            raise UnsupportedError(f"{type(template).__name__} uses dynamic shifting; leave flow_shift unset")
+    return type(template).from_config(template.config, **overrides)
+
+
+class TimestepPreparationStage(Stage):
+    """Creates the request's scheduler from the model folder's scheduler config and sets its timesteps."""
+
+    def __init__(self, scheduler, device):
+        self.template = scheduler
+        self.device = device
+
+    def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        result.add_check("timesteps", batch.timesteps, V.ndim(1))
+
+    def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        scheduler = scheduler_with_shift(self.template, batch.flow_shift)
+        scheduler.set_timesteps(batch.num_inference_steps, device=self.device)
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)  # no timestep lookup (a device sync) on the first step
+        batch.scheduler = scheduler
+        batch.timesteps = scheduler.timesteps
+        return batch
