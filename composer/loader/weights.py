@@ -57,13 +57,13 @@ def _open(path: Path, device: str = "cpu"):
         raise CheckpointError(f"{path} is not a readable safetensors file (corrupt or truncated?): {exc}") from exc
 
 
-def checkpoint_keys(files: Iterable[Path]) -> dict[str, Path]:
-    """Checkpoint tensor name -> the file that holds it (reads headers only)."""
-    where: dict[str, Path] = {}
+def checkpoint_index(files: Iterable[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Checkpoint tensor name -> (the file that holds it, its shape), from the headers only."""
+    where: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for path in files:
         with _open(path) as f:
             for key in f.keys():
-                where[key] = path
+                where[key] = (path, tuple(f.get_slice(key).get_shape()))
     return where
 
 
@@ -123,8 +123,7 @@ def load_weights(
     """
     cls = type(model)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    files = find_weight_files(folder)
-    where = checkpoint_keys(files)
+    where = checkpoint_index(find_weight_files(folder))
     match = match_names(
         where, set(expected), getattr(cls, "param_name_mappings", {}), getattr(cls, "ignored_checkpoint_keys", ())
     )
@@ -133,6 +132,16 @@ def load_weights(
         problems.append(f"missing {len(match.missing)} tensors: {_listing(match.missing)}")
     if match.unexpected:
         problems.append(f"{len(match.unexpected)} tensors the model does not have: {_listing(match.unexpected)}")
+    wrong_shapes = [
+        f"{name} is {list(where[name][1])}, {ours} expects {list(expected[ours])}"
+        for name, ours in match.mapped.items()
+        if where[name][1] != expected[ours]
+    ]
+    if wrong_shapes:
+        problems.append(
+            f"{len(wrong_shapes)} tensors have the wrong shape (is config.json from the same checkpoint?): "
+            + _listing(wrong_shapes, limit=4)
+        )
     if problems:
         raise CheckpointError(
             f"the checkpoint in {folder} does not fit {cls.__name__} (closest naming: {match.scheme}): "
@@ -140,21 +149,14 @@ def load_weights(
         )
 
     keep_fp32 = getattr(cls, "keep_in_fp32", ())
-    state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in match.mapped:
-        by_file.setdefault(where[name], []).append(name)
-    target = str(device) if device.type != "meta" else "cpu"
+        by_file.setdefault(where[name][0], []).append(name)
+    state: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
-        with _open(path, target) as f:
+        with _open(path, str(device)) as f:
             for name in names:
                 ours = match.mapped[name]
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[ours]:
-                    raise CheckpointError(
-                        f"{path.name}: tensor {name} has shape {list(shape)} but {cls.__name__}.{ours} expects "
-                        f"{list(expected[ours])} (is config.json from the same checkpoint?)"
-                    )
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point():
                     wanted = torch.float32 if any(re.search(p, ours) for p in keep_fp32) else dtype

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -15,6 +15,7 @@ class EntryPoint:
 
     class_name: str
     module: str
+    source: str = field(default="", compare=False, repr=False)  # the .py file, read without importing
 
     def load(self) -> type:
         cls = getattr(importlib.import_module(self.module), self.class_name, None)
@@ -38,8 +39,7 @@ def _entry_names(tree: ast.Module) -> list[str]:
 def declared_class_names(entry: EntryPoint) -> tuple[str, ...]:
     """The names a class answers to: its `class_names = (...)` attribute, read from source without importing,
     or its own name."""
-    spec = importlib.util.find_spec(entry.module)
-    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    tree = ast.parse(Path(entry.source).read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == entry.class_name:
             for stmt in node.body:
@@ -81,5 +81,5 @@ def discover_entry_classes(package: str) -> dict[str, EntryPoint]:
             for name in _entry_names(ast.parse(source, filename=str(path))):
                 if name in found and found[name].module != module:
                     raise ImportError(f"EntryClass {name} is declared twice: {found[name].module} and {module}")
-                found[name] = EntryPoint(name, module)
+                found[name] = EntryPoint(name, module, str(path))
     return found

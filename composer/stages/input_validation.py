@@ -28,10 +28,11 @@ class InputValidationStage(Stage):
         n, t = self.spatial_multiple, self.temporal_factor
         result.add_check("prompt", batch.prompt, V.non_empty_strings)
         if batch.negative_prompt is not None:
-            if len(batch.negative_prompt) != len(batch.prompt) or not all(
-                isinstance(s, str) for s in batch.negative_prompt
+            negative = batch.negative_prompt
+            if not isinstance(negative, list) or len(negative) != batch.batch_size or not all(
+                isinstance(s, str) for s in negative
             ):
-                result.add_failure("negative_prompt", batch.negative_prompt, f"{len(batch.prompt)} string(s), one per prompt")
+                result.add_failure("negative_prompt", negative, f"{batch.batch_size} string(s), one per prompt")
         result.add_check("height", batch.height, V.divisible_by(n), hint=_nearest_multiple(batch.height, n))
         result.add_check("width", batch.width, V.divisible_by(n), hint=_nearest_multiple(batch.width, n))
         frames = batch.num_frames

@@ -40,7 +40,7 @@ class WanTransformerConfig:
     ffn_dim: int = 13824
     num_layers: int = 40
     cross_attn_norm: bool = True
-    qk_norm: str | None = "rms_norm_across_heads"
+    qk_norm: str | None = "rms_norm_across_heads"  # informational: q/k are always RMS-normed (as in diffusers)
     eps: float = 1e-6
     image_dim: int | None = None
     added_kv_proj_dim: int | None = None
@@ -81,7 +81,5 @@ class WanTransformerConfig:
                 "this Wan transformer takes image conditioning (image_dim / added_kv_proj_dim set: an I2V or "
                 "FLF2V checkpoint); composer supports Wan2.1 text-to-video transformers so far"
             )
-        if self.qk_norm not in (None, "rms_norm_across_heads"):
-            raise UnsupportedError(f"Wan qk_norm {self.qk_norm!r} is not supported (expected rms_norm_across_heads)")
         if self.attention_head_dim % 2:
             raise ModelFormatError(f"attention_head_dim must be even for rotary embedding, got {self.attention_head_dim}")

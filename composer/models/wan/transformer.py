@@ -31,17 +31,20 @@ Rotary = tuple[torch.Tensor, torch.Tensor]
 
 
 class WanSelfAttention(nn.Module):
-    """Multi-head self-attention with RMSNorm across heads on q/k and 3D RoPE."""
+    """Multi-head self-attention with RMSNorm across heads on q/k and 3D RoPE.
 
-    def __init__(self, dim: int, num_heads: int, eps: float, qk_norm: bool):
+    q/k are always RMS-normed: every released Wan uses it and diffusers applies it whatever `qk_norm` says.
+    """
+
+    def __init__(self, dim: int, num_heads: int, eps: float):
         super().__init__()
         self.num_heads = num_heads
         self.to_q = nn.Linear(dim, dim)
         self.to_k = nn.Linear(dim, dim)
         self.to_v = nn.Linear(dim, dim)
         self.to_out = nn.Linear(dim, dim)
-        self.norm_q = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
-        self.norm_k = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        self.norm_q = nn.RMSNorm(dim, eps=eps)
+        self.norm_k = nn.RMSNorm(dim, eps=eps)
         self.attention = Attention()
 
     def project_qkv(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,15 +62,15 @@ class WanSelfAttention(nn.Module):
 class WanCrossAttention(nn.Module):
     """Attention from video tokens to the text embedding (no mask: padded text tokens are zero embeddings)."""
 
-    def __init__(self, dim: int, num_heads: int, eps: float, qk_norm: bool):
+    def __init__(self, dim: int, num_heads: int, eps: float):
         super().__init__()
         self.num_heads = num_heads
         self.to_q = nn.Linear(dim, dim)
         self.to_k = nn.Linear(dim, dim)
         self.to_v = nn.Linear(dim, dim)
         self.to_out = nn.Linear(dim, dim)
-        self.norm_q = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
-        self.norm_k = nn.RMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        self.norm_q = nn.RMSNorm(dim, eps=eps)
+        self.norm_k = nn.RMSNorm(dim, eps=eps)
         self.attention = Attention()
 
     def project_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,11 +102,10 @@ class WanTransformerBlock(nn.Module):
     def __init__(self, config: WanTransformerConfig):
         super().__init__()
         dim, heads, eps = config.hidden_size, config.num_attention_heads, config.eps
-        qk_norm = config.qk_norm is not None
         self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
-        self.attn1 = WanSelfAttention(dim, heads, eps, qk_norm)
+        self.attn1 = WanSelfAttention(dim, heads, eps)
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
-        self.attn2 = WanCrossAttention(dim, heads, eps, qk_norm)
+        self.attn2 = WanCrossAttention(dim, heads, eps)
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.ffn = WanFeedForward(dim, config.ffn_dim)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny Wan2.1 folders in exact diffusers layout, loaded once per session."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Tests never touch the network or the user's caches.
+_SESSION_TMP = tempfile.mkdtemp(prefix="composer-tests-")
+os.environ.setdefault("COMPOSER_CACHE", os.path.join(_SESSION_TMP, "composer-cache"))
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("HF_HOME", os.path.join(_SESSION_TMP, "hf-home"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from composer.testing import build_tiny_wan  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_dir(tmp_path_factory):
+    """Tiny Wan2.1 T2V folder with the released UniPC scheduler config."""
+    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_euler_dir(tmp_path_factory):
+    """A second tiny model: other sizes, other seed, flow-match Euler scheduler."""
+    return build_tiny_wan(
+        tmp_path_factory.mktemp("models") / "tiny-wan-euler",
+        num_layers=3, num_heads=3, head_dim=24, ffn_dim=96, text_dim=48, scheduler="euler",
+        flow_shift=5.0, seed=7,
+    )
+
+
+@pytest.fixture(scope="session")
+def composer_gen(tiny_wan_dir):
+    from composer import VideoGenerator
+
+    return VideoGenerator.from_pretrained(tiny_wan_dir, dtype="fp32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def diffusers_pipe(tiny_wan_dir):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(tiny_wan_dir))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def diffusers_frames(pipe, prompt, seed, **kwargs) -> np.ndarray:
+    """diffusers' frames for one prompt as uint8 [T, H, W, 3] (same rounding as composer)."""
+    out = pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs).frames[0]
+    return (out * 255).round().astype(np.uint8)
+
+
+def max_uint8_diff(a: np.ndarray, b: np.ndarray) -> int:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
