@@ -9,23 +9,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from composer._fields import coerce, field_types, raise_if_errors, unknown_key_errors
 
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
+# Precision names -> torch dtype attribute names (torch is imported only when a dtype is needed, so the
+# CLI's --help and argument checks stay fast).
+DTYPES: dict[str, str] = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
 }
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+def to_torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
 
 
 @dataclass
@@ -56,8 +58,8 @@ class RuntimeArgs:
         values = {}
         for key, value in kwargs.items():
             if key in hints:
-                if isinstance(value, torch.dtype):
-                    value = dtype_name(value) if value in DTYPES.values() else str(value)
+                if type(value).__name__ == "dtype" and str(value).startswith("torch."):  # a torch.dtype
+                    value = str(value).removeprefix("torch.")
                 values[key] = coerce(value, hints[key], key, errors)
         args = cls(**values) if not errors else None
         if args is not None:
@@ -75,6 +77,8 @@ class RuntimeArgs:
                 errors.append(f"{name} = {value!r}: expected one of fp32, bf16, fp16")
         if self.attention_backend not in ATTENTION_BACKENDS:
             errors.append(f"attention_backend = {self.attention_backend!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+        import torch
+
         try:
             device = self.torch_device
             if device.type == "cuda" and not torch.cuda.is_available():
@@ -84,21 +88,24 @@ class RuntimeArgs:
         return errors
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self):
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self):
+        """The transformer's dtype ("auto": bf16 on CUDA, fp32 elsewhere)."""
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+            return to_torch_dtype("bf16" if self.torch_device.type == "cuda" else "fp32")
+        return to_torch_dtype(self.dtype)
 
     @property
-    def text_encoder_torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.text_encoder_dtype] if self.text_encoder_dtype else self.torch_dtype
+    def text_encoder_torch_dtype(self):
+        return to_torch_dtype(self.text_encoder_dtype) if self.text_encoder_dtype else self.torch_dtype
 
     @property
-    def vae_torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.vae_dtype]
+    def vae_torch_dtype(self):
+        return to_torch_dtype(self.vae_dtype)

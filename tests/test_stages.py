@@ -46,6 +46,7 @@ def test_checks_read_metadata_only_so_meta_tensors_pass():
     batch = _batch(guidance_scale=5.0)
     batch.latents = torch.empty(1, 16, 3, 8, 8, device=meta)
     batch.timesteps = torch.empty(4, device=meta)
+    batch.scheduler = object()
     batch.prompt_embeds = torch.empty(1, 512, 32, device=meta)
     batch.negative_prompt_embeds = torch.empty(1, 512, 32, device=meta)
     stage = DenoisingStage(transformer=None)

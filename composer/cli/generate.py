@@ -15,6 +15,7 @@ from composer.runtime import RuntimeArgs
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
+        allow_abbrev=False,
         help="generate a video",
         description="Generate a video. Without --model-path, uses the embedded default model.",
     )

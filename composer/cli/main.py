@@ -11,7 +11,9 @@ from composer.errors import ComposerError
 def build_parser() -> argparse.ArgumentParser:
     from composer.cli import generate, models
 
-    parser = argparse.ArgumentParser(prog="composer", description="Inference engine for video diffusion models.")
+    parser = argparse.ArgumentParser(
+        prog="composer", description="Inference engine for video diffusion models.", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="verb", required=True, metavar="{generate,models}")
     generate.add_parser(sub)
     models.add_parser(sub)

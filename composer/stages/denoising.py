@@ -21,6 +21,7 @@ class DenoisingStage(Stage):
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
         result.add_check("latents", batch.latents, V.ndim(5))
         result.add_check("timesteps", batch.timesteps, V.ndim(1))
+        result.add_check("scheduler", batch.scheduler, V.not_none)
         result.add_check("prompt_embeds", batch.prompt_embeds, V.ndim(3))
         if batch.do_classifier_free_guidance:
             result.add_check("negative_prompt_embeds", batch.negative_prompt_embeds, V.ndim(3))

@@ -7,7 +7,8 @@
         x = x + gate2 * FFN(LN(x) * (1 + scale2) + shift2)
     -> LN * (1 + scale) + shift -> Linear -> unpatchify -> [B, C, F, H, W] (the flow / noise prediction)
 
-Precision follows the reference: norms, modulation and residual adds in fp32, matmuls in the model dtype.
+Precision follows the reference: norms, modulation and the gated residual adds in fp32 (the cross-attention
+residual in the model dtype), matmuls in the model dtype.
 Attention goes through `composer.models.attention.Attention`, the one place it is computed.
 """
 
