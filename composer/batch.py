@@ -39,6 +39,10 @@ class ForwardBatch:
 
     # Latents: the initial noise, then the denoised latents.
     latents: torch.Tensor | None = None
+    # Latents of given frames to continue from (an image or video the request starts with).
+    start_latents: torch.Tensor | None = None
+    # The request's CPU generator, seeded with `seed`, for samplers that draw noise as they go.
+    generator: torch.Generator | None = None
 
     # Output: uint8 frames [B, T, H, W, 3] on the CPU.
     frames: np.ndarray | None = None

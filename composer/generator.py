@@ -7,17 +7,21 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from composer.batch import ForwardBatch
 from composer.configs.base import SamplingParam
+from composer.errors import InvalidInputError
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
 from composer.logging import get_logger
@@ -39,6 +43,8 @@ class GenerationResult:
     sampling: SamplingParam
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, plus "total"
     output_path: Path | None = None
+    stats: Any = None  # causal models: CausalStats (block latency, time to first frame, fps, KV memory)
+    latents: torch.Tensor | None = None  # the final latents [B, C, F, h, w] on the CPU (before decoding)
 
     @property
     def num_frames(self) -> int:
@@ -78,18 +84,80 @@ class VideoGenerator:
         start = time.perf_counter()
         pipeline = pipeline_cls(index, configs.pipeline_config(), runtime)
         logger.info("model ready in %.1f s on %s", time.perf_counter() - start, runtime.torch_device)
-        return cls(pipeline, configs.sampling_param(), model_path, configs.family.name)
+        defaults = configs.sampling_param().updated(**pipeline.sampling_defaults())
+        return cls(pipeline, defaults, model_path, configs.family.name)
 
     def sampling_param(self, **overrides: Any) -> SamplingParam:
         """The family defaults with `overrides` applied (raises ConfigError for unknown keys)."""
         return self.default_sampling.updated(**overrides)
 
     def generate_video(
-        self, prompt: str | None = None, *, sampling_param: SamplingParam | None = None, **overrides: Any
+        self,
+        prompt: str | None = None,
+        *,
+        sampling_param: SamplingParam | None = None,
+        segments: list[tuple[str, int]] | None = None,
+        **overrides: Any,
     ) -> GenerationResult:
         """Generate one video. Keyword arguments are SamplingParam fields (negative_prompt, height, width,
-        num_frames, num_inference_steps, guidance_scale, flow_shift, seed, fps, output_path)."""
+        num_frames, num_inference_steps, guidance_scale, flow_shift, seed, fps, output_path, and a family's
+        own). Causal models also take `segments`: (prompt, num_blocks) pairs with a prompt switch between."""
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
+        batch = self._new_batch(sp)
+        start = time.perf_counter()
+        self.pipeline.prepare(batch, sp, segments)
+        batch = self.pipeline.forward(batch)
+        timings = dict(batch.timings)
+        timings["total"] = time.perf_counter() - start
+        stats = batch.extra.get("causal_stats")
+        if stats is not None:
+            stats.total_seconds, stats.frames = timings["total"], int(batch.frames.shape[1])
+            stats.time_to_first_frame = timings["total"]  # nothing is shown before the whole video is decoded
+        result = GenerationResult(
+            frames=batch.frames[0], seed=batch.seed, sampling=sp.updated(seed=batch.seed), timings=timings,
+            stats=stats, latents=batch.latents.detach().cpu(),
+        )
+        if sp.output_path:
+            result.output_path = save_video(result.frames, sp.output_path, fps=sp.fps)
+        logger.info(
+            "generated %dx%dx%d (seed %d) in %.2f s%s",
+            result.num_frames, sp.height, sp.width, batch.seed, timings["total"],
+            f" -> {result.output_path}" if result.output_path else "",
+        )
+        return result
+
+    def stream_video(
+        self,
+        prompts: str | Iterable[tuple[str, int]] | None = None,
+        *,
+        sampling_param: SamplingParam | None = None,
+        **overrides: Any,
+    ) -> VideoStream:
+        """Generate block by block (causal models), yielding frames as each block is decoded.
+
+        `prompts`: one prompt (for as many blocks as num_frames asks), or (prompt, num_blocks) segments - a
+        prompt switch after each segment. Segments are read lazily, so an iterator can supply the next prompt
+        while earlier blocks stream (interactive use). Iterate the returned VideoStream for VideoChunk objects;
+        afterwards it holds the whole video (`frames`) and the profile (`stats`).
+        """
+        segments = None
+        prompt = None
+        if isinstance(prompts, str) or prompts is None:
+            prompt = prompts
+        else:
+            iterator = iter(prompts)
+            try:
+                first = next(iterator)
+            except StopIteration:
+                raise InvalidInputError("stream_video needs at least one (prompt, num_blocks) segment") from None
+            prompt = first[0] if isinstance(first, (tuple, list)) and first else None
+            segments = [first, *iterator] if isinstance(prompts, (list, tuple)) else itertools.chain([first], iterator)
+        sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
+        batch = self._new_batch(sp)
+        self.pipeline.prepare(batch, sp, segments)
+        return VideoStream(self.pipeline.stream(batch), batch, sp)
+
+    def _new_batch(self, sp: SamplingParam) -> ForwardBatch:
         seed = sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**32)
         batch = ForwardBatch(
             prompt=[sp.prompt] if isinstance(sp.prompt, str) else sp.prompt,  # None fails input validation
@@ -102,16 +170,40 @@ class VideoGenerator:
             flow_shift=sp.flow_shift,
             seed=seed,
         )
-        start = time.perf_counter()
-        batch = self.pipeline.forward(batch)
-        timings = dict(batch.timings)
-        timings["total"] = time.perf_counter() - start
-        result = GenerationResult(frames=batch.frames[0], seed=seed, sampling=sp.updated(seed=seed), timings=timings)
-        if sp.output_path:
-            result.output_path = save_video(result.frames, sp.output_path, fps=sp.fps)
-        logger.info(
-            "generated %dx%dx%d (%d steps, seed %d) in %.2f s%s",
-            sp.num_frames, sp.height, sp.width, sp.num_inference_steps, seed, timings["total"],
-            f" -> {result.output_path}" if result.output_path else "",
-        )
-        return result
+        if isinstance(seed, int) and 0 <= seed < 2**63:
+            batch.generator = torch.Generator("cpu").manual_seed(seed)
+        return batch
+
+
+class VideoStream:
+    """Chunks of a video as they are made. Iterate it once; then `frames`, `stats`, `seed` describe it all."""
+
+    def __init__(self, chunks: Iterator, batch: ForwardBatch, sampling: SamplingParam):
+        self._chunks = chunks
+        self._batch = batch
+        self.sampling = sampling
+        self.chunks: list = []
+
+    @property
+    def seed(self) -> int:
+        return self._batch.seed
+
+    def __iter__(self) -> Iterator:
+        for chunk in self._chunks:
+            self.chunks.append(chunk)
+            yield chunk
+
+    @property
+    def frames(self) -> np.ndarray:
+        """Every frame streamed so far, uint8 [T, H, W, 3]."""
+        if not self.chunks:
+            return np.zeros((0, self.sampling.height, self.sampling.width, 3), dtype=np.uint8)
+        return np.concatenate([c.frames for c in self.chunks])
+
+    @property
+    def stats(self):
+        return self._batch.extra.get("causal_stats")
+
+    @property
+    def latents(self):
+        return self._batch.latents

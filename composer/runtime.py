@@ -46,6 +46,10 @@ class RuntimeArgs:
         default="auto", metadata={"help": "auto (flash-attn when installed and usable, else SDPA), sdpa, flash"}
     )
     progress: bool = field(default=True, metadata={"help": "show progress bars for long steps"})
+    kv_cache_offload: bool = field(
+        default=False,
+        metadata={"help": "causal models: keep the KV cache in CPU memory, one layer at a time on the GPU"},
+    )
     verify_values: bool = field(
         default=False, metadata={"help": "let stage checks read tensor values (NaN/inf; synchronises the device)"}
     )

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from helpers import to_original_name
 from safetensors.torch import load_file, save_file
 
 from composer.errors import CheckpointError, ModelFormatError
@@ -15,36 +16,6 @@ from composer.loader.model_index import ComponentSpec
 
 SPEC = ComponentSpec("transformer", "diffusers", "WanTransformer3DModel")
 CPU = torch.device("cpu")
-
-# The original Wan release's names, written out independently of composer's mapping table.
-DIFFUSERS_TO_ORIGINAL = [
-    ("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
-    ("condition_embedder.time_embedder.linear_2.", "time_embedding.2."),
-    ("condition_embedder.text_embedder.linear_1.", "text_embedding.0."),
-    ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),
-    ("condition_embedder.time_proj.", "time_projection.1."),
-    (".attn1.to_out.0.", ".self_attn.o."),
-    (".attn2.to_out.0.", ".cross_attn.o."),
-    (".attn1.to_", ".self_attn."),
-    (".attn2.to_", ".cross_attn."),
-    (".attn1.norm_", ".self_attn.norm_"),
-    (".attn2.norm_", ".cross_attn.norm_"),
-    (".norm2.", ".norm3."),
-    (".ffn.net.0.proj.", ".ffn.0."),
-    (".ffn.net.2.", ".ffn.2."),
-    ("proj_out.", "head.head."),
-]
-
-
-def to_original_name(name: str) -> str:
-    if name == "scale_shift_table":
-        return "head.modulation"
-    if name.endswith(".scale_shift_table"):
-        return name.replace(".scale_shift_table", ".modulation")
-    for old, new in DIFFUSERS_TO_ORIGINAL:
-        name = name.replace(old, new)
-    return name
-
 
 def load(folder, dtype=torch.float32):
     return ComposerModelLoader().load(folder, SPEC, CPU, dtype)

@@ -18,6 +18,21 @@ class PipelineConfig:
     # Clean prompts like the reference pipeline (ftfy when installed, HTML unescape, collapse whitespace).
     clean_prompts: bool = True
 
+    def updated_from_folder(self, values: dict[str, Any]) -> PipelineConfig:
+        """A copy with the fields a model folder sets (model_index.json's non-component entries); entries
+        that are not fields of this config (diffusers' own, like `boundary_ratio`) are left to the pipeline."""
+        known = {f.name: f for f in dataclasses.fields(self)}
+        errors: list[str] = []
+        hints = field_types(type(self))
+        changes = {}
+        for key, value in values.items():
+            if key in known and value is not None:
+                if isinstance(value, list):
+                    value = tuple(value)
+                changes[key] = coerce(value, hints[key], key, errors) if not isinstance(value, tuple) else value
+        raise_if_errors(errors, "pipeline settings in model_index.json")
+        return dataclasses.replace(self, **changes)
+
 
 @dataclass
 class SamplingParam:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 
 from composer.batch import ForwardBatch
 from composer.configs.base import PipelineConfig
+from composer.errors import UnsupportedError
 from composer.loader.components import ComponentLoader
 from composer.loader.model_index import ModelIndex
 from composer.logging import get_logger
@@ -64,6 +66,23 @@ class ComposedPipeline:
                 set_attention_backend(modules[name], self.runtime.attention_backend)
             logger.info("loaded %s (%s) in %.1f s", name, type(modules[name]).__name__, time.perf_counter() - start)
         return modules
+
+    # -- requests ------------------------------------------------------------------------------------
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Sampling defaults the model folder itself fixes (applied over the family's SamplingParam)."""
+        return {}
+
+    def prepare(self, batch: ForwardBatch, sampling, segments=None) -> None:
+        """Fill family-specific request state into `batch.extra` before the stages run."""
+        if segments is not None:
+            raise UnsupportedError(f"{type(self).__name__} does not take prompt segments (a causal model does)")
+
+    def stream(self, batch: ForwardBatch) -> Iterator:
+        """Yield frames as they are made. Only pipelines that generate incrementally can."""
+        raise UnsupportedError(
+            f"{type(self).__name__} makes the whole video at once and cannot stream; causal (block-autoregressive) "
+            "models can"
+        )
 
     # -- stages --------------------------------------------------------------------------------------
     def create_stages(self) -> None:

@@ -7,6 +7,7 @@ the known families.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 import re
@@ -76,6 +77,16 @@ def register_configs(
 def registered_families() -> list[ModelFamily]:
     _load_builtins()
     return list(_families)
+
+
+def sampling_param_classes() -> list[type[SamplingParam]]:
+    """The base SamplingParam and every registered family's: together, every sampling knob there is (for CLI
+    flags and preset checks; a request is still checked against its own family's class)."""
+    return [SamplingParam, *(family.sampling_param_cls for family in registered_families())]
+
+
+def sampling_field_names() -> set[str]:
+    return {f.name for cls in sampling_param_classes() for f in dataclasses.fields(cls)}
 
 
 _HF_CACHE_SNAPSHOT = re.compile(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]")

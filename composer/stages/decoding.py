@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from composer.batch import ForwardBatch
@@ -50,3 +51,37 @@ class DecodingStage(Stage):
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         batch.frames = video_to_frames(self.decode(batch.latents)).numpy()
         return batch
+
+
+class StreamingVideoDecoder:
+    """Decodes latents chunk by chunk, carrying the Wan VAE's causal temporal cache between chunks, so the
+    concatenated frames equal decoding the whole video at once (the VAE decodes frame by frame either way).
+
+    The first latent frame gives 1 video frame, every later one gives `scale_factor_temporal` frames.
+    """
+
+    def __init__(self, vae: torch.nn.Module):
+        from composer.errors import UnsupportedError
+
+        counts = getattr(vae, "_cached_conv_counts", None)
+        usable = (
+            counts is not None and hasattr(vae, "decoder") and hasattr(vae, "post_quant_conv")
+            and getattr(vae.config, "patch_size", None) is None and not getattr(vae, "use_tiling", False)
+        )
+        if not usable:
+            raise UnsupportedError(f"streaming decode needs the Wan2.1 VAE without tiling, got {type(vae).__name__}")
+        self.vae = vae
+        self.feat_cache: list = [None] * counts["decoder"]
+        self.first = True
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Latents [B, C, f, h, w] (the next f latent frames) -> uint8 frames [B, t, H, W, 3]."""
+        vae = self.vae
+        z = denormalize_latents(latents.to(vae.device, vae.dtype), vae.config)
+        x = vae.post_quant_conv(z)
+        outs = []
+        for i in range(x.shape[2]):
+            outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=self.feat_cache, feat_idx=[0], first_chunk=self.first))
+            self.first = False
+        return video_to_frames(torch.cat(outs, dim=2).clamp(-1.0, 1.0)).numpy()

@@ -20,9 +20,19 @@ class InputValidationStage(Stage):
     temporal compression (num_frames must be temporal_factor*k + 1).
     """
 
-    def __init__(self, spatial_multiple: int, temporal_factor: int):
+    def __init__(
+        self,
+        spatial_multiple: int,
+        temporal_factor: int,
+        supports_cfg: bool = True,
+        fixed_steps: int | None = None,
+        supports_flow_shift: bool = True,
+    ):
         self.spatial_multiple = spatial_multiple
         self.temporal_factor = temporal_factor
+        self.supports_cfg = supports_cfg
+        self.fixed_steps = fixed_steps
+        self.supports_flow_shift = supports_flow_shift
 
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
         n, t = self.spatial_multiple, self.temporal_factor
@@ -42,10 +52,23 @@ class InputValidationStage(Stage):
             else ""
         )
         result.add_check("num_frames", frames, V.congruent(t, 1), hint=frames_hint)
-        result.add_check("num_inference_steps", batch.num_inference_steps, V.positive_int)
+        if self.fixed_steps is None:
+            result.add_check("num_inference_steps", batch.num_inference_steps, V.positive_int)
+        elif batch.num_inference_steps != self.fixed_steps:
+            result.add_failure(
+                "num_inference_steps", batch.num_inference_steps,
+                f"{self.fixed_steps} (this model is distilled for its own {self.fixed_steps}-step schedule)",
+            )
         result.add_check("guidance_scale", batch.guidance_scale, V.non_negative_number)
+        if not self.supports_cfg and isinstance(batch.guidance_scale, (int, float)) and batch.guidance_scale > 1:
+            result.add_failure(
+                "guidance_scale", batch.guidance_scale, "<= 1 (this model makes one forward per step: no CFG)"
+            )
         if batch.flow_shift is not None:
-            result.add_check("flow_shift", batch.flow_shift, V.positive_number)
+            if self.supports_flow_shift:
+                result.add_check("flow_shift", batch.flow_shift, V.positive_number)
+            else:
+                result.add_failure("flow_shift", batch.flow_shift, "unset (the model folder fixes the schedule's shift)")
         result.add_check("seed", batch.seed, V.int_in_range(0, 2**63 - 1))
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:

@@ -31,3 +31,10 @@ ORIGINAL_TO_COMPOSER: list[tuple[str, str]] = [
     (r"^head\.head\.", "proj_out."),
     (r"^head\.modulation$", "scale_shift_table"),
 ]
+
+# composer naming -> diffusers naming (the inverse of DIFFUSERS_TO_COMPOSER), for writing diffusers folders.
+COMPOSER_TO_DIFFUSERS: list[tuple[str, str]] = [
+    (r"\.to_out\.", ".to_out.0."),
+    (r"\.ffn\.fc_in\.", ".ffn.net.0.proj."),
+    (r"\.ffn\.fc_out\.", ".ffn.net.2."),
+]

@@ -55,9 +55,15 @@ class WanSelfAttention(nn.Module):
         v = self.to_v(x).unflatten(2, (self.num_heads, -1))
         return apply_rotary(q, *rotary), apply_rotary(k, *rotary), v
 
-    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary, attn_mask: torch.Tensor | None = None, kv_cache=None
+    ) -> torch.Tensor:
+        """`kv_cache`: a layer handle of composer.cache.KVCache; this pass's k/v are written into it and q
+        attends to every key it holds that the window lets it see."""
         q, k, v = self.project_qkv(x, rotary)
-        return self.to_out(self.attention(q, k, v).flatten(2))
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        return self.to_out(self.attention(q, k, v, attn_mask).flatten(2))
 
 
 class WanCrossAttention(nn.Module):
@@ -79,9 +85,10 @@ class WanCrossAttention(nn.Module):
         v = self.to_v(context).unflatten(2, (self.num_heads, -1))
         return k, v
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`context`: the embedded text [B, L, D], or its (k, v) from `project_kv` computed once per prompt."""
         q = self.norm_q(self.to_q(x)).unflatten(2, (self.num_heads, -1))
-        k, v = self.project_kv(context)
+        k, v = context if isinstance(context, tuple) else self.project_kv(context)
         return self.to_out(self.attention(q, k, v).flatten(2))
 
 
@@ -112,19 +119,33 @@ class WanTransformerBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
     def forward(
-        self, x: torch.Tensor, context: torch.Tensor, timestep_proj: torch.Tensor, rotary: Rotary
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        timestep_proj: torch.Tensor,
+        rotary: Rotary,
+        attn_mask: torch.Tensor | None = None,
+        kv_cache=None,
     ) -> torch.Tensor:
-        # timestep_proj: [B, 6, D]; each of the six chunks broadcasts over the tokens as [B, 1, D].
-        shift1, scale1, gate1, shift2, scale2, gate2 = (self.scale_shift_table + timestep_proj.float()).chunk(6, dim=1)
+        """x [B, S, D]; timestep_proj [B, T, 6, D] with T = 1 (one timestep for all tokens) or T = frames
+        (one per latent frame, the tokens of a frame being contiguous)."""
+        t = timestep_proj.shape[1]
+        mods = (self.scale_shift_table.unsqueeze(1) + timestep_proj.float()).chunk(6, dim=2)  # each [B, T, 1, D]
+        shift1, scale1, gate1, shift2, scale2, gate2 = mods
 
-        h = (self.norm1(x.float()) * (1 + scale1) + shift1).type_as(x)
-        x = (x.float() + self.attn1(h, rotary) * gate1).type_as(x)
+        def per_frame(h: torch.Tensor) -> torch.Tensor:  # [B, S, D] -> [B, T, S/T, D]
+            return h.unflatten(1, (t, -1))
+
+        h = (self.norm1(per_frame(x).float()) * (1 + scale1) + shift1).flatten(1, 2).type_as(x)
+        attn = self.attn1(h, rotary, attn_mask, kv_cache)
+        x = (per_frame(x).float() + per_frame(attn) * gate1).flatten(1, 2).type_as(x)
 
         h = self.norm2(x.float()).type_as(x)
         x = x + self.attn2(h, context)
 
-        h = (self.norm3(x.float()) * (1 + scale2) + shift2).type_as(x)
-        x = (x.float() + self.ffn(h).float() * gate2).type_as(x)
+        h = (self.norm3(per_frame(x).float()) * (1 + scale2) + shift2).flatten(1, 2).type_as(x)
+        ff = self.ffn(h)
+        x = (per_frame(x).float() + per_frame(ff).float() * gate2).flatten(1, 2).type_as(x)
         return x
 
 
@@ -160,11 +181,14 @@ class WanConditionEmbedder(nn.Module):
         self.text_embedder = WanTextProjection(config.text_dim, dim)
 
     def embed_timestep(self, timestep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """timestep [N] -> temb [N, D] and timestep_proj [N, 6, D], in `dtype` (the activations' dtype)."""
-        freq = sinusoidal_timestep_embedding(timestep, self.freq_dim)
+        """timestep [B] or [B, F] (per latent frame) -> temb [B, T, D] and timestep_proj [B, T, 6, D] in
+        `dtype` (the activations' dtype), T being 1 or F."""
+        grid = timestep.shape if timestep.ndim == 2 else (timestep.shape[0], 1)
+        freq = sinusoidal_timestep_embedding(timestep.flatten(), self.freq_dim)
         weight_dtype = self.time_embedder.linear_1.weight.dtype
         temb = self.time_embedder(freq.to(weight_dtype)).to(dtype)
-        return temb, self.time_proj(F.silu(temb)).unflatten(1, (6, -1))
+        proj = self.time_proj(F.silu(temb)).unflatten(1, (6, -1))
+        return temb.unflatten(0, grid), proj.unflatten(0, grid)
 
     def embed_text(self, text: torch.Tensor) -> torch.Tensor:
         return self.text_embedder(text)
@@ -228,20 +252,48 @@ class WanTransformer3DModel(nn.Module):
         x = tokens.reshape(tokens.shape[0], f, h, w, pt, ph, pw, -1)
         return x.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
-    def forward(
-        self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
-    ) -> torch.Tensor:
-        """hidden_states [B, C, F, H, W], timestep [B], encoder_hidden_states [B, L, text_dim] -> [B, C, F, H, W]."""
-        x, grid = self.patchify(hidden_states)
-        rotary = self.rotary(grid, x.device)
+    def cross_attention_kv(self, encoder_hidden_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each block's cross-attention (k, v) for a text embedding: compute once per prompt, reuse every step."""
         context = self.condition_embedder.embed_text(encoder_hidden_states)
-        temb, timestep_proj = self.condition_embedder.embed_timestep(timestep, encoder_hidden_states.dtype)
+        return [block.attn2.project_kv(context) for block in self.blocks]
 
-        for block in self.blocks:
-            x = block(x, context, timestep_proj, rotary)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        *,
+        cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        frame_offset: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
+        """hidden_states [B, C, F, H, W], timestep [B] (or [B, F]: one per latent frame), and the text as
+        encoder_hidden_states [B, L, text_dim] or its precomputed `cross_kv` -> prediction [B, C, F, H, W].
 
-        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        x = (self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+        Causal generation uses the keyword-only arguments: `frame_offset` (absolute index of the first frame,
+        for RoPE), `attn_mask` (a [S, S] boolean mask over tokens) and `kv_cache` (a composer.cache.KVCache
+        positioned on this pass's frames).
+        """
+        x, grid = self.patchify(hidden_states)
+        rotary = self.rotary(grid, x.device, frame_offset)
+        if cross_kv is None:
+            context = self.condition_embedder.embed_text(encoder_hidden_states)
+            contexts = [context] * len(self.blocks)
+            act_dtype = encoder_hidden_states.dtype
+        else:
+            contexts = cross_kv
+            act_dtype = cross_kv[0][0].dtype
+        temb, timestep_proj = self.condition_embedder.embed_timestep(timestep, act_dtype)
+
+        for i, block in enumerate(self.blocks):
+            layer_cache = kv_cache.layer(i) if kv_cache is not None else None
+            x = block(x, contexts[i], timestep_proj, rotary, attn_mask, layer_cache)
+
+        # output norm + modulation, per frame when timesteps are per frame
+        shift, scale = (self.scale_shift_table.unsqueeze(1) + temb.unsqueeze(2)).chunk(2, dim=2)  # [B, T, 1, D]
+        h = x.unflatten(1, (temb.shape[1], -1))
+        x = (self.norm_out(h.float()) * (1 + scale) + shift).flatten(1, 2).type_as(x)
         return self.unpatchify(self.proj_out(x), grid)
 
 

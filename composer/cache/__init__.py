@@ -1,0 +1,5 @@
+"""KV cache management for causal (block-autoregressive) generation."""
+
+from composer.cache.kv_cache import KVCache, KVCacheSpec
+
+__all__ = ["KVCache", "KVCacheSpec"]

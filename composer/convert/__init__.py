@@ -1,0 +1,1 @@
+"""Converters from other checkpoint formats into model folders composer serves."""

@@ -1,0 +1,192 @@
+"""Causal Wan2.1 (Self-Forcing / CausVid): block-autoregressive text-to-video with a KV cache, streaming.
+
+Folder: model_index.json `_class_name` "CausalWanPipeline" (written by `composer convert self-forcing`), a
+`CausalWanTransformer3DModel` transformer, Wan2.1's UMT5 text encoder, tokenizer and VAE; the sampling
+settings (num_frames_per_block, denoising_step_list, warp_denoising_step, timestep_shift, context_noise,
+local_attn_size, sink_size) are entries of model_index.json.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from composer.batch import ForwardBatch
+from composer.configs.causal_wan import CausalWanConfig
+from composer.errors import InvalidInputError
+from composer.pipelines.base import ComposedPipeline
+from composer.stages.causal_denoising import (
+    OVERLAP_FRAMES,
+    ROLLOUT_BLOCKS,
+    SEGMENTS,
+    STATS,
+    USE_KV_CACHE,
+    CausalDenoisingStage,
+    CausalStats,
+    checked_segments,
+)
+from composer.stages.decoding import DecodingStage, StreamingVideoDecoder
+from composer.stages.input_validation import InputValidationStage
+from composer.stages.start_frames import START_FRAMES, StartFrameEncodingStage
+from composer.stages.text_encoding import TextEncodingStage
+from composer.video import read_frames
+
+
+@dataclass
+class VideoChunk:
+    """Frames decoded from one block (or from the start frames), in video order."""
+
+    frames: np.ndarray  # uint8 [t, H, W, 3]
+    block_index: int | None  # None for the start frames
+    segment: int
+    prompt: str
+    start_frame: int  # index of the chunk's first frame in the video
+    block_seconds: float  # denoising time of the block (0 for the start frames)
+    decode_seconds: float
+    since_start: float  # seconds from the request to this chunk being ready
+
+
+class CausalWanPipeline(ComposedPipeline):
+    """validate -> encode text -> encode start frames -> causal block denoising (KV cache) -> decode."""
+
+    class_names = ("CausalWanPipeline",)
+    required_modules = ("text_encoder", "tokenizer", "vae", "transformer")
+    config: CausalWanConfig
+
+    def __init__(self, index, config, runtime):
+        super().__init__(index, config.updated_from_folder(index.extra), runtime)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        return {"num_inference_steps": len(self.config.denoising_step_list)}
+
+    def create_stages(self) -> None:
+        vae, transformer = self.modules["vae"], self.modules["transformer"]
+        temporal, spatial = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial
+        patch = transformer.config.patch_size
+        self.add_stage(
+            InputValidationStage(
+                spatial_multiple=spatial * max(patch[1], patch[2]), temporal_factor=temporal,
+                supports_cfg=False, fixed_steps=len(self.config.denoising_step_list), supports_flow_shift=False,
+            )
+        )
+        text = TextEncodingStage(
+            self.modules["text_encoder"], self.modules["tokenizer"],
+            max_length=self.config.text_encoder_max_length, clean=self.config.clean_prompts,
+        )
+        self.add_stage(text)
+        self.add_stage(StartFrameEncodingStage(vae))
+        self.add_stage(
+            CausalDenoisingStage(
+                transformer, text.encode, self.config, kv_cache_offload=self.runtime.kv_cache_offload,
+                progress=self.runtime.progress,
+            )
+        )
+        self.add_stage(DecodingStage(vae))
+
+    # -- request planning ----------------------------------------------------------------------------
+    def prepare(self, batch: ForwardBatch, sampling, segments: Iterable[tuple[str, int]] | None = None) -> None:
+        """Turn a request into segments of blocks: explicit (prompt, num_blocks) pairs, or the prompt for
+        as many blocks as `num_frames` asks (after any start frames)."""
+        n = self.config.num_frames_per_block
+        temporal = self.modules["vae"].config.scale_factor_temporal
+        if sampling.start_image and sampling.start_video:
+            raise InvalidInputError("give start_image or start_video, not both")
+        start_frames = None
+        if sampling.start_image:
+            start_frames = read_frames(sampling.start_image)[:1]
+        elif sampling.start_video:
+            frames = read_frames(sampling.start_video)
+            usable = (len(frames) - 1) // temporal * temporal + 1
+            start_frames = frames[len(frames) - usable:]
+        start_latent_frames = 0 if start_frames is None else (len(start_frames) - 1) // temporal + 1
+        batch.extra[START_FRAMES] = start_frames
+
+        if isinstance(segments, (list, tuple)):
+            segments = list(checked_segments(segments))  # an explicit list is checked up front
+        elif segments is None:  # the prompt (checked by the input validation stage) for num_frames' blocks
+            prompt = batch.prompt[0] if isinstance(batch.prompt, list) and batch.prompt else None
+            segments = [(prompt, self._blocks_for(batch.num_frames, start_latent_frames))]
+        if isinstance(segments, list):
+            total_blocks = sum(b for _, b in segments if isinstance(b, int))
+            batch.num_frames = (start_latent_frames + total_blocks * n - 1) * temporal + 1
+            if segments and isinstance(segments[0][0], str):
+                batch.prompt = [segments[0][0]] * batch.batch_size
+        batch.extra[SEGMENTS] = segments
+        batch.extra[ROLLOUT_BLOCKS] = sampling.rollout_blocks
+        batch.extra[OVERLAP_FRAMES] = sampling.overlap_frames
+        batch.extra[USE_KV_CACHE] = sampling.kv_cache
+        if sampling.rollout_blocks is not None and sampling.rollout_blocks < 1:
+            raise InvalidInputError(f"rollout_blocks must be >= 1, got {sampling.rollout_blocks}")
+        if sampling.overlap_frames < 0:
+            raise InvalidInputError(f"overlap_frames must be >= 0, got {sampling.overlap_frames}")
+
+    def _blocks_for(self, num_frames: int, start_latent_frames: int) -> int:
+        """Blocks to generate so the video has `num_frames` frames (0 when num_frames is invalid: the
+        input validation stage reports that)."""
+        n = self.config.num_frames_per_block
+        temporal = self.modules["vae"].config.scale_factor_temporal
+        if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % temporal:
+            return 0
+        latent = (num_frames - 1) // temporal + 1
+        generated = latent - start_latent_frames
+        if generated <= 0 or generated % n:
+            valid = [
+                (start_latent_frames + k * n - 1) * temporal + 1
+                for k in range(max(1, generated // n), max(1, generated // n) + 2)
+            ]
+            raise InvalidInputError(
+                f"num_frames = {num_frames} gives {latent} latent frames; after {start_latent_frames} start frame(s) "
+                f"{generated} remain to generate, which is not a positive multiple of the model's "
+                f"{n}-frame blocks (nearest valid num_frames: {', '.join(map(str, valid))})"
+            )
+        return generated // n
+
+    # -- streaming -----------------------------------------------------------------------------------
+    def stream(self, batch: ForwardBatch) -> Iterator[VideoChunk]:
+        """Run the stages up to denoising, then yield decoded frames block by block."""
+        started = time.perf_counter()
+        denoiser = self.stage("CausalDenoisingStage")
+        for stage in self.stages[: self.stages.index(denoiser)]:
+            batch = stage(batch)
+        denoiser._verify(batch, "input")
+        decoder = StreamingVideoDecoder(self.modules["vae"])
+        frame_index = 0
+
+        def chunk(latents, block) -> VideoChunk:
+            nonlocal frame_index
+            t0 = time.perf_counter()
+            frames = decoder.decode(latents)[0]
+            decode_seconds = time.perf_counter() - t0
+            batch.timings["StreamingDecode"] += decode_seconds
+            out = VideoChunk(
+                frames=frames, block_index=None if block is None else block.index,
+                segment=0 if block is None else block.segment,
+                prompt=batch.prompt[0] if block is None else block.prompt, start_frame=frame_index,
+                block_seconds=0.0 if block is None else block.seconds, decode_seconds=decode_seconds,
+                since_start=time.perf_counter() - started,
+            )
+            frame_index += len(frames)
+            return out
+
+        first = True
+        if batch.start_latents is not None:
+            yield chunk(batch.start_latents, None)
+        t0 = time.perf_counter()
+        for block in denoiser.iter_blocks(batch):
+            batch.timings[denoiser.name] += time.perf_counter() - t0
+            piece = chunk(block.latents, block)
+            stats: CausalStats = batch.extra[STATS]
+            if first:
+                stats.time_to_first_frame = piece.since_start
+                first = False
+            stats.frames = piece.start_frame + len(piece.frames)
+            stats.total_seconds = time.perf_counter() - started
+            yield piece
+            t0 = time.perf_counter()
+
+
+EntryClass = CausalWanPipeline

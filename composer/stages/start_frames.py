@@ -1,0 +1,58 @@
+"""StartFrameEncodingStage: frames a request starts from (an image, or a video to continue) -> latents."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from composer.batch import ForwardBatch
+from composer.stages.base import Stage
+from composer.stages.validators import V, VerificationResult
+
+START_FRAMES = "start_frames"  # ForwardBatch.extra key: uint8 [T, H, W, 3] with T = 4k + 1
+
+
+def normalize_latents(latents: torch.Tensor, vae_config) -> torch.Tensor:
+    """The inverse of decoding's denormalization: (mu - mean) / std per channel."""
+    shape = (1, -1) + (1,) * (latents.ndim - 2)
+    mean = torch.tensor(vae_config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    inv_std = 1.0 / torch.tensor(vae_config.latents_std).view(shape).to(latents.device, latents.dtype)
+    return (latents - mean) * inv_std
+
+
+def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [T, h, w, 3] -> [T, height, width, 3]: scale to cover, then center-crop."""
+    t, h, w, _ = frames.shape
+    if (h, w) == (height, width):
+        return frames
+    scale = max(height / h, width / w)
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
+    x = F.interpolate(x, size=(max(height, round(h * scale)), max(width, round(w * scale))),
+                      mode="bilinear", antialias=True, align_corners=False)
+    top, left = (x.shape[2] - height) // 2, (x.shape[3] - width) // 2
+    x = x[:, :, top:top + height, left:left + width]
+    return x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+class StartFrameEncodingStage(Stage):
+    """Encodes `extra["start_frames"]` with the VAE (posterior mean, normalized) into `start_latents`."""
+
+    def __init__(self, vae: torch.nn.Module):
+        self.vae = vae
+
+    def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        if batch.extra.get(START_FRAMES) is not None:
+            result.add_check("start_latents", batch.start_latents, V.ndim(5))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        frames = batch.extra.get(START_FRAMES)
+        if frames is None:
+            return batch
+        frames = resize_frames(np.asarray(frames), batch.height, batch.width)
+        pixels = torch.from_numpy(frames).permute(3, 0, 1, 2).unsqueeze(0)  # [1, 3, T, H, W]
+        pixels = (pixels.to(self.vae.device, self.vae.dtype) / 127.5 - 1.0).expand(batch.batch_size, -1, -1, -1, -1)
+        mu = self.vae.encode(pixels).latent_dist.mode()
+        batch.start_latents = normalize_latents(mu, self.vae.config).float()
+        return batch
