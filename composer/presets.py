@@ -49,8 +49,11 @@ def load_preset(path: str | Path) -> Preset:
         if not isinstance(section, dict):
             errors.append(f"'{name}' must be a mapping, got {type(section).__name__}")
     if not errors:
+        from composer.registry.configs import sampling_field_names
+
         errors += unknown_key_errors(RuntimeArgs, runtime, "runtime option")
-        errors += unknown_key_errors(SamplingParam, sampling, "sampling parameter")
+        known = sampling_field_names()
+        errors += unknown_key_errors(SamplingParam, [k for k in sampling if k not in known], "sampling parameter")
     raise_if_errors(errors, f"preset {path}")
     model_path = raw.get("model_path")
     return Preset(model_path=str(model_path) if model_path is not None else None, runtime=runtime, sampling=sampling)

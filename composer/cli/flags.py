@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from composer._fields import base_type, field_types
@@ -11,23 +12,35 @@ from composer._fields import base_type, field_types
 ALIASES = {"num_inference_steps": ["--steps"], "output_path": ["--output", "-o"]}
 
 
-def add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, skip: tuple[str, ...] = ()) -> list[str]:
-    """One flag per field (default None, so only what the user typed overrides presets)."""
-    types_ = field_types(cls)
-    names = []
-    for f in dataclasses.fields(cls):
-        if f.name in skip or f.name.startswith("_"):
-            continue
-        typ = base_type(types_[f.name])
-        flags = [f"--{f.name.replace('_', '-')}", *ALIASES.get(f.name, [])]
-        help_text = f.metadata.get("help", "")
-        if typ is bool:
-            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    type: type | None
+    help: str
+
+
+def dataclass_flags(*classes: type) -> list[Flag]:
+    """One flag per field name across `classes` (the first class declaring a name gives its type and help)."""
+    flags: dict[str, Flag] = {}
+    for cls in classes:
+        types = field_types(cls)
+        for f in dataclasses.fields(cls):
+            if not f.name.startswith("_") and f.name not in flags:
+                flags[f.name] = Flag(f.name, base_type(types[f.name]), f.metadata.get("help", ""))
+    return list(flags.values())
+
+
+def add_flags(group: argparse._ArgumentGroup, flags: list[Flag]) -> list[str]:
+    """Add the flags (default None, so only what the user typed overrides presets); returns their names."""
+    for flag in flags:
+        names = [f"--{flag.name.replace('_', '-')}", *ALIASES.get(flag.name, [])]
+        if flag.type is bool:
+            group.add_argument(*names, dest=flag.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=flag.help)
         else:
-            metavar = {int: "INT", float: "FLOAT"}.get(typ, "STR")
-            group.add_argument(*flags, dest=f.name, type=str, default=None, metavar=metavar, help=help_text)
-        names.append(f.name)
-    return names
+            metavar = {int: "INT", float: "FLOAT"}.get(flag.type, "STR")
+            group.add_argument(*names, dest=flag.name, type=str, default=None, metavar=metavar, help=flag.help)
+    return [flag.name for flag in flags]
 
 
 def collect(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:

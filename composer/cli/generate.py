@@ -1,15 +1,32 @@
-"""`composer generate`: one video from a prompt. Precedence: family defaults < --config preset < flags."""
+"""`composer generate`: one video from a prompt. Precedence: family defaults < --config preset < flags.
+
+Causal (block-autoregressive) models can also stream (`--stream`: the file grows block by block), switch
+prompts (`--segment "PROMPT::BLOCKS"`, repeated) and take the next prompt from stdin (`--interactive`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import random
 import re
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from composer.cli.flags import add_dataclass_flags, collect
-from composer.configs.base import SamplingParam
+from composer._fields import coerce, raise_if_errors
+from composer.cli.flags import Flag, add_flags, collect, dataclass_flags
+from composer.errors import ConfigError
 from composer.runtime import RuntimeArgs
+
+DEFAULT_BLOCKS_PER_PROMPT = 3
+
+
+def _sampling_flags() -> list[Flag]:
+    from composer.registry.configs import sampling_param_classes
+
+    return dataclass_flags(*sampling_param_classes())
 
 
 def add_parser(sub) -> None:
@@ -21,18 +38,69 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--model-path", default=None, help="diffusers model folder or hub id (default: embedded model)")
     p.add_argument("--config", default=None, help="YAML preset with model_path / runtime / sampling sections")
-    sampling = p.add_argument_group("sampling (SamplingParam fields)")
-    runtime = p.add_argument_group("runtime (RuntimeArgs fields)")
+    causal = p.add_argument_group("causal models (streaming, prompt switching)")
+    causal.add_argument("--stream", action="store_true", help="write the video block by block as it is made")
+    causal.add_argument(
+        "--segment", action="append", metavar="PROMPT::BLOCKS",
+        help="a prompt for BLOCKS blocks; repeat to switch prompts (the video's length follows)",
+    )
+    causal.add_argument(
+        "--interactive", action="store_true",
+        help="after the first prompt, read each next prompt from stdin ('prompt' or 'prompt::blocks'; an empty "
+        "line or end of input finishes); implies --stream",
+    )
+    causal.add_argument(
+        "--blocks-per-prompt", type=int, default=DEFAULT_BLOCKS_PER_PROMPT,
+        help=f"blocks for an interactive prompt given without ::BLOCKS (default {DEFAULT_BLOCKS_PER_PROMPT})",
+    )
+    sampling_flags, runtime_flags = _sampling_flags(), dataclass_flags(RuntimeArgs)
     p.set_defaults(
         run=run,
-        _sampling_names=add_dataclass_flags(sampling, SamplingParam),
-        _runtime_names=add_dataclass_flags(runtime, RuntimeArgs),
+        _sampling_flags=sampling_flags,
+        _sampling_names=add_flags(p.add_argument_group("sampling (SamplingParam fields)"), sampling_flags),
+        _runtime_names=add_flags(p.add_argument_group("runtime (RuntimeArgs fields)"), runtime_flags),
     )
 
 
 def default_output_path(prompt: str, seed: int) -> Path:
     slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:48] or "video"
     return Path("outputs") / f"{slug}-{seed}.mp4"
+
+
+def parse_segment(text: str, default_blocks: int) -> tuple[str, int]:
+    """'a red circle::4' -> ('a red circle', 4); without '::' the default block count."""
+    prompt, sep, blocks = text.rpartition("::")
+    if not sep:
+        return text.strip(), default_blocks
+    try:
+        count = int(blocks)
+    except ValueError:
+        raise ConfigError(f"segment {text!r}: expected PROMPT::BLOCKS with an integer BLOCKS") from None
+    if count < 0 or not prompt.strip():
+        raise ConfigError(f"segment {text!r}: expected a non-empty prompt and BLOCKS >= 0")
+    return prompt.strip(), count
+
+
+def stdin_segments(default_blocks: int) -> Iterator[tuple[str, int]]:
+    """Prompts typed on stdin, read only when the previous segment is done."""
+    while True:
+        print("next prompt ('prompt' or 'prompt::blocks'; empty line to finish)> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return
+        try:
+            yield parse_segment(line.strip(), default_blocks)
+        except ConfigError as exc:
+            print(f"composer: {exc}", file=sys.stderr)
+
+
+def _check_flag_types(flags: list[Flag], values: dict) -> None:
+    errors: list[str] = []
+    types = {f.name: f.type for f in flags}
+    for name, value in values.items():
+        if name in types:
+            coerce(value, types[name], name, errors)
+    raise_if_errors(errors, "sampling parameters")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,22 +111,53 @@ def run(args: argparse.Namespace) -> int:
     runtime = {**preset.runtime, **collect(args, args._runtime_names)}
     sampling_overrides = {**preset.sampling, **collect(args, args._sampling_names)}
     RuntimeArgs.from_kwargs(**runtime)  # report bad runtime flags before loading anything
-    SamplingParam().updated(**sampling_overrides)  # and bad sampling flags
+    _check_flag_types(args._sampling_flags, sampling_overrides)  # and badly typed sampling flags
+    segments = [parse_segment(s, args.blocks_per_prompt) for s in args.segment] if args.segment else None
 
     generator = VideoGenerator.from_pretrained(args.model_path or preset.model_path, **runtime)
-    sp = generator.sampling_param(**sampling_overrides)
+    sp = generator.sampling_param(**sampling_overrides)  # the family's own fields and defaults
     if sp.seed is None:
-        import random
-
         sp = sp.updated(seed=random.SystemRandom().randrange(2**32))
-    if sp.output_path is None and sp.prompt:
-        sp = sp.updated(output_path=str(default_output_path(sp.prompt, sp.seed)))
+    first_prompt = segments[0][0] if segments else sp.prompt
+    if sp.output_path is None and first_prompt:
+        sp = sp.updated(output_path=str(default_output_path(first_prompt, sp.seed)))
+
     start = time.perf_counter()
-    result = generator.generate_video(sampling_param=sp)
+    if args.stream or args.interactive:
+        if args.interactive:
+            first = segments or ([(sp.prompt, args.blocks_per_prompt)] if sp.prompt else [])
+            source = itertools.chain(first, stdin_segments(args.blocks_per_prompt))
+        else:
+            source = segments
+        frames, path, stats = _stream(generator, sp, source)
+    else:
+        result = generator.generate_video(sampling_param=sp, segments=segments)
+        frames, path, stats = result.frames.shape[0], result.output_path, result.stats
     elapsed = time.perf_counter() - start
-    t, h, w, _ = result.frames.shape
     print(
-        f"wrote {result.output_path} ({t} frames, {w}x{h}, {sp.fps} fps, seed {result.seed}) "
+        f"wrote {path} ({frames} frames, {sp.width}x{sp.height}, {sp.fps} fps, seed {sp.seed}) "
         f"in {elapsed:.1f} s with {generator.family}"
     )
+    if stats is not None:
+        print(f"profile: {stats.summary()}")
     return 0
+
+
+def _stream(generator, sp, segments):
+    """Write chunks as they arrive; print one line per block."""
+    from composer.video import VideoWriter
+
+    stream = generator.stream_video(segments if segments is not None else sp.prompt, sampling_param=sp)
+    writer = VideoWriter(sp.output_path, fps=sp.fps)
+    try:
+        for chunk in stream:
+            writer.append(chunk.frames)
+            what = "start frames" if chunk.block_index is None else f"block {chunk.block_index}"
+            print(
+                f"{what} (segment {chunk.segment}): {len(chunk.frames)} frames, denoise {chunk.block_seconds * 1000:.0f} ms,"
+                f" decode {chunk.decode_seconds * 1000:.0f} ms, at {chunk.since_start:.2f} s",
+                flush=True,
+            )
+    finally:
+        path = writer.close()
+    return writer.count, path, stream.stats
