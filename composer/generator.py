@@ -131,6 +131,7 @@ class VideoGenerator:
         prompts: str | Iterable[tuple[str, int]] | None = None,
         *,
         sampling_param: SamplingParam | None = None,
+        keep_video: bool = True,
         **overrides: Any,
     ) -> VideoStream:
         """Generate block by block (causal models), yielding frames as each block is decoded.
@@ -138,7 +139,8 @@ class VideoGenerator:
         `prompts`: one prompt (for as many blocks as num_frames asks), or (prompt, num_blocks) segments - a
         prompt switch after each segment. Segments are read lazily, so an iterator can supply the next prompt
         while earlier blocks stream (interactive use). Iterate the returned VideoStream for VideoChunk objects;
-        afterwards it holds the whole video (`frames`) and the profile (`stats`).
+        afterwards it holds the whole video (`frames`, `latents`) and the profile (`stats`). For endless streams
+        consumed as they go (written to disk), `keep_video=False` keeps neither frames nor old latents.
         """
         segments = None
         prompt = None
@@ -154,8 +156,8 @@ class VideoGenerator:
             segments = [first, *iterator] if isinstance(prompts, (list, tuple)) else itertools.chain([first], iterator)
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
         batch = self._new_batch(sp)
-        self.pipeline.prepare(batch, sp, segments)
-        return VideoStream(self.pipeline.stream(batch), batch, sp)
+        self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
+        return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)
 
     def _new_batch(self, sp: SamplingParam) -> ForwardBatch:
         seed = sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**32)
@@ -178,11 +180,12 @@ class VideoGenerator:
 class VideoStream:
     """Chunks of a video as they are made. Iterate it once; then `frames`, `stats`, `seed` describe it all."""
 
-    def __init__(self, chunks: Iterator, batch: ForwardBatch, sampling: SamplingParam):
+    def __init__(self, chunks: Iterator, batch: ForwardBatch, sampling: SamplingParam, keep_video: bool = True):
         self._chunks = chunks
         self._batch = batch
         self.sampling = sampling
-        self.chunks: list = []
+        self.keep_video = keep_video
+        self.chunks: list = []  # every chunk so far (empty when keep_video is off)
 
     @property
     def seed(self) -> int:
@@ -190,7 +193,8 @@ class VideoStream:
 
     def __iter__(self) -> Iterator:
         for chunk in self._chunks:
-            self.chunks.append(chunk)
+            if self.keep_video:
+                self.chunks.append(chunk)
             yield chunk
 
     @property

@@ -303,3 +303,25 @@ def test_converter_errors(tiny_wan_dir, tmp_path):
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="not a readable torch checkpoint"):
         convert_self_forcing(tmp_path / "garbage.pt", tiny_wan_dir, tmp_path / "e")
+
+
+def test_endless_stream_mode_keeps_only_what_the_next_rollout_needs(global_gen):
+    """keep_video=False (the CLI's streams) gives the same chunks while holding only the overlap frames."""
+    kwargs = dict(height=H, width=W, seed=4, rollout_blocks=1, overlap_frames=2)
+    segments = [("a red circle", 2), ("a blue square", 2)]
+    kept = global_gen.stream_video(segments, **kwargs)
+    kept_chunks = [c.frames for c in kept]
+    lean = global_gen.stream_video(segments, keep_video=False, **kwargs)
+    lean_chunks = [c.frames for c in lean]
+    assert all(np.array_equal(a, b) for a, b in zip(kept_chunks, lean_chunks)) and len(lean_chunks) == 4
+    assert lean.chunks == [] and lean.frames.shape[0] == 0
+    assert lean.latents.shape[2] == 2 and torch.equal(lean.latents, kept.latents[:, :, -2:])
+
+
+def test_kv_cache_offload_gives_the_same_video(global_dir):
+    offloaded = VideoGenerator.from_pretrained(global_dir, progress=False, kv_cache_offload=True)
+    plain = VideoGenerator.from_pretrained(global_dir, progress=False)
+    kwargs = dict(height=H, width=W, num_frames=frames_for(6), seed=2)
+    a = offloaded.generate_video("a cat", **kwargs)
+    b = plain.generate_video("a cat", **kwargs)
+    assert torch.equal(a.latents, b.latents)

@@ -86,7 +86,7 @@ class KVCache:
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
-        self.offload = offload and self.device.type != "cpu"
+        self.offload = offload  # on a CPU device the copies are no-ops, but the same code path runs
         storage = torch.device("cpu") if self.offload else self.device
         shape = (spec.batch_size, spec.slots * spec.tokens_per_frame, spec.num_heads, spec.head_dim)
         pin = self.offload and torch.cuda.is_available()
@@ -142,6 +142,10 @@ class KVCache:
         if self._pass is None:
             raise RuntimeError("KVCache.finish() without begin()")
         self.end_frame = max(self.end_frame, self._pass[1])
+        self._pass = None
+
+    def abort(self) -> None:
+        """Drop the pass begun with `begin` (its forward failed): nothing counts as written."""
         self._pass = None
 
     def reset(self) -> None:

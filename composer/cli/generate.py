@@ -147,7 +147,9 @@ def _stream(generator, sp, segments):
     """Write chunks as they arrive; print one line per block."""
     from composer.video import VideoWriter
 
-    stream = generator.stream_video(segments if segments is not None else sp.prompt, sampling_param=sp)
+    stream = generator.stream_video(
+        segments if segments is not None else sp.prompt, sampling_param=sp, keep_video=False  # frames go to disk
+    )
     writer = VideoWriter(sp.output_path, fps=sp.fps)
     try:
         for chunk in stream:

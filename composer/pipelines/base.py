@@ -72,7 +72,7 @@ class ComposedPipeline:
         """Sampling defaults the model folder itself fixes (applied over the family's SamplingParam)."""
         return {}
 
-    def prepare(self, batch: ForwardBatch, sampling, segments=None) -> None:
+    def prepare(self, batch: ForwardBatch, sampling, segments=None, keep_video: bool = True) -> None:
         """Fill family-specific request state into `batch.extra` before the stages run."""
         if segments is not None:
             raise UnsupportedError(f"{type(self).__name__} does not take prompt segments (a causal model does)")

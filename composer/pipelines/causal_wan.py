@@ -20,6 +20,7 @@ from composer.configs.causal_wan import CausalWanConfig
 from composer.errors import InvalidInputError
 from composer.pipelines.base import ComposedPipeline
 from composer.stages.causal_denoising import (
+    KEEP_VIDEO,
     OVERLAP_FRAMES,
     ROLLOUT_BLOCKS,
     SEGMENTS,
@@ -88,7 +89,13 @@ class CausalWanPipeline(ComposedPipeline):
         self.add_stage(DecodingStage(vae))
 
     # -- request planning ----------------------------------------------------------------------------
-    def prepare(self, batch: ForwardBatch, sampling, segments: Iterable[tuple[str, int]] | None = None) -> None:
+    def prepare(
+        self,
+        batch: ForwardBatch,
+        sampling,
+        segments: Iterable[tuple[str, int]] | None = None,
+        keep_video: bool = True,
+    ) -> None:
         """Turn a request into segments of blocks: explicit (prompt, num_blocks) pairs, or the prompt for
         as many blocks as `num_frames` asks (after any start frames)."""
         n = self.config.num_frames_per_block
@@ -119,6 +126,7 @@ class CausalWanPipeline(ComposedPipeline):
         batch.extra[ROLLOUT_BLOCKS] = sampling.rollout_blocks
         batch.extra[OVERLAP_FRAMES] = sampling.overlap_frames
         batch.extra[USE_KV_CACHE] = sampling.kv_cache
+        batch.extra[KEEP_VIDEO] = keep_video
         if sampling.rollout_blocks is not None and sampling.rollout_blocks < 1:
             raise InvalidInputError(f"rollout_blocks must be >= 1, got {sampling.rollout_blocks}")
         if sampling.overlap_frames < 0:

@@ -40,6 +40,7 @@ SEGMENTS = "segments"  # iterable of (prompt, num_blocks); read lazily (interact
 ROLLOUT_BLOCKS = "rollout_blocks"  # int | None
 OVERLAP_FRAMES = "overlap_frames"  # int
 USE_KV_CACHE = "kv_cache"  # bool
+KEEP_VIDEO = "keep_video"  # bool: keep every latent frame (off: only what the next rollout needs)
 STATS = "causal_stats"  # written: CausalStats
 
 
@@ -168,11 +169,16 @@ class CausalDenoisingStage(Stage):
         use_cache = batch.extra.get(USE_KV_CACHE, True)
         rollout_blocks = batch.extra.get(ROLLOUT_BLOCKS)
         overlap = batch.extra.get(OVERLAP_FRAMES, n)
+        keep_video = batch.extra.get(KEEP_VIDEO, True)
         stats = batch.extra[STATS] = CausalStats()
 
-        video: list[torch.Tensor] = []  # clean latent chunks [B, C, f, h, w] on the device, fp32
+        # Clean latent chunks [B, C, f, h, w] on the device, fp32: the whole video, or (keep_video off, for
+        # endless streams) only the newest `overlap` frames the next rollout starts from.
+        video: list[torch.Tensor] = []
+        frames_done = 0
         if batch.start_latents is not None:
             video.append(batch.start_latents.to(device, torch.float32))
+            frames_done = batch.start_latents.shape[2]
         block_index = 0
         first_rollout = True
         for segment, (prompt, num_blocks) in enumerate(checked_segments(batch.extra[SEGMENTS])):
@@ -207,7 +213,8 @@ class CausalDenoisingStage(Stage):
 
                 noise = torch.randn((bsz, blocks * n, channels, h, w), generator=batch.generator)
                 noise = noise.permute(0, 2, 1, 3, 4).to(device)  # [B, C, F, h, w]
-                rollout_clean = [] if context is None else [context]
+                # the recompute path re-reads the rollout's clean frames; the cached path has them as keys
+                rollout_clean = [] if context is None or use_cache else [context]
                 for b in range(blocks):
                     start = time.perf_counter()
                     s = prefix + b * n
@@ -218,18 +225,20 @@ class CausalDenoisingStage(Stage):
                             x0.to(dtype), self._timesteps(cfg.context_noise, bsz, n), cross_kv, cache, s
                         )
                     x0 = x0.float()
-                    rollout_clean.append(x0)
+                    if not use_cache:
+                        rollout_clean.append(x0)
                     video.append(x0)
+                    if not keep_video:
+                        video = _newest_frames(video, overlap)
                     _sync(device)
                     elapsed = time.perf_counter() - start
                     stats.block_seconds.append(elapsed)
-                    start_frame = sum(v.shape[2] for v in video) - n
-                    yield LatentBlock(block_index, segment, prompt, start_frame, x0, elapsed)
+                    yield LatentBlock(block_index, segment, prompt, frames_done, x0, elapsed)
+                    frames_done += n
                     block_index += 1
-                batch.latents = torch.cat(video, dim=2)
-        if not video:
+        if block_index == 0 and batch.start_latents is None:
             raise InvalidInputError("nothing to generate: every segment has 0 blocks")
-        batch.latents = torch.cat(video, dim=2)
+        batch.latents = torch.cat(video, dim=2) if video else None
 
     def _denoise_block(
         self,
@@ -272,6 +281,14 @@ class CausalDenoisingStage(Stage):
         window, sink = self.window
         out = model.forward_masked(frames, times, cross_kv, chunks, window, sink)
         return out[:, :, prefix:]
+
+
+def _newest_frames(chunks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """The last `count` latent frames of a list of [B, C, f, h, w] chunks (as one chunk)."""
+    if count <= 0:
+        return []
+    tail = torch.cat(chunks, dim=2)
+    return [tail[:, :, max(0, tail.shape[2] - count):]]
 
 
 def checked_segments(segments: Iterable[tuple[str, int]]) -> Iterator[tuple[str, int]]:

@@ -75,7 +75,7 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         try:
             out = self(latents, timestep, cross_kv=cross_kv, frame_offset=start_frame, kv_cache=kv_cache)
         except BaseException:
-            kv_cache._pass = None
+            kv_cache.abort()
             raise
         kv_cache.finish()
         return out
