@@ -157,6 +157,7 @@ class CausalDenoisingStage(Stage):
     def _timesteps(self, value: float, batch_size: int, frames: int) -> torch.Tensor:
         return torch.full((batch_size, frames), float(value), device=self.transformer.device)
 
+    @torch.inference_mode()  # also around each resumption of this generator
     def iter_blocks(self, batch: ForwardBatch) -> Iterator[LatentBlock]:
         """Generate block by block; also sets batch.latents (all frames so far) and extra[STATS]."""
         model, cfg = self.transformer, self.config
