@@ -76,7 +76,9 @@ class VideoGenerator:
         folder = resolve_model_path(model_path)
         index = read_model_index(folder)
         pipeline_cls = get_pipeline_class(index.class_name)
-        configs = resolve_configs(model_path if not Path(model_path).is_dir() else str(folder), index.class_name)
+        configs = resolve_configs(
+            model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class
+        )
         logger.info(
             "loading %s as family %s (matched by %s) with %s",
             model_path, configs.family.name, configs.matched_by, pipeline_cls.__name__,
@@ -96,7 +98,7 @@ class VideoGenerator:
         prompt: str | None = None,
         *,
         sampling_param: SamplingParam | None = None,
-        segments: list[tuple[str, int]] | None = None,
+        segments: Iterable[tuple[str, int]] | None = None,
         **overrides: Any,
     ) -> GenerationResult:
         """Generate one video. Keyword arguments are SamplingParam fields (negative_prompt, height, width,
@@ -105,7 +107,7 @@ class VideoGenerator:
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
         batch = self._new_batch(sp)
         start = time.perf_counter()
-        self.pipeline.prepare(batch, sp, segments)
+        self.pipeline.prepare(batch, sp, list(segments) if segments is not None else None)
         batch = self.pipeline.forward(batch)
         timings = dict(batch.timings)
         timings["total"] = time.perf_counter() - start

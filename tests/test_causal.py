@@ -325,3 +325,19 @@ def test_kv_cache_offload_gives_the_same_video(global_dir):
     a = offloaded.generate_video("a cat", **kwargs)
     b = plain.generate_video("a cat", **kwargs)
     assert torch.equal(a.latents, b.latents)
+
+
+def test_causal_folder_named_like_a_released_model_gets_the_causal_family(global_dir, tmp_path):
+    import shutil
+
+    renamed = tmp_path / "Wan2.1-T2V-1.3B-Diffusers"
+    shutil.copytree(global_dir, renamed)
+    gen = VideoGenerator.from_pretrained(renamed, progress=False)
+    assert gen.family == "causal-wan2.1-t2v"
+    result = gen.generate_video(segments=iter([("a cat", 1)]), height=H, width=W, seed=0)
+    assert result.frames.shape[0] == frames_for(3)
+
+
+def test_converter_refuses_a_sink_without_a_window(tiny_wan_dir, sf_checkpoint, tmp_path):
+    with pytest.raises(ModelFormatError, match="sink_size needs a rolling window"):
+        convert_self_forcing(sf_checkpoint[0], tiny_wan_dir, tmp_path / "x", settings=CausalSettings(sink_size=2))

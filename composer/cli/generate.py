@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     if sp.output_path is None and first_prompt:
         sp = sp.updated(output_path=str(default_output_path(first_prompt, sp.seed)))
 
+    if (args.stream or args.interactive) and not first_prompt:
+        raise ConfigError("streaming needs a first prompt: give --prompt or --segment (then --interactive reads more)")
     start = time.perf_counter()
     if args.stream or args.interactive:
         if args.interactive:

@@ -52,6 +52,8 @@ class CausalSettings:
         CausalWanConfig().updated_from_folder(asdict(self))
         if self.num_frames_per_block < 1:
             raise ModelFormatError(f"num_frames_per_block must be >= 1, got {self.num_frames_per_block}")
+        if self.sink_size and self.local_attn_size == -1:
+            raise ModelFormatError("sink_size needs a rolling window: set local_attn_size too")
         if self.local_attn_size != -1 and self.local_attn_size - self.sink_size < self.num_frames_per_block:
             raise ModelFormatError(
                 f"local_attn_size - sink_size ({self.local_attn_size} - {self.sink_size}) must be >= "

@@ -28,6 +28,7 @@ class ComposedPipeline:
 
     class_names: tuple[str, ...] = ()
     required_modules: tuple[str, ...] = ()
+    config_class: type[PipelineConfig] = PipelineConfig  # families whose config is not one are never picked
 
     def __init__(self, index: ModelIndex, config: PipelineConfig, runtime: RuntimeArgs):
         self.index = index

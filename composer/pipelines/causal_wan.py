@@ -56,6 +56,7 @@ class CausalWanPipeline(ComposedPipeline):
 
     class_names = ("CausalWanPipeline",)
     required_modules = ("text_encoder", "tokenizer", "vae", "transformer")
+    config_class = CausalWanConfig
     config: CausalWanConfig
 
     def __init__(self, index, config, runtime):

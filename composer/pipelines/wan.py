@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from composer.configs.wan import WanT2VConfig
 from composer.errors import UnsupportedError
 from composer.pipelines.base import ComposedPipeline
 from composer.stages.decoding import DecodingStage
@@ -16,6 +17,7 @@ class WanPipeline(ComposedPipeline):
     """validate -> encode text -> timesteps -> noise -> denoise (CFG) -> decode."""
 
     class_names = ("WanPipeline",)
+    config_class = WanT2VConfig
     required_modules = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
 
     def check_supported(self) -> None:

@@ -102,9 +102,15 @@ def _short_name(model: str) -> str:
     return PurePath(model.rstrip("/\\")).name.lower()
 
 
-def resolve_configs(model: str, class_name: str | None = None) -> ResolvedConfigs:
-    """Find the family for a hub id or local path (`class_name`: model_index.json's `_class_name`)."""
-    families = registered_families()
+def resolve_configs(
+    model: str, class_name: str | None = None, config_class: type[PipelineConfig] = PipelineConfig
+) -> ResolvedConfigs:
+    """Find the family for a hub id or local path (`class_name`: model_index.json's `_class_name`).
+
+    Only families whose PipelineConfig is a `config_class` (what the folder's pipeline needs) are candidates,
+    so a causal folder named like a released bidirectional model still gets a causal family.
+    """
+    families = [f for f in registered_families() if issubclass(f.pipeline_config_cls, config_class)]
     hub_id = hub_id_of(model)
     for family in families:
         if hub_id in family.hf_model_paths:
@@ -117,7 +123,7 @@ def resolve_configs(model: str, class_name: str | None = None) -> ResolvedConfig
         if any(detector(model, class_name) for detector in family.model_detectors):
             return ResolvedConfigs(family, "detector")
     known = "\n  ".join(
-        f"{f.name}: {', '.join(f.hf_model_paths) or '(detector only)'}" for f in families
+        f"{f.name}: {', '.join(f.hf_model_paths) or '(detector only)'}" for f in registered_families()
     )
     raise UnknownModelError(
         f"no registered model family matches '{model}'"

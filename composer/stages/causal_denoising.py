@@ -6,8 +6,9 @@ For each block of `num_frames_per_block` latent frames:
   then run the model once more on the clean x0 at timestep `context_noise`, which leaves the block's
   keys/values in the cache for the blocks after it.
 
-Noise order (so a seed means what it means in Self-Forcing): one seeded CPU generator; at the start of a
-rollout the whole rollout's noise [B, F, C, h, w]; then for each block and each non-final step one draw of
+Noise order (Self-Forcing's, so a seed gives the noise a CPU fp32 run of Self-Forcing draws; its own scripts
+draw on the GPU in bf16, which gives other values): one seeded CPU generator; at the start of a rollout the
+whole rollout's noise [B, F, C, h, w]; then for each block and each non-final step one draw of
 [B * frames_in_block, C, h, w].
 
 Long videos and prompt switches: a segment (prompt, num_blocks) may span several rollouts of
@@ -159,7 +160,9 @@ class CausalDenoisingStage(Stage):
 
     @torch.inference_mode()  # also around each resumption of this generator
     def iter_blocks(self, batch: ForwardBatch) -> Iterator[LatentBlock]:
-        """Generate block by block; also sets batch.latents (all frames so far) and extra[STATS]."""
+        """Generate block by block, yielding each finished block. Sets extra[STATS] at once and, at the end,
+        batch.latents: every latent frame (start frames included), or with keep_video off only the newest
+        `overlap_frames`."""
         model, cfg = self.transformer, self.config
         dtype, device = model.dtype, model.device
         bsz = batch.batch_size

@@ -1,0 +1,1 @@
+"""The embedded default model: synthetic moving-shapes data, training, and a prompt-following score."""

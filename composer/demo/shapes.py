@@ -1,0 +1,138 @@
+"""Synthetic clips of coloured shapes moving at constant velocity and bouncing off the walls, with captions
+built from a small vocabulary ("a red circle moving left on a black background").
+
+Everything is seeded: `ClipSpec.sample(rng)` draws a spec, `render(spec)` draws its frames (anti-aliased by
+supersampling), `caption(spec)` words it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (230, 40, 40),
+    "green": (40, 200, 60),
+    "blue": (50, 90, 240),
+    "yellow": (240, 220, 40),
+    "purple": (160, 60, 220),
+    "cyan": (40, 220, 230),
+    "white": (240, 240, 240),
+}
+BACKGROUNDS: dict[str, tuple[int, int, int]] = {"black": (0, 0, 0), "gray": (110, 110, 110)}
+SHAPES = ("circle", "square", "triangle")
+# unit vectors in image coordinates (y grows downwards)
+DIRECTIONS: dict[str, tuple[float, float]] = {
+    "left": (-1.0, 0.0),
+    "right": (1.0, 0.0),
+    "up": (0.0, -1.0),
+    "down": (0.0, 1.0),
+    "up-left": (-0.7071, -0.7071),
+    "up-right": (0.7071, -0.7071),
+    "down-left": (-0.7071, 0.7071),
+    "down-right": (0.7071, 0.7071),
+}
+CLEAR_FRAMES = 4  # frames of motion before any bounce
+DIRECTION_WORDS = {  # how a direction reads in a caption
+    "left": "left", "right": "right", "up": "up", "down": "down",
+    "up-left": "up and left", "up-right": "up and right", "down-left": "down and left", "down-right": "down and right",
+}
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    shape: str
+    color: str
+    direction: str
+    size: float  # radius / half side, in pixels
+    x: float  # start centre
+    y: float
+    speed: float  # pixels per frame
+
+
+@dataclass(frozen=True)
+class ClipSpec:
+    objects: tuple[ShapeSpec, ...]
+    background: str = "black"
+
+    @staticmethod
+    def sample(rng: np.random.Generator, size: int = 64, max_objects: int = 1) -> ClipSpec:
+        background = str(rng.choice(list(BACKGROUNDS)))
+        count = int(rng.integers(1, max_objects + 1))
+        colors = rng.choice([c for c in COLORS if not (background == "gray" and c == "white")], count, replace=False)
+        objects = []
+        for color in colors:
+            radius = float(rng.uniform(0.13, 0.19) * size)
+            direction = str(rng.choice(list(DIRECTIONS)))
+            speed = float(rng.uniform(0.045, 0.07) * size)
+            # Start where the first CLEAR_FRAMES steps stay clear of the walls, so the motion a caption names
+            # is what the clip opens with; bounces come later.
+            reach = np.abs(DIRECTIONS[direction]) * speed * CLEAR_FRAMES
+            start = []
+            for axis in (0, 1):
+                lo, hi = radius, size - radius
+                if DIRECTIONS[direction][axis] > 0:
+                    hi -= reach[axis]
+                elif DIRECTIONS[direction][axis] < 0:
+                    lo += reach[axis]
+                start.append(float(rng.uniform(lo, hi)))
+            objects.append(ShapeSpec(str(rng.choice(SHAPES)), str(color), direction, radius, start[0], start[1], speed))
+        return ClipSpec(tuple(objects), background)
+
+
+def caption(spec: ClipSpec) -> str:
+    parts = [f"a {o.color} {o.shape} moving {DIRECTION_WORDS[o.direction]}" for o in spec.objects]
+    return " and ".join(parts) + f" on a {spec.background} background"
+
+
+def trajectory(obj: ShapeSpec, num_frames: int, size: int) -> np.ndarray:
+    """Centres [T, 2] (x, y) moving at constant velocity and bouncing off the walls."""
+    lo, hi = obj.size, size - obj.size
+    dx, dy = DIRECTIONS[obj.direction]
+    out = np.zeros((num_frames, 2))
+    x, y, vx, vy = obj.x, obj.y, dx * obj.speed, dy * obj.speed
+    for t in range(num_frames):
+        out[t] = (x, y)
+        x, y = x + vx, y + vy
+        if x < lo or x > hi:
+            vx, x = -vx, float(np.clip(2 * (lo if x < lo else hi) - x, lo, hi))
+        if y < lo or y > hi:
+            vy, y = -vy, float(np.clip(2 * (lo if y < lo else hi) - y, lo, hi))
+    return out
+
+
+def _coverage(shape: str, cx: float, cy: float, r: float, size: int, ss: int = 4) -> np.ndarray:
+    """Fraction of each pixel the shape covers (supersampled ss x ss)."""
+    coords = (np.arange(size * ss) + 0.5) / ss
+    xs, ys = np.meshgrid(coords, coords)
+    if shape == "circle":
+        inside = (xs - cx) ** 2 + (ys - cy) ** 2 <= r**2
+    elif shape == "square":
+        inside = (np.abs(xs - cx) <= r * 0.89) & (np.abs(ys - cy) <= r * 0.89)  # about a circle's area
+    else:  # upward triangle inscribed in a circle of radius 1.15 r
+        rr = r * 1.15
+        top, base = cy - rr, cy + rr * 0.5
+        half_width = (ys - top) / (base - top) * rr * 0.866
+        inside = (ys >= top) & (ys <= base) & (np.abs(xs - cx) <= half_width)
+    return inside.reshape(size, ss, size, ss).mean(axis=(1, 3))
+
+
+def render(spec: ClipSpec, num_frames: int = 17, size: int = 64) -> np.ndarray:
+    """uint8 frames [T, size, size, 3]."""
+    frames = np.empty((num_frames, size, size, 3), dtype=np.float32)
+    frames[:] = BACKGROUNDS[spec.background]
+    paths = [trajectory(o, num_frames, size) for o in spec.objects]
+    for t in range(num_frames):
+        for obj, path in zip(spec.objects, paths):
+            alpha = _coverage(obj.shape, path[t, 0], path[t, 1], obj.size, size)[..., None]
+            frames[t] = frames[t] * (1 - alpha) + np.array(COLORS[obj.color], dtype=np.float32) * alpha
+    return frames.round().clip(0, 255).astype(np.uint8)
+
+
+def vocabulary() -> list[str]:
+    """Every word a caption can use."""
+    words = {"a", "moving", "on", "background", "and", *SHAPES, *COLORS, *BACKGROUNDS}
+    for phrase in DIRECTION_WORDS.values():
+        words.update(phrase.split())
+    return sorted(words)
