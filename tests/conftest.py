@@ -7,7 +7,6 @@ import tempfile
 
 # Tests never touch the network or the user's caches.
 _SESSION_TMP = tempfile.mkdtemp(prefix="composer-tests-")
-os.environ.setdefault("COMPOSER_CACHE", os.path.join(_SESSION_TMP, "composer-cache"))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HF_HOME", os.path.join(_SESSION_TMP, "hf-home"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

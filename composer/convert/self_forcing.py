@@ -9,6 +9,7 @@ possible, else copied), and a model_index.json carrying the causal sampling sett
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -179,6 +180,8 @@ def convert_self_forcing(
                              "base": str(base)},
         **{name: [index.components[name].library, index.components[name].class_name] for name in COPIED_COMPONENTS},
         "transformer": ["composer", "CausalWanTransformer3DModel"],
+        # pipeline settings the base folder states (e.g. its text length) still hold for the causal model
+        **{k: v for k, v in index.extra.items() if k in {f.name for f in dataclasses.fields(CausalWanConfig)}},
         **asdict(settings),
     }
     (out / "model_index.json").write_text(json.dumps(model_index, indent=2))

@@ -2,7 +2,7 @@
 
 The analysis knows nothing about how the video was made:
 - background: the median colour of the first frame's border;
-- object mask: pixels far from the background colour (per frame);
+- object mask: pixels far from the background colour (over a fixed floor and half the frame's peak);
 - colour: the mask's mean colour, nearest palette entry;
 - direction: the centroid's velocity up to the first reversal (a bounce), nearest of 8 directions;
 - shape: how much of its bounding box the mask fills (square ~1.0, circle ~0.79, triangle ~0.5), over
@@ -58,11 +58,17 @@ class Analysis:
 
 
 def object_masks(frames: np.ndarray, threshold: float = 60.0) -> tuple[np.ndarray, np.ndarray]:
-    """Boolean masks [T, H, W] of pixels that differ from the background, and the background colour."""
+    """Boolean masks [T, H, W] of pixels that differ from the background, and the background colour.
+
+    A pixel is object when its distance from the background is over `threshold` and over half the frame's
+    peak distance: a soft edge (a decoder's blur) then does not widen the mask into a round halo, which would
+    make every shape read as a circle and pull the mean colour towards the background."""
     f = frames.astype(np.float32)
     border = np.concatenate([f[0, 0], f[0, -1], f[0, :, 0], f[0, :, -1]])
     background = np.median(border, axis=0)
-    return np.linalg.norm(f - background, axis=-1) > threshold, background
+    distance = np.linalg.norm(f - background, axis=-1)
+    peak = np.percentile(distance.reshape(len(distance), -1), 99.5, axis=1).reshape(-1, 1, 1)
+    return distance > np.maximum(threshold, 0.5 * peak), background
 
 
 def _nearest(value: np.ndarray, table: dict[str, tuple[float, ...]]) -> str:

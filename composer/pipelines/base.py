@@ -33,7 +33,7 @@ class ComposedPipeline:
     def __init__(self, index: ModelIndex, config: PipelineConfig, runtime: RuntimeArgs):
         self.index = index
         self.folder: Path = index.folder
-        self.config = config
+        self.config = config.updated_from_folder(index.extra)  # a folder may set its pipeline's settings
         self.runtime = runtime
         self.device = runtime.torch_device
         self.check_supported()

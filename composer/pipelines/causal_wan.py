@@ -59,9 +59,6 @@ class CausalWanPipeline(ComposedPipeline):
     config_class = CausalWanConfig
     config: CausalWanConfig
 
-    def __init__(self, index, config, runtime):
-        super().__init__(index, config.updated_from_folder(index.extra), runtime)
-
     def sampling_defaults(self) -> dict[str, Any]:
         return {"num_inference_steps": len(self.config.denoising_step_list)}
 

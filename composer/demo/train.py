@@ -1,0 +1,367 @@
+"""Training the embedded default model on synthetic moving shapes (CPU-friendly, seeded).
+
+Three stages, each a function:
+- `train_vae`: a small diffusers AutoencoderKLWan on the frames; latent mean/std measured on the data and
+  written into its config, as the released Wan VAE carries them;
+- `train_t2v`: a small UMT5 text encoder (word-level tokenizer over the caption vocabulary) and a small
+  diffusers WanTransformer3DModel, trained together by flow matching (x_t = (1 - s) x0 + s eps, target
+  eps - x0, t = 1000 s) with caption dropout for classifier-free guidance;
+- `train_causal`: composer's CausalWanTransformer3DModel, initialised from the bidirectional DiT, trained
+  by diffusion forcing (an independent noise level per latent frame, block-causal attention) on longer
+  clips, often with a clean prefix so that it learns to continue clean context as it does when sampling.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from composer.demo.shapes import ClipSpec, caption, render, vocabulary
+
+
+@dataclass
+class TrainConfig:
+    """Sizes and schedules; the defaults train in about 80 minutes on 2 CPU cores (docs/demo-model.md)."""
+
+    seed: int = 0
+    size: int = 64
+    frames: int = 17  # clips for the text-to-video model (5 latent frames)
+    causal_frames: int = 33  # clips for the causal model (9 latent frames)
+    max_objects: int = 1
+    # VAE, in three phases: single frames (cheap: the spatial path), then whole clips cropped to
+    # vae_crop_size (the causal temporal caches of every chunk; the VAE is convolutional, so crops teach it
+    # at a quarter of the cost), then a few full-size clips
+    vae_base_dim: int = 16
+    z_dim: int = 16
+    vae_image_steps: int = 1200
+    vae_image_batch: int = 6
+    vae_crop_steps: int = 400
+    vae_crop_batch: int = 3
+    vae_crop_size: int = 32
+    vae_full_steps: int = 50
+    vae_full_batch: int = 1
+    vae_lr: float = 3e-4
+    vae_kl_weight: float = 1e-6
+    vae_foreground_weight: float = 8.0
+    # data
+    num_clips: int = 2000
+    num_causal_clips: int = 1000
+    # text encoder
+    text_dim: int = 64
+    text_layers: int = 2
+    text_heads: int = 2
+    text_ff: int = 128
+    text_max_length: int = 24
+    # DiT
+    dit_heads: int = 4
+    dit_head_dim: int = 32
+    dit_layers: int = 4
+    dit_ffn: int = 512
+    dit_freq_dim: int = 64
+    dit_patch: int = 1  # spatial patch (1, p, p): 1 gives an 8x8 token grid per latent frame, where a frame's
+    # motion (a few latent pixels) is whole tokens; with 2 (4x4 tokens) it hides inside a patch
+    dit_steps: int = 3000
+    dit_batch: int = 16
+    dit_lr: float = 5e-4
+    train_shift: float = 3.0  # sigma = shift u / (1 + (shift - 1) u), u ~ U(0, 1)
+    cfg_dropout: float = 0.1
+    # causal
+    causal_steps: int = 800
+    causal_batch: int = 8
+    causal_lr: float = 2e-4
+    frames_per_block: int = 1
+    clean_prefix_prob: float = 0.75
+    causal_sampling_steps: tuple[float, ...] = (1000, 875, 750, 625, 500, 375, 250, 125)
+
+
+Log = Callable[[str], None]
+
+
+def make_clips(n: int, frames: int, cfg: TrainConfig, rng: np.random.Generator) -> tuple[np.ndarray, list[str]]:
+    """n clips uint8 [n, T, H, W, 3] and their captions."""
+    specs = [ClipSpec.sample(rng, cfg.size, cfg.max_objects) for _ in range(n)]
+    return np.stack([render(s, frames, cfg.size) for s in specs]), [caption(s) for s in specs]
+
+
+def to_pixels(clips: np.ndarray) -> torch.Tensor:
+    """uint8 [B, T, H, W, 3] -> float [B, 3, T, H, W] in [-1, 1]."""
+    return torch.from_numpy(clips).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+
+
+def cosine_lr(step: int, total: int, base: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return base * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+class _Progress:
+    """Loss every `every` steps with a running mean, steps per second and an ETA."""
+
+    def __init__(self, name: str, total: int, log: Log, every: int = 100):
+        self.name, self.total, self.log, self.every = name, total, log, every
+        self.start = time.perf_counter()
+        self.losses: list[float] = []
+
+    def step(self, i: int, loss: float) -> None:
+        self.losses.append(loss)
+        if (i + 1) % self.every == 0 or i + 1 == self.total:
+            elapsed = time.perf_counter() - self.start
+            eta = elapsed / (i + 1) * (self.total - i - 1)
+            recent = float(np.mean(self.losses[-self.every:]))
+            self.log(f"[{self.name}] step {i + 1}/{self.total} loss {recent:.4f} ({elapsed:.0f} s, eta {eta:.0f} s)")
+
+
+# -- VAE -------------------------------------------------------------------------------------------------
+def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+    """diffusers' Wan VAE decode loop without its final clamp to [-1, 1], whose zero gradient stalls training
+    once the decoder saturates."""
+    vae.clear_cache()
+    x = vae.post_quant_conv(z)
+    out = []
+    for i in range(z.shape[2]):
+        vae._conv_idx = [0]
+        out.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0))
+    vae.clear_cache()
+    return torch.cat(out, dim=2)
+
+
+def reconstruction_loss(recon: torch.Tensor, target: torch.Tensor, foreground_weight: float) -> torch.Tensor:
+    """MSE + L1/2, weighted up where the target differs from its clip's background (the objects are a few
+    percent of the pixels; unweighted, "draw the background" is a deep plateau)."""
+    background = target[:, :, :1, :1, :1]
+    foreground = ((target - background).abs().amax(dim=1, keepdim=True) > 0.1).float()
+    weight = 1 + foreground_weight * foreground
+    error = recon - target
+    return (error.pow(2) * weight).mean() + 0.5 * (error.abs() * weight).mean()
+
+
+def _vae_batch(step: int, cfg: TrainConfig, rng: np.random.Generator) -> torch.Tensor:
+    """Pixels for a VAE step of the curriculum: images, cropped clips, then full clips."""
+    if step < cfg.vae_image_steps:
+        return to_pixels(make_clips(cfg.vae_image_batch, 1, cfg, rng)[0])
+    if step < cfg.vae_image_steps + cfg.vae_crop_steps:
+        x = to_pixels(make_clips(cfg.vae_crop_batch, cfg.frames, cfg, rng)[0])
+        top, left = rng.integers(0, cfg.size - cfg.vae_crop_size + 1, size=2)
+        return x[..., top:top + cfg.vae_crop_size, left:left + cfg.vae_crop_size]
+    return to_pixels(make_clips(cfg.vae_full_batch, cfg.frames, cfg, rng)[0])
+
+
+@torch.no_grad()
+def inflate_temporal_identity(vae) -> None:
+    """Make the VAE's video path start as its image path, as video VAEs are initialised from image weights:
+    every causal 3D conv looks only at the current frame (past-frame taps zeroed), temporal downsampling keeps
+    the newest frame and temporal upsampling copies frames. A 4-frame chunk then encodes as its last frame and
+    decodes as four copies of it; training on clips only has to learn the motion inside a chunk."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanResample
+
+    for module in vae.modules():
+        if isinstance(module, WanCausalConv3d) and module.kernel_size[0] > 1:
+            module.weight[:, :, :-1] = 0
+            module.weight[:, :, -1] *= math.sqrt(module.kernel_size[0])  # keep the initial output scale
+    for module in vae.modules():
+        if isinstance(module, WanResample) and module.mode in ("upsample3d", "downsample3d"):
+            conv = module.time_conv
+            conv.weight.zero_()
+            conv.bias.zero_()
+            channels = conv.weight.shape[1]
+            eye = torch.eye(channels)
+            for half in range(conv.weight.shape[0] // channels):  # upsampling writes two frames: copy into both
+                conv.weight[half * channels:(half + 1) * channels, :, -1, 0, 0] = eye
+
+
+def train_vae(cfg: TrainConfig, log: Log = print, init=None, first_step: int = 0):
+    """Train (or, with `init`, continue training from `first_step` of the curriculum) a Wan VAE."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    vae = init or AutoencoderKLWan(
+        base_dim=cfg.vae_base_dim, z_dim=cfg.z_dim, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[False, True, True], latents_mean=[0.0] * cfg.z_dim, latents_std=[1.0] * cfg.z_dim,
+    )
+    if init is None:
+        inflate_temporal_identity(vae)
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
+    total = cfg.vae_image_steps + cfg.vae_crop_steps + cfg.vae_full_steps
+    progress = _Progress("vae", total, log)
+    vae.train().requires_grad_(True)
+    for step in range(first_step, total):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, total, cfg.vae_lr)
+        x = _vae_batch(step, cfg, rng)
+        posterior = vae.encode(x).latent_dist
+        recon = decode_unclamped(vae, posterior.sample())
+        loss = reconstruction_loss(recon, x, cfg.vae_foreground_weight) + cfg.vae_kl_weight * posterior.kl().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        progress.step(step, loss.item())
+    return vae.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def encode_latents(vae, clips: np.ndarray, batch: int = 16) -> torch.Tensor:
+    """Posterior means [N, C, F, h, w] of uint8 clips (not normalised)."""
+    out = []
+    for i in range(0, len(clips), batch):
+        out.append(vae.encode(to_pixels(clips[i:i + batch])).latent_dist.mode())
+    return torch.cat(out)
+
+
+def set_latent_stats(vae, latents: torch.Tensor) -> None:
+    """Measure per-channel mean/std over the data and record them in the VAE config."""
+    mean = latents.mean(dim=(0, 2, 3, 4))
+    std = latents.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
+    vae.register_to_config(latents_mean=[round(float(m), 5) for m in mean],
+                           latents_std=[round(float(s), 5) for s in std])
+
+
+def normalize(latents: torch.Tensor, vae) -> torch.Tensor:
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    return (latents - mean) / std
+
+
+# -- text encoder + DiT ----------------------------------------------------------------------------------
+def build_text_encoder(cfg: TrainConfig):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from composer.testing.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(vocabulary())
+    torch.manual_seed(cfg.seed + 1)
+    encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=cfg.text_dim, d_kv=cfg.text_dim // cfg.text_heads, d_ff=cfg.text_ff,
+        num_layers=cfg.text_layers, num_heads=cfg.text_heads, relative_attention_num_buckets=16,
+        relative_attention_max_distance=32, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+    ))
+    return tokenizer, encoder
+
+
+def encode_text(tokenizer, encoder, texts: list[str], max_length: int) -> torch.Tensor:
+    """Embeddings [B, L, D] zeroed past each caption's length, as the pipeline computes them."""
+    from composer.stages.text_encoding import clean_prompt
+
+    inputs = tokenizer([clean_prompt(t) for t in texts], padding="max_length", max_length=max_length,
+                       truncation=True, return_tensors="pt")
+    hidden = encoder(inputs.input_ids, inputs.attention_mask).last_hidden_state
+    return hidden * inputs.attention_mask.unsqueeze(-1).to(hidden.dtype)
+
+
+def sample_sigmas(n: int, shift: float, generator: torch.Generator) -> torch.Tensor:
+    u = torch.rand(n, generator=generator)
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def train_t2v(cfg: TrainConfig, latents: torch.Tensor, captions: list[str], log: Log = print, init=None):
+    """Flow-matching training of (text encoder, DiT) on normalised latents [N, C, F, h, w]; `init`: a
+    (tokenizer, text encoder, DiT) to continue from."""
+    if init is not None:
+        tokenizer, encoder, dit = init
+        encoder.requires_grad_(True)
+        dit.requires_grad_(True)
+    else:
+        tokenizer, encoder = build_text_encoder(cfg)
+        torch.manual_seed(cfg.seed + 2)
+        dit = _new_dit(cfg)
+    params = list(dit.parameters()) + list(encoder.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.dit_lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(cfg.seed + 3)
+    progress = _Progress("t2v", cfg.dit_steps, log)
+    dit.train()
+    encoder.train()
+    for step in range(cfg.dit_steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, cfg.dit_steps, cfg.dit_lr)
+        idx = torch.randint(len(latents), (cfg.dit_batch,), generator=g)
+        x0 = latents[idx]
+        texts = ["" if torch.rand(1, generator=g).item() < cfg.cfg_dropout else captions[i] for i in idx.tolist()]
+        sigma = sample_sigmas(len(idx), cfg.train_shift, g)
+        eps = torch.randn(x0.shape, generator=g)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        xt = (1 - s) * x0 + s * eps
+        context = encode_text(tokenizer, encoder, texts, cfg.text_max_length)
+        pred = dit(xt, sigma * 1000, context, return_dict=False)[0]
+        loss = F.mse_loss(pred, eps - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        progress.step(step, loss.item())
+    return tokenizer, encoder.eval().requires_grad_(False), dit.eval().requires_grad_(False)
+
+
+def _new_dit(cfg: TrainConfig):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, cfg.dit_patch, cfg.dit_patch), num_attention_heads=cfg.dit_heads, attention_head_dim=cfg.dit_head_dim,
+        in_channels=cfg.z_dim, out_channels=cfg.z_dim, text_dim=cfg.text_dim, freq_dim=cfg.dit_freq_dim,
+        ffn_dim=cfg.dit_ffn, num_layers=cfg.dit_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+    )
+
+
+# -- causal ----------------------------------------------------------------------------------------------
+def train_causal(cfg: TrainConfig, dit, tokenizer, encoder, latents: torch.Tensor, captions: list[str],
+                 log: Log = print):
+    """Diffusion forcing with block-causal attention; returns composer's CausalWanTransformer3DModel."""
+    import re
+
+    from composer.models.wan.causal import CausalWanTransformer3DModel
+    from composer.models.wan.config import WanTransformerConfig
+    from composer.models.wan.mapping import DIFFUSERS_TO_COMPOSER
+
+    model = CausalWanTransformer3DModel(WanTransformerConfig.from_dict(dict(dit.config)))
+    state = {}
+    for name, tensor in dit.state_dict().items():
+        for pattern, repl in DIFFUSERS_TO_COMPOSER:
+            name = re.sub(pattern, repl, name)
+        state[name] = tensor.clone()
+    model.load_state_dict(state, strict=True)
+    model.train().requires_grad_(True)
+    encoder = encoder.requires_grad_(False)
+    frames = latents.shape[2]
+    n = cfg.frames_per_block
+    chunks = [(s, min(s + n, frames)) for s in range(0, frames, n)]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.causal_lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(cfg.seed + 4)
+    progress = _Progress("causal", cfg.causal_steps, log)
+    with torch.no_grad():
+        all_context = torch.cat([encode_text(tokenizer, encoder, captions[i:i + 256], cfg.text_max_length)
+                                 for i in range(0, len(captions), 256)])
+        empty = encode_text(tokenizer, encoder, [""], cfg.text_max_length)
+    for step in range(cfg.causal_steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, cfg.causal_steps, cfg.causal_lr)
+        idx = torch.randint(len(latents), (cfg.causal_batch,), generator=g)
+        x0 = latents[idx]
+        bsz = len(idx)
+        # an independent noise level per block, and often a clean prefix of random length
+        sigma_blocks = sample_sigmas(bsz * len(chunks), cfg.train_shift, g).view(bsz, len(chunks))
+        clean = torch.rand(bsz, generator=g) < cfg.clean_prefix_prob
+        cut = torch.randint(1, len(chunks), (bsz,), generator=g)
+        block_index = torch.arange(len(chunks)).view(1, -1)
+        sigma_blocks = torch.where(clean.view(-1, 1) & (block_index < cut.view(-1, 1)), 0.0, sigma_blocks)
+        sigma = torch.cat([sigma_blocks[:, [i]].expand(-1, e - s) for i, (s, e) in enumerate(chunks)], dim=1)
+        eps = torch.randn(x0.shape, generator=g)
+        s_ = sigma.view(bsz, 1, frames, 1, 1)
+        xt = (1 - s_) * x0 + s_ * eps
+        drop = torch.rand(bsz, generator=g) < cfg.cfg_dropout
+        context = torch.where(drop.view(-1, 1, 1), empty.expand(bsz, -1, -1), all_context[idx])
+        cross_kv = model.cross_attention_kv(context)
+        pred = model.forward_masked(xt, sigma * 1000, cross_kv, chunks)
+        weight = (sigma > 0).float().view(bsz, 1, frames, 1, 1)
+        loss = ((pred - (eps - x0)) ** 2 * weight).sum() / (weight.sum() * x0.shape[1] * x0.shape[3] * x0.shape[4])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        progress.step(step, loss.item())
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Train the embedded default models (shapes-t2v and shapes-causal) from scratch on 2 CPU cores.
+
+    python scripts/train_demo_model.py                      # everything, into composer/demo/models
+    python scripts/train_demo_model.py --stages t2v,save    # redo the DiT from the saved VAE and latents
+    python scripts/train_demo_model.py --quick --out /tmp/x # a smoke test in a minute
+
+Stages (each saves its result under --work, so later stages can be re-run alone):
+  vae     a small AutoencoderKLWan on the synthetic frames
+  data    render clips, encode them, measure latent mean/std (written into the VAE config)
+  t2v     text encoder + DiT by flow matching, with caption dropout for CFG
+  causal  the block-causal DiT by diffusion forcing on longer clips
+  save    write the model folders (fp16) and score a few prompts
+Seeded: the same flags give the same models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from composer.demo import train as T  # noqa: E402
+from composer.demo.folders import CAUSAL_NAME, PACKAGED, T2V_NAME  # noqa: E402
+
+STAGES = ("vae", "data", "t2v", "causal", "save")
+QUICK = dict(vae_image_steps=10, vae_crop_steps=6, vae_full_steps=2, num_clips=64, num_causal_clips=32, dit_steps=30,
+             causal_steps=20, dit_batch=8, causal_batch=4)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=PACKAGED, help="where the model folders go")
+    p.add_argument("--work", type=Path, default=None, help="intermediate results (default: <out>/../.demo-train)")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--quick", action="store_true", help="a few steps of everything (smoke test)")
+    p.add_argument("--eval-prompts", type=int, default=16, help="prompts scored after saving (0: skip)")
+    for f in dataclasses.fields(T.TrainConfig):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None, help=f"default {f.default}")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(T.TrainConfig) if getattr(args, f.name) is not None}
+    cfg = T.TrainConfig(**{**(QUICK if args.quick else {}), **overrides})
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        sys.exit(f"unknown stages {sorted(unknown)}; choose from {', '.join(STAGES)}")
+    work = args.work or args.out.parent / ".demo-train"
+    work.mkdir(parents=True, exist_ok=True)
+    log_file = (work / "train.log").open("a")
+
+    def log(msg: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    log(f"config: {cfg}")
+    start = time.perf_counter()
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    if "vae" in stages:
+        t = time.perf_counter()
+        T.train_vae(cfg, log).save_pretrained(work / "vae")
+        log(f"vae trained in {time.perf_counter() - t:.0f} s")
+    vae = AutoencoderKLWan.from_pretrained(work / "vae")
+
+    if "data" in stages:
+        t = time.perf_counter()
+        import numpy as np
+
+        rng = np.random.default_rng(cfg.seed + 10)
+        clips, captions = T.make_clips(cfg.num_clips, cfg.frames, cfg, rng)
+        latents = T.encode_latents(vae, clips)
+        T.set_latent_stats(vae, latents)
+        vae.save_pretrained(work / "vae")  # now with latents_mean / latents_std
+        long_clips, long_captions = T.make_clips(cfg.num_causal_clips, cfg.causal_frames, cfg, rng)
+        long_latents = T.encode_latents(vae, long_clips)
+        torch.save({"latents": T.normalize(latents, vae), "captions": captions,
+                    "long_latents": T.normalize(long_latents, vae), "long_captions": long_captions}, work / "data.pt")
+        log(f"data: {len(clips)} + {len(long_clips)} clips encoded in {time.perf_counter() - t:.0f} s")
+    data = torch.load(work / "data.pt")
+
+    if "t2v" in stages:
+        t = time.perf_counter()
+        tokenizer, encoder, dit = T.train_t2v(cfg, data["latents"], data["captions"], log)
+        tokenizer.save_pretrained(work / "tokenizer")
+        encoder.save_pretrained(work / "text_encoder")
+        dit.save_pretrained(work / "transformer")
+        log(f"t2v trained in {time.perf_counter() - t:.0f} s")
+    tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
+    encoder = UMT5EncoderModel.from_pretrained(work / "text_encoder").eval()
+    dit = WanTransformer3DModel.from_pretrained(work / "transformer").eval()
+
+    if "causal" in stages:
+        t = time.perf_counter()
+        causal = T.train_causal(cfg, dit, tokenizer, encoder, data["long_latents"], data["long_captions"], log)
+        torch.save(causal.state_dict(), work / "causal.pt")
+        log(f"causal trained in {time.perf_counter() - t:.0f} s")
+
+    if "save" in stages:
+        from composer.convert.self_forcing import CausalSettings
+        from composer.demo.folders import save_causal_folder, save_t2v_folder
+        from composer.models.wan.causal import CausalWanTransformer3DModel
+        from composer.models.wan.config import WanTransformerConfig
+
+        t2v_dir = save_t2v_folder(args.out / T2V_NAME, tokenizer, encoder, vae, dit, cfg.text_max_length,
+                                  flow_shift=cfg.train_shift)
+        causal = CausalWanTransformer3DModel(WanTransformerConfig.from_dict(dict(dit.config)))
+        causal.load_state_dict(torch.load(work / "causal.pt"))
+        settings = CausalSettings(num_frames_per_block=cfg.frames_per_block,
+                                  denoising_step_list=list(cfg.causal_sampling_steps),
+                                  timestep_shift=cfg.train_shift)
+        save_causal_folder(args.out / CAUSAL_NAME, causal, t2v_dir, settings)
+        size = sum(f.stat().st_size for d in (t2v_dir, args.out / CAUSAL_NAME) for f in d.rglob("*") if f.is_file())
+        log(f"wrote {t2v_dir} and {args.out / CAUSAL_NAME} ({size / 2**20:.1f} MiB)")
+        if args.eval_prompts:
+            from composer.demo.evaluate import demo_prompts, score_prompts
+            from composer.generator import VideoGenerator
+
+            gen = VideoGenerator.from_pretrained(t2v_dir, progress=False)
+            log(score_prompts(gen, demo_prompts(args.eval_prompts, seed=1000), seed=1000).report())
+    log(f"done in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

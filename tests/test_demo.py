@@ -1,0 +1,157 @@
+"""The embedded shapes models: data, the frame-reading score, the trained models' floor, eval CLI, training."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from composer.demo.evaluate import demo_prompts, measure_drift, score_prompts
+from composer.demo.folders import CAUSAL_NAME, T2V_NAME, packaged_model
+from composer.demo.score import Score, Target, analyze
+from composer.demo.shapes import CLEAR_FRAMES, ClipSpec, caption, render, trajectory, vocabulary
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_clips_are_seeded_and_stay_in_the_frame():
+    a = [render(ClipSpec.sample(np.random.default_rng(3))) for _ in range(2)]
+    b = [render(ClipSpec.sample(np.random.default_rng(3))) for _ in range(2)]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)) and a[0].shape == (17, 64, 64, 3)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        spec = ClipSpec.sample(rng)
+        obj = spec.objects[0]
+        path = trajectory(obj, 40, 64)
+        assert (path >= obj.size - 1e-6).all() and (path <= 64 - obj.size + 1e-6).all()  # bounces off the walls
+        steps = np.diff(path[: CLEAR_FRAMES + 1], axis=0)
+        assert np.allclose(steps, steps[0])  # no bounce in the first frames
+
+
+def test_captions_use_the_vocabulary_and_tokenize_to_whole_words():
+    from composer.testing.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(vocabulary())
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        text = caption(ClipSpec.sample(rng, max_objects=2))
+        tokens = tokenizer.tokenize(text)
+        assert len(tokens) == len(text.split()) and all(t.startswith("\u2581") for t in tokens)
+    target = Target.from_prompt("a cyan triangle moving down and left on a gray background")
+    assert (target.color, target.shape, target.direction) == ("cyan", "triangle", "down-left")
+
+
+def test_score_reads_ground_truth_clips():
+    rng = np.random.default_rng(5)
+    score = Score()
+    for _ in range(60):
+        spec = ClipSpec.sample(rng)
+        score.add(caption(spec), render(spec))
+    summary = score.summary()
+    assert summary["color"] == 1.0 and summary["direction"] >= 0.95 and summary["shape"] >= 0.95
+
+
+def _blur(frames: np.ndarray, sigma: float) -> np.ndarray:
+    import torch
+    import torch.nn.functional as F
+
+    r = 4
+    k = torch.exp(-torch.arange(-r, r + 1.0) ** 2 / (2 * sigma**2))
+    k = k / k.sum()
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2).float().reshape(-1, 1, *frames.shape[1:3])
+    x = F.conv2d(F.pad(x, (r, r, 0, 0), mode="replicate"), k.view(1, 1, 1, -1))
+    x = F.conv2d(F.pad(x, (0, 0, r, r), mode="replicate"), k.view(1, 1, -1, 1))
+    return x.reshape(frames.shape[0], 3, *frames.shape[1:3]).permute(0, 2, 3, 1).round().clamp(0, 255).byte().numpy()
+
+
+def test_score_reads_blurred_clips():
+    """A decoder's soft edges must not turn every shape into a circle or wash out its colour."""
+    rng = np.random.default_rng(321)
+    score = Score()
+    for _ in range(40):
+        spec = ClipSpec.sample(rng)
+        score.add(caption(spec), _blur(render(spec), 1.5))
+    summary = score.summary()
+    assert summary["color"] >= 0.95 and summary["direction"] >= 0.95 and summary["shape"] >= 0.85, summary
+
+
+def test_score_of_an_empty_video_is_all_wrong():
+    analysis = analyze(np.zeros((17, 64, 64, 3), dtype=np.uint8))
+    assert analysis.color is None and not any(analysis.matches(Target("red", "circle", "left")).values())
+
+
+@pytest.fixture(scope="module")
+def shapes_t2v():
+    from composer import VideoGenerator
+
+    folder = packaged_model(T2V_NAME)
+    assert folder is not None, "the embedded model must ship with the package"
+    return VideoGenerator.from_pretrained(folder, progress=False)
+
+
+def test_embedded_model_is_small_and_in_diffusers_layout():
+    total = 0
+    for name in (T2V_NAME, CAUSAL_NAME):
+        folder = packaged_model(name)
+        assert folder is not None
+        total += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert total < 20 * 2**20
+    index = (packaged_model(T2V_NAME) / "model_index.json").read_text()
+    assert '"WanPipeline"' in index and '"WanTransformer3DModel"' in index and '"AutoencoderKLWan"' in index
+
+
+def test_embedded_model_follows_prompts(shapes_t2v):
+    """A regression floor on a small seeded subset: a broken stage (scheduler, CFG, VAE, text) falls to chance."""
+    result = score_prompts(shapes_t2v, demo_prompts(12, seed=7), seed=7)
+    summary = result.score.summary()
+    assert summary["color"] >= FLOORS["color"], result.report()
+    assert summary["direction"] >= FLOORS["direction"], result.report()
+    # No shape floor: the shipped model draws shapes at chance (its small VAE blurs them; docs/demo-model.md).
+
+
+def test_embedded_causal_model_streams_and_follows_the_prompt():
+    from composer import VideoGenerator
+
+    gen = VideoGenerator.from_pretrained(packaged_model(CAUSAL_NAME), progress=False)
+    assert gen.family == "shapes-causal"
+    prompts = demo_prompts(6, seed=11)
+    score = Score()
+    for i, prompt in enumerate(prompts):
+        stream = gen.stream_video(prompt, seed=i)
+        chunks = list(stream)
+        assert len(chunks) == 9 and stream.frames.shape == (33, 64, 64, 3)
+        score.add(prompt, stream.frames[:17])
+    assert score.accuracy("color") >= FLOORS["causal_color"]
+    drift = measure_drift(gen, prompts[:2], num_frames=65)
+    assert len(drift.chunks) == 3 and "first -> last chunk" in drift.report()
+
+
+def test_eval_cli_prints_scores(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "composer.cli.main", "eval", "demo", "--num-prompts", "3", "--drift-prompts", "1",
+         "--drift-frames", "41", "--json", str(tmp_path / "scores.json")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "prompt following over 3 prompts" in run.stdout and "temporal drift" in run.stdout
+    assert (tmp_path / "scores.json").is_file()
+
+
+def test_training_script_runs_end_to_end(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_demo_model.py"), "--quick", "--out", str(tmp_path / "models"),
+         "--eval-prompts", "1"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    for name in (T2V_NAME, CAUSAL_NAME):
+        assert (tmp_path / "models" / name / "model_index.json").is_file()
+    assert "prompt following over 1 prompts" in run.stdout
+
+
+# Floors below what the shipped models score on these subsets (colour 100%, direction 50%, causal colour 100%)
+# and far above chance (14%, 12.5%); without CFG direction falls to about 10%.
+FLOORS = {"color": 0.75, "direction": 0.3, "causal_color": 0.5}
