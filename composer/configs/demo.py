@@ -27,7 +27,8 @@ class ShapesT2VSamplingParam(SamplingParam):
 
 @dataclass
 class ShapesCausalSamplingParam(CausalWanSamplingParam):
-    """The causal shapes model: 64x64 at 8 fps, 33 frames by default, long videos in rollouts of 8 frames."""
+    """The causal shapes model: 64x64 at 8 fps, 33 frames by default; long videos in rollouts of 6 blocks (one
+    latent frame each), each restarted from the last 3 latent frames."""
 
     height: int = 64
     width: int = 64

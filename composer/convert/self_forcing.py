@@ -33,6 +33,8 @@ logger = get_logger(__name__)
 
 _WRAPPER_PREFIXES = re.compile(r"(^|\.)(_fsdp_wrapped_module|_orig_mod|_checkpoint_wrapped_module|module)\.")
 COPIED_COMPONENTS = ("text_encoder", "tokenizer", "vae")
+# pipeline settings a base folder may state (e.g. its text length); they still hold for the causal model
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(CausalWanConfig))
 SHARD_BYTES = 5 * 2**30
 
 
@@ -180,8 +182,7 @@ def convert_self_forcing(
                              "base": str(base)},
         **{name: [index.components[name].library, index.components[name].class_name] for name in COPIED_COMPONENTS},
         "transformer": ["composer", "CausalWanTransformer3DModel"],
-        # pipeline settings the base folder states (e.g. its text length) still hold for the causal model
-        **{k: v for k, v in index.extra.items() if k in {f.name for f in dataclasses.fields(CausalWanConfig)}},
+        **{k: v for k, v in index.extra.items() if k in _CONFIG_FIELDS},
         **asdict(settings),
     }
     (out / "model_index.json").write_text(json.dumps(model_index, indent=2))

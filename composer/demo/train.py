@@ -100,6 +100,17 @@ def cosine_lr(step: int, total: int, base: float, warmup: int = 100) -> float:
     return base * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, max_norm: float = 1.0) -> None:
+    """One update of every parameter `opt` holds: backward, clip the gradient norm, step at `lr`."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+
+
 class _Progress:
     """Loss every `every` steps with a running mean, steps per second and an ETA."""
 
@@ -192,16 +203,11 @@ def train_vae(cfg: TrainConfig, log: Log = print, init=None, first_step: int = 0
     progress = _Progress("vae", total, log)
     vae.train().requires_grad_(True)
     for step in range(first_step, total):
-        for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, total, cfg.vae_lr)
         x = _vae_batch(step, cfg, rng)
         posterior = vae.encode(x).latent_dist
         recon = decode_unclamped(vae, posterior.sample())
         loss = reconstruction_loss(recon, x, cfg.vae_foreground_weight) + cfg.vae_kl_weight * posterior.kl().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, cosine_lr(step, total, cfg.vae_lr))
         progress.step(step, loss.item())
     return vae.eval().requires_grad_(False)
 
@@ -278,8 +284,6 @@ def train_t2v(cfg: TrainConfig, latents: torch.Tensor, captions: list[str], log:
     dit.train()
     encoder.train()
     for step in range(cfg.dit_steps):
-        for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, cfg.dit_steps, cfg.dit_lr)
         idx = torch.randint(len(latents), (cfg.dit_batch,), generator=g)
         x0 = latents[idx]
         texts = ["" if torch.rand(1, generator=g).item() < cfg.cfg_dropout else captions[i] for i in idx.tolist()]
@@ -290,10 +294,7 @@ def train_t2v(cfg: TrainConfig, latents: torch.Tensor, captions: list[str], log:
         context = encode_text(tokenizer, encoder, texts, cfg.text_max_length)
         pred = dit(xt, sigma * 1000, context, return_dict=False)[0]
         loss = F.mse_loss(pred, eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, loss, cosine_lr(step, cfg.dit_steps, cfg.dit_lr))
         progress.step(step, loss.item())
     return tokenizer, encoder.eval().requires_grad_(False), dit.eval().requires_grad_(False)
 
@@ -338,8 +339,6 @@ def train_causal(cfg: TrainConfig, dit, tokenizer, encoder, latents: torch.Tenso
                                  for i in range(0, len(captions), 256)])
         empty = encode_text(tokenizer, encoder, [""], cfg.text_max_length)
     for step in range(cfg.causal_steps):
-        for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, cfg.causal_steps, cfg.causal_lr)
         idx = torch.randint(len(latents), (cfg.causal_batch,), generator=g)
         x0 = latents[idx]
         bsz = len(idx)
@@ -359,9 +358,6 @@ def train_causal(cfg: TrainConfig, dit, tokenizer, encoder, latents: torch.Tenso
         pred = model.forward_masked(xt, sigma * 1000, cross_kv, chunks)
         weight = (sigma > 0).float().view(bsz, 1, frames, 1, 1)
         loss = ((pred - (eps - x0)) ** 2 * weight).sum() / (weight.sum() * x0.shape[1] * x0.shape[3] * x0.shape[4])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, cosine_lr(step, cfg.causal_steps, cfg.causal_lr))
         progress.step(step, loss.item())
     return model.eval().requires_grad_(False)
