@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
     demo.add_argument("--num-inference-steps", "--steps", type=int, default=None, help="override the model default")
     demo.add_argument("--guidance-scale", type=float, default=None)
     demo.add_argument("--causal", action="store_true", help="also score the causal model on the same prompts")
+    demo.add_argument("--causal-guidance-scale", type=float, default=None,
+                      help="CFG scale of the causal model (default: the model's; 1 disables CFG)")
     demo.add_argument("--drift-prompts", type=int, default=8, help="long rollouts for the drift figure (0: skip)")
     demo.add_argument("--drift-frames", type=int, default=129, help="frames per long rollout")
     demo.add_argument("--json", default=None, help="also write the results here")
@@ -48,12 +50,14 @@ def run(args: argparse.Namespace) -> int:
     results["t2v"] = t2v.score.summary()
     if args.causal or args.drift_prompts:
         causal = VideoGenerator.from_pretrained(folder(args.causal_model_path, CAUSAL_NAME), progress=False)
+        causal_overrides = {} if args.causal_guidance_scale is None else {"guidance_scale": args.causal_guidance_scale}
         if args.causal:
-            scored = score_prompts(causal, prompts, args.seed)
+            scored = score_prompts(causal, prompts, args.seed, **causal_overrides)
             print("causal " + scored.report())
             results["causal"] = scored.score.summary()
         if args.drift_prompts:
-            drift = measure_drift(causal, prompts[: args.drift_prompts], args.drift_frames, seed=args.seed)
+            drift = measure_drift(causal, prompts[: args.drift_prompts], args.drift_frames, seed=args.seed,
+                                  **causal_overrides)
             print(drift.report())
             results["drift"] = [vars(c) for c in drift.chunks]
     if args.json:

@@ -69,7 +69,7 @@ class CausalWanPipeline(ComposedPipeline):
         self.add_stage(
             InputValidationStage(
                 spatial_multiple=spatial * max(patch[1], patch[2]), temporal_factor=temporal,
-                supports_cfg=False, fixed_steps=len(self.config.denoising_step_list), supports_flow_shift=False,
+                fixed_steps=len(self.config.denoising_step_list), supports_flow_shift=False,
             )
         )
         text = TextEncodingStage(
@@ -80,7 +80,7 @@ class CausalWanPipeline(ComposedPipeline):
         self.add_stage(StartFrameEncodingStage(vae))
         self.add_stage(
             CausalDenoisingStage(
-                transformer, text.encode, self.config, kv_cache_offload=self.runtime.kv_cache_offload,
+                transformer, text.encode, self.config, spatial_factor=spatial, kv_cache_offload=self.runtime.kv_cache_offload,
                 progress=self.runtime.progress,
             )
         )

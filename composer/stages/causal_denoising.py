@@ -11,6 +11,11 @@ draw on the GPU in bf16, which gives other values): one seeded CPU generator; at
 whole rollout's noise [B, F, C, h, w]; then for each block and each non-final step one draw of
 [B * frames_in_block, C, h, w].
 
+Classifier-free guidance (guidance_scale > 1; Self-Forcing's distilled models run without it): every model pass
+runs the prompt and the negative prompt as one doubled batch, rows [cond; uncond], over one KV cache of twice
+the batch; the flow is uncond + g (cond - uncond) and both halves continue from the same guided clean
+frames. The noise draws stay those of the unguided batch, so a seed keeps its meaning.
+
 Long videos and prompt switches: a segment (prompt, num_blocks) may span several rollouts of
 `rollout_blocks` blocks. Each new rollout, and each new prompt, starts a fresh cache (frame positions
 restart at 0) prefilled at `context_noise` with the last `overlap_frames` latent frames generated so far,
@@ -111,10 +116,12 @@ class CausalDenoisingStage(Stage):
         transformer: CausalWanTransformer3DModel,
         encode_prompts: Callable[[list[str]], torch.Tensor],
         config: CausalWanConfig,
+        spatial_factor: int = 8,
         kv_cache_offload: bool = False,
         progress: bool = True,
     ):
         self.transformer = transformer
+        self.spatial_factor = spatial_factor  # the VAE's: latent height = height // spatial_factor
         self.encode_prompts = encode_prompts
         self.config = config
         self.kv_cache_offload = kv_cache_offload
@@ -132,6 +139,8 @@ class CausalDenoisingStage(Stage):
         result.add_check(f"extra['{SEGMENTS}']", batch.extra.get(SEGMENTS), V.not_none)
         if batch.start_latents is not None:
             result.add_check("start_latents", batch.start_latents, V.ndim(5))
+        if batch.do_classifier_free_guidance:
+            result.add_check("negative_prompt_embeds", batch.negative_prompt_embeds, V.ndim(3))
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         # Streaming callers report each block themselves; the whole-video path gets a progress bar.
@@ -167,8 +176,11 @@ class CausalDenoisingStage(Stage):
         dtype, device = model.dtype, model.device
         bsz = batch.batch_size
         channels = model.config.in_channels
-        h, w = batch.height // 8, batch.width // 8
+        h, w = batch.height // self.spatial_factor, batch.width // self.spatial_factor
         tpf = model.tokens_per_frame(h, w)
+        guidance = float(batch.guidance_scale) if batch.do_classifier_free_guidance else None
+        rows = 2 * bsz if guidance is not None else bsz  # model batch: [cond; uncond] with CFG
+        negative = batch.negative_prompt_embeds.to(device, dtype) if guidance is not None else None
         n = cfg.num_frames_per_block
         use_cache = batch.extra.get(USE_KV_CACHE, True)
         rollout_blocks = batch.extra.get(ROLLOUT_BLOCKS)
@@ -186,7 +198,10 @@ class CausalDenoisingStage(Stage):
         block_index = 0
         first_rollout = True
         for segment, (prompt, num_blocks) in enumerate(checked_segments(batch.extra[SEGMENTS])):
-            cross_kv = model.cross_attention_kv(self.encode_prompts([prompt] * bsz).to(device, dtype))
+            context_embeds = self.encode_prompts([prompt] * bsz).to(device, dtype)
+            if negative is not None:
+                context_embeds = torch.cat([context_embeds, negative])
+            cross_kv = model.cross_attention_kv(context_embeds)
             remaining = num_blocks
             while remaining > 0:
                 blocks = min(remaining, rollout_blocks or remaining)
@@ -201,7 +216,7 @@ class CausalDenoisingStage(Stage):
                     context = so_far[:, :, max(0, so_far.shape[2] - overlap):] if overlap > 0 else None
                 first_rollout = False
                 prefix = 0 if context is None else context.shape[2]
-                cache = self._new_cache(bsz, prefix + blocks * n, tpf) if use_cache else None
+                cache = self._new_cache(rows, prefix + blocks * n, tpf) if use_cache else None
                 stats.rollouts += 1
                 stats.kv_cache_bytes = max(stats.kv_cache_bytes, cache.nbytes if cache else 0)
 
@@ -209,7 +224,7 @@ class CausalDenoisingStage(Stage):
                 if cache is not None and context is not None:
                     for s, e in self._chunks(0, prefix):
                         model.forward_cached(
-                            context[:, :, s:e].to(dtype), self._timesteps(cfg.context_noise, bsz, e - s),
+                            _rows(context[:, :, s:e], rows).to(dtype), self._timesteps(cfg.context_noise, rows, e - s),
                             cross_kv, cache, s,
                         )
                 _sync(device)
@@ -223,10 +238,10 @@ class CausalDenoisingStage(Stage):
                     start = time.perf_counter()
                     s = prefix + b * n
                     x = noise[:, :, b * n:(b + 1) * n]
-                    x0 = self._denoise_block(x, s, cross_kv, cache, rollout_clean, prefix, batch.generator)
+                    x0 = self._denoise_block(x, s, cross_kv, cache, rollout_clean, prefix, batch.generator, guidance)
                     if cache is not None:
                         model.forward_cached(
-                            x0.to(dtype), self._timesteps(cfg.context_noise, bsz, n), cross_kv, cache, s
+                            _rows(x0, rows).to(dtype), self._timesteps(cfg.context_noise, rows, n), cross_kv, cache, s
                         )
                     x0 = x0.float()
                     if not use_cache:
@@ -253,19 +268,25 @@ class CausalDenoisingStage(Stage):
         rollout_clean: list[torch.Tensor],
         prefill_frames: int,
         generator: torch.Generator,
+        guidance: float | None = None,
     ) -> torch.Tensor:
-        """The few-step loop for one block; returns its clean x0 (in the model's output dtype)."""
+        """The few-step loop for one block; returns its clean x0 (in the model's output dtype; fp32 with CFG)."""
         model = self.transformer
         dtype = model.dtype
         bsz, channels, n, h, w = x.shape
+        rows = 2 * bsz if guidance is not None else bsz
         steps = self.steps.tolist()
         x0 = x
         for i, t in enumerate(steps):
-            timestep = self._timesteps(t, bsz, n)
+            timestep = self._timesteps(t, rows, n)
             if cache is not None:
-                flow = model.forward_cached(x.to(dtype), timestep, cross_kv, cache, start_frame)
+                flow = model.forward_cached(_rows(x, rows).to(dtype), timestep, cross_kv, cache, start_frame)
             else:
-                flow = self._recompute(x, timestep, cross_kv, rollout_clean, prefill_frames)
+                clean = [_rows(c, rows) for c in rollout_clean]
+                flow = self._recompute(_rows(x, rows), timestep, cross_kv, clean, prefill_frames)
+            if guidance is not None:
+                cond, uncond = flow.float().chunk(2)
+                flow = uncond + guidance * (cond - uncond)
             x0 = self.table.to_x0(flow, x, t)
             if i < len(steps) - 1:
                 eps = torch.randn((bsz * n, channels, h, w), generator=generator)
@@ -285,6 +306,11 @@ class CausalDenoisingStage(Stage):
         window, sink = self.window
         out = model.forward_masked(frames, times, cross_kv, chunks, window, sink)
         return out[:, :, prefix:]
+
+
+def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [B, ...] as the model batch of `rows` rows: itself, or [x; x] for CFG's cond and uncond halves."""
+    return x if x.shape[0] == rows else torch.cat([x] * (rows // x.shape[0]))
 
 
 def _newest_frames(chunks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
