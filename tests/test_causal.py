@@ -107,6 +107,22 @@ def test_cfg_guides_every_segment_of_a_prompt_switch(global_gen):
     assert (two.latents - two_recomputed.latents).abs().max().item() <= 1e-5
 
 
+def test_a_4x_spatial_vae_sets_the_latent_size(tmp_path):
+    """Latent height/width come from the folder's VAE (4x here, not Wan2.1's 8x), for the cached and the
+    recompute paths, and the decoded video has the requested size."""
+    from composer.testing.tiny_wan import build_tiny_wan
+
+    base = build_tiny_wan(tmp_path / "base4x", vae_spatial=4)
+    write_self_forcing_checkpoint(base, tmp_path / "sf.pt")
+    gen = VideoGenerator.from_pretrained(convert_self_forcing(tmp_path / "sf.pt", base, tmp_path / "causal4x"),
+                                         progress=False)
+    kwargs = dict(height=H, width=W, num_frames=frames_for(6), seed=2)
+    cached = gen.generate_video("a red circle", **kwargs)
+    recomputed = gen.generate_video("a red circle", kv_cache=False, **kwargs)
+    assert cached.latents.shape == (1, 16, 6, H // 4, W // 4) and cached.frames.shape == (21, H, W, 3)
+    assert (cached.latents - recomputed.latents).abs().max().item() <= 1e-5
+
+
 # -- parity with Self-Forcing's own semantics ----------------------------------------------------------
 def _reference_latents(gen, checkpoint_state, prompt, seed, latent_frames, settings, height=H, width=W,
                        initial_latent=None):

@@ -125,6 +125,7 @@ def test_embedded_causal_model_streams_and_follows_the_prompt():
         assert len(chunks) == 9 and stream.frames.shape == (33, 64, 64, 3)
         score.add(prompt, stream.frames[:17])
     assert score.accuracy("color") >= FLOORS["causal_color"]
+    assert score.accuracy("direction") >= FLOORS["causal_direction"]  # needs the causal stage's CFG
     drift = measure_drift(gen, prompts[:2], num_frames=65)
     assert len(drift.chunks) == 3 and "first -> last chunk" in drift.report()
 
@@ -152,6 +153,6 @@ def test_training_script_runs_end_to_end(tmp_path):
     assert "prompt following over 1 prompts" in run.stdout
 
 
-# Floors below what the shipped models score on these subsets (colour 100%, direction 50%, causal colour 100%)
-# and far above chance (14%, 12.5%); without CFG direction falls to about 10%.
-FLOORS = {"color": 0.75, "direction": 0.3, "causal_color": 0.5}
+# Floors below what the shipped models score on these subsets (colour 100%, direction 50%; causal colour 100%,
+# direction 2 of 6) and above chance (14%, 12.5%). Without CFG direction falls to about 10% (causal: 0 of 6).
+FLOORS = {"color": 0.75, "direction": 0.3, "causal_color": 0.5, "causal_direction": 0.15}

@@ -38,6 +38,9 @@ class TrainConfig:
     # vae_crop_size (the causal temporal caches of every chunk; the VAE is convolutional, so crops teach it
     # at a quarter of the cost), then a few full-size clips
     vae_base_dim: int = 16
+    vae_spatial: int = 8  # spatial compression, 8 (Wan's) or 4. At 8 a 17-24 px shape is 2-3 latent pixels
+    # across and reconstructions keep its shape 42% of the time; 4 (with z_dim 8, dit_patch 2) keeps 62% and
+    # the DiT draws the prompted shape 60% of the time, but follows the direction worse (docs/demo-model.md)
     z_dim: int = 16
     vae_image_steps: int = 1200
     vae_image_batch: int = 6
@@ -64,8 +67,8 @@ class TrainConfig:
     dit_layers: int = 4
     dit_ffn: int = 512
     dit_freq_dim: int = 64
-    dit_patch: int = 1  # spatial patch (1, p, p): 1 gives an 8x8 token grid per latent frame, where a frame's
-    # motion (a few latent pixels) is whole tokens; with 2 (4x4 tokens) it hides inside a patch
+    dit_patch: int = 1  # spatial patch (1, p, p): an 8x8 token grid per latent frame with the 8x VAE (use 2 with
+    # the 4x one), where a latent frame's motion (4 frames, 6-10 px) is about a token; coarser, it hides in a patch
     dit_steps: int = 3000
     dit_batch: int = 16
     dit_lr: float = 5e-4
@@ -163,6 +166,21 @@ def _vae_batch(step: int, cfg: TrainConfig, rng: np.random.Generator) -> torch.T
     return to_pixels(make_clips(cfg.vae_full_batch, cfg.frames, cfg, rng)[0])
 
 
+def new_vae(cfg: TrainConfig):
+    """A Wan VAE with 4x temporal and `cfg.vae_spatial` spatial compression (one 2x stage per factor)."""
+    from diffusers import AutoencoderKLWan
+
+    stages = {4: ([1, 2, 4], [True, True]), 8: ([1, 2, 4, 4], [False, True, True])}
+    if cfg.vae_spatial not in stages:
+        raise ValueError(f"vae_spatial must be 4 or 8, got {cfg.vae_spatial}")
+    dim_mult, temporal = stages[cfg.vae_spatial]
+    return AutoencoderKLWan(
+        base_dim=cfg.vae_base_dim, z_dim=cfg.z_dim, dim_mult=dim_mult, num_res_blocks=1, attn_scales=[],
+        temperal_downsample=temporal, latents_mean=[0.0] * cfg.z_dim, latents_std=[1.0] * cfg.z_dim,
+        scale_factor_spatial=cfg.vae_spatial, scale_factor_temporal=4,
+    )
+
+
 @torch.no_grad()
 def inflate_temporal_identity(vae) -> None:
     """Make the VAE's video path start as its image path, as video VAEs are initialised from image weights:
@@ -188,14 +206,9 @@ def inflate_temporal_identity(vae) -> None:
 
 def train_vae(cfg: TrainConfig, log: Log = print, init=None, first_step: int = 0):
     """Train (or, with `init`, continue training from `first_step` of the curriculum) a Wan VAE."""
-    from diffusers import AutoencoderKLWan
-
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    vae = init or AutoencoderKLWan(
-        base_dim=cfg.vae_base_dim, z_dim=cfg.z_dim, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
-        temperal_downsample=[False, True, True], latents_mean=[0.0] * cfg.z_dim, latents_std=[1.0] * cfg.z_dim,
-    )
+    vae = init or new_vae(cfg)
     if init is None:
         inflate_temporal_identity(vae)
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)

@@ -29,6 +29,7 @@ class TinyWanSpec:
     text_ff: int = 64
     z_dim: int = 16
     vae_base_dim: int = 8
+    vae_spatial: int = 8  # spatial compression: 8 (Wan2.1's) or 4 (one 2x stage fewer)
     scheduler: str = "unipc"  # "unipc" (as released) or "euler" (FlowMatchEulerDiscreteScheduler)
     flow_shift: float = 3.0
     seed: int = 0
@@ -66,9 +67,13 @@ def build_tiny_wan_components(spec: TinyWanSpec = TinyWanSpec()) -> dict:
     ).eval()
     torch.manual_seed(spec.seed + 1)
     z_kwargs = {} if spec.z_dim == 16 else {"latents_mean": [0.0] * spec.z_dim, "latents_std": [1.0] * spec.z_dim}
+    stages = {8: ([1, 2, 4, 4], [False, True, True]), 4: ([1, 2, 4], [True, True])}
+    if spec.vae_spatial not in stages:
+        raise ValueError(f"vae_spatial must be 4 or 8, got {spec.vae_spatial}")
+    dim_mult, temporal = stages[spec.vae_spatial]
     vae = AutoencoderKLWan(
-        base_dim=spec.vae_base_dim, z_dim=spec.z_dim, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-        attn_scales=[], temperal_downsample=[False, True, True], **z_kwargs,
+        base_dim=spec.vae_base_dim, z_dim=spec.z_dim, dim_mult=dim_mult, num_res_blocks=1,
+        attn_scales=[], temperal_downsample=temporal, scale_factor_spatial=spec.vae_spatial, **z_kwargs,
     ).eval()
     torch.manual_seed(spec.seed + 2)
     transformer = WanTransformer3DModel(
