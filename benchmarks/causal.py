@@ -136,6 +136,7 @@ class Video:
     height: int
     width: int
     num_frames: int
+    guidance_scale: float = 1.0  # > 1: CFG, a doubled batch over a cache of twice the batch
 
 
 @dataclass
@@ -158,7 +159,9 @@ class Run:
 def stream_once(gen: VideoGenerator, video: Video, kv_cache: bool) -> tuple[Run, torch.Tensor]:
     """Stream one video to the end; its profile and final latents [B, C, F, h, w] (on the CPU)."""
     stream = gen.stream_video(
-        PROMPT, height=video.height, width=video.width, num_frames=video.num_frames, seed=SEED, kv_cache=kv_cache
+        PROMPT, height=video.height, width=video.width, num_frames=video.num_frames, seed=SEED, kv_cache=kv_cache,
+        guidance_scale=video.guidance_scale, negative_prompt="",
+        rollout_blocks=video.num_frames,  # more blocks than the video has: one rollout, one cache, as measured
     )
     chunks = list(stream)
     stats = stream.stats
@@ -237,14 +240,16 @@ def model_layout(gen: VideoGenerator, video: Video, blocks: int) -> Layout:
     )
 
 
-def expected_kv_bytes(gen: VideoGenerator, layout: Layout) -> int:
-    """KVCacheSpec.nbytes for this model and video (batch 1), to check the allocated cache against."""
+def expected_kv_bytes(gen: VideoGenerator, layout: Layout, guidance_scale: float = 1.0) -> int:
+    """KVCacheSpec.nbytes for this model and video (batch 1; 2 rows with CFG), to check the allocated cache
+    against."""
     from composer.cache import KVCacheSpec
 
     transformer = gen.pipeline.modules["transformer"]
     cfg = transformer.config
     spec = KVCacheSpec(
-        num_layers=cfg.num_layers, batch_size=1, num_heads=cfg.num_attention_heads, head_dim=cfg.attention_head_dim,
+        num_layers=cfg.num_layers, batch_size=2 if guidance_scale > 1 else 1, num_heads=cfg.num_attention_heads,
+        head_dim=cfg.attention_head_dim,
         tokens_per_frame=layout.tokens_per_frame, capacity_frames=layout.blocks * layout.frames_per_block,
         window_frames=layout.window, sink_frames=layout.sink,
     )
@@ -385,6 +390,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="local_attn_size in latent frames (sink included): rolling-window attention (default: global)",
     )
     p.add_argument("--sink", type=int, default=None, help="sink_size: first frames kept in the window (default 0)")
+    p.add_argument(
+        "--guidance-scale", type=float, default=1.0,
+        help="CFG scale (default 1: none, as Self-Forcing samples); > 1 doubles the batch and the KV cache",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed streams per mode after 1 warmup each (default 3)")
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda when available, else cpu"
@@ -447,7 +456,8 @@ def reproduce_command(args: argparse.Namespace) -> str:
         cmd += ["--frames-per-block", str(args.frames_per_block or FRAMES_PER_BLOCK)]
         if args.window is not None:
             cmd += ["--window", str(args.window), "--sink", str(args.sink or 0)]
-    cmd += ["--height", str(height), "--width", str(width), "--repeats", str(args.repeats)]
+    cmd += ["--height", str(height), "--width", str(width), "--guidance-scale", f"{args.guidance_scale:g}"]
+    cmd += ["--repeats", str(args.repeats)]
     cmd += ["--device", args.device, "--dtype", args.dtype]
     if args.threads is not None:
         cmd += ["--threads", str(args.threads)]
@@ -470,7 +480,7 @@ def run(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
     height, width = video_size(args)
     temporal = gen.pipeline.modules["vae"].config.scale_factor_temporal
     latent_frames = args.blocks * gen.pipeline.config.num_frames_per_block
-    video = Video(height, width, temporal * (latent_frames - 1) + 1)
+    video = Video(height, width, temporal * (latent_frames - 1) + 1, args.guidance_scale)
     layout = model_layout(gen, video, args.blocks)
     cfg = gen.pipeline.modules["transformer"].config
     steps = len(gen.pipeline.config.denoising_step_list)
@@ -478,7 +488,7 @@ def run(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
         f"model: {cfg.num_layers} layers, {cfg.num_attention_heads} heads x {cfg.attention_head_dim}, "
         f"ffn {cfg.ffn_dim}; {steps} denoising steps per block; loaded in {load_s:.1f} s\n"
         f"video: {video.num_frames}x{height}x{width}, {layout.describe()}, {layout.tokens_per_frame} tokens per "
-        f"latent frame\n{args.dtype} on {args.device} (torch {torch.__version__}, threads {torch.get_num_threads()})"
+        f"latent frame, guidance {args.guidance_scale:g}\n{args.dtype} on {args.device} (torch {torch.__version__}, threads {torch.get_num_threads()})"
     )
 
     runs, max_diff = time_modes(gen, video, args.repeats)
@@ -486,15 +496,17 @@ def run(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
     summary = {name: summarize(mode_runs) for name, mode_runs in runs.items()}
     print_summary(summary, video.num_frames)
 
-    expected = expected_kv_bytes(gen, layout)
+    expected = expected_kv_bytes(gen, layout, args.guidance_scale)
     allocated = summary["cached"]["kv_cache_bytes"]
     verdict = "matches" if allocated == expected else "DIFFERS from"
     print(
         f"\nKV cache allocated {format_bytes(allocated)} ({allocated} B) {verdict} KVCacheSpec.nbytes ({expected} B)"
     )
     checked = args.dtype == "fp32"
-    latents_ok = not checked or max_diff <= LATENTS_TOLERANCE
-    check = f"<= {LATENTS_TOLERANCE:g}: {'ok' if latents_ok else 'FAILED'}" if checked else "no tolerance in bf16"
+    # CFG's g c - (g - 1) u scales rounding differences of c and u by up to 2g - 1
+    tolerance = LATENTS_TOLERANCE * max(1.0, 2 * args.guidance_scale - 1)
+    latents_ok = not checked or max_diff <= tolerance
+    check = f"<= {tolerance:g}: {'ok' if latents_ok else 'FAILED'}" if checked else "no tolerance in bf16"
     print(f"latents, cached vs recompute: max abs diff {max_diff:.2e} ({check})")
 
     return {
