@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from composer.demo.folders import T2V_NAME, packaged_model
+from composer.demo.packaged import T2V_NAME, packaged_model
 from composer.errors import ModelNotFoundError
 
 

@@ -156,3 +156,16 @@ def test_training_script_runs_end_to_end(tmp_path):
 # Floors below what the shipped models score on these subsets (colour 100%, direction 50%; causal colour 100%,
 # direction 2 of 6) and above chance (14%, 12.5%). Without CFG direction falls to about 10% (causal: 0 of 6).
 FLOORS = {"color": 0.75, "direction": 0.3, "causal_color": 0.5, "causal_direction": 0.15}
+
+
+def test_embedded_models_resolve_by_name(tmp_path, monkeypatch):
+    from composer.errors import ModelNotFoundError
+    from composer.loader.resolve import resolve_model_path
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("shapes-causal") == packaged_model(CAUSAL_NAME)
+    assert resolve_model_path("composer/shapes-t2v") == packaged_model(T2V_NAME)
+    (tmp_path / "shapes-t2v").mkdir()  # a local folder of that name wins
+    assert resolve_model_path("shapes-t2v") == (tmp_path / "shapes-t2v").resolve()
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_model_path("shapes-nothing")

@@ -11,10 +11,9 @@ from pathlib import Path
 import torch
 
 from composer.convert.self_forcing import CausalSettings, convert_self_forcing
+from composer.demo.packaged import CAUSAL_NAME, PACKAGED, T2V_NAME, packaged_model
 
-PACKAGED = Path(__file__).parent / "models"
-T2V_NAME = "shapes-t2v"
-CAUSAL_NAME = "shapes-causal"
+__all__ = ["CAUSAL_NAME", "PACKAGED", "T2V_NAME", "packaged_model", "save_causal_folder", "save_t2v_folder"]
 
 
 def save_t2v_folder(path: Path, tokenizer, text_encoder, vae, transformer, text_max_length: int,
@@ -63,9 +62,3 @@ def strip_local_paths(folder: Path) -> None:
     if isinstance(source, dict) and source.get("base"):
         source["base"] = Path(source["base"]).name
         index_path.write_text(json.dumps(index, indent=2) + "\n")
-
-
-def packaged_model(name: str) -> Path | None:
-    """A model folder shipped inside the package, if present."""
-    folder = PACKAGED / name
-    return folder if (folder / "model_index.json").is_file() else None

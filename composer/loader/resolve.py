@@ -6,6 +6,7 @@ import os
 import re
 from pathlib import Path
 
+from composer.demo.packaged import embedded_model
 from composer.errors import ModelNotFoundError
 from composer.logging import get_logger
 
@@ -19,7 +20,8 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
-    """A local folder as is; a hub id from the Hugging Face cache (downloaded when online).
+    """A local folder as is; the embedded demo models by name ("shapes-t2v", "composer/shapes-causal"); a hub
+    id from the Hugging Face cache (downloaded when online).
 
     Raises ModelNotFoundError with what was tried and how to fix it.
     """
@@ -29,6 +31,9 @@ def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
         return path.resolve()
     if path.exists():
         raise ModelNotFoundError(f"{text} is a file; expected a model folder (one holding model_index.json)")
+    embedded = embedded_model(text)
+    if embedded is not None:
+        return embedded
     if not looks_like_hub_id(text):
         raise ModelNotFoundError(f"model folder {text} does not exist")
 
