@@ -488,7 +488,8 @@ def run(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
         f"model: {cfg.num_layers} layers, {cfg.num_attention_heads} heads x {cfg.attention_head_dim}, "
         f"ffn {cfg.ffn_dim}; {steps} denoising steps per block; loaded in {load_s:.1f} s\n"
         f"video: {video.num_frames}x{height}x{width}, {layout.describe()}, {layout.tokens_per_frame} tokens per "
-        f"latent frame, guidance {args.guidance_scale:g}\n{args.dtype} on {args.device} (torch {torch.__version__}, threads {torch.get_num_threads()})"
+        f"latent frame, guidance {args.guidance_scale:g}\n"
+        f"{args.dtype} on {args.device} (torch {torch.__version__}, threads {torch.get_num_threads()})"
     )
 
     runs, max_diff = time_modes(gen, video, args.repeats)

@@ -170,10 +170,9 @@ def new_vae(cfg: TrainConfig):
     """A Wan VAE with 4x temporal and `cfg.vae_spatial` spatial compression (one 2x stage per factor)."""
     from diffusers import AutoencoderKLWan
 
-    stages = {4: ([1, 2, 4], [True, True]), 8: ([1, 2, 4, 4], [False, True, True])}
-    if cfg.vae_spatial not in stages:
-        raise ValueError(f"vae_spatial must be 4 or 8, got {cfg.vae_spatial}")
-    dim_mult, temporal = stages[cfg.vae_spatial]
+    from composer.testing.tiny_wan import wan_vae_layout
+
+    dim_mult, temporal = wan_vae_layout(cfg.vae_spatial)
     return AutoencoderKLWan(
         base_dim=cfg.vae_base_dim, z_dim=cfg.z_dim, dim_mult=dim_mult, num_res_blocks=1, attn_scales=[],
         temperal_downsample=temporal, latents_mean=[0.0] * cfg.z_dim, latents_std=[1.0] * cfg.z_dim,

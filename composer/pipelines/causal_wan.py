@@ -80,8 +80,8 @@ class CausalWanPipeline(ComposedPipeline):
         self.add_stage(StartFrameEncodingStage(vae))
         self.add_stage(
             CausalDenoisingStage(
-                transformer, text.encode, self.config, spatial_factor=spatial, kv_cache_offload=self.runtime.kv_cache_offload,
-                progress=self.runtime.progress,
+                transformer, text.encode, self.config, spatial_factor=spatial,
+                kv_cache_offload=self.runtime.kv_cache_offload, progress=self.runtime.progress,
             )
         )
         self.add_stage(DecodingStage(vae))

@@ -116,7 +116,7 @@ class CausalDenoisingStage(Stage):
         transformer: CausalWanTransformer3DModel,
         encode_prompts: Callable[[list[str]], torch.Tensor],
         config: CausalWanConfig,
-        spatial_factor: int = 8,
+        spatial_factor: int,
         kv_cache_offload: bool = False,
         progress: bool = True,
     ):

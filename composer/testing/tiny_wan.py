@@ -48,6 +48,16 @@ def _make_scheduler(spec: TinyWanSpec):
     raise ValueError(f"unknown scheduler {spec.scheduler!r} (expected 'unipc' or 'euler')")
 
 
+def wan_vae_layout(spatial: int) -> tuple[list[int], list[bool]]:
+    """(dim_mult, temperal_downsample) of a Wan VAE with 4x temporal and `spatial` (4 or 8) spatial
+    compression: one 2x stage per factor of 2, the temporal ones last at 8x (Wan2.1's layout)."""
+    layouts = {8: ([1, 2, 4, 4], [False, True, True]), 4: ([1, 2, 4], [True, True])}
+    if spatial not in layouts:
+        raise ValueError(f"the VAE's spatial compression must be 4 or 8, got {spatial}")
+    dim_mult, temporal = layouts[spatial]
+    return list(dim_mult), list(temporal)
+
+
 def build_tiny_wan_components(spec: TinyWanSpec = TinyWanSpec()) -> dict:
     """The diffusers / transformers modules of a tiny Wan2.1 T2V pipeline, seeded by `spec.seed`."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
@@ -67,10 +77,7 @@ def build_tiny_wan_components(spec: TinyWanSpec = TinyWanSpec()) -> dict:
     ).eval()
     torch.manual_seed(spec.seed + 1)
     z_kwargs = {} if spec.z_dim == 16 else {"latents_mean": [0.0] * spec.z_dim, "latents_std": [1.0] * spec.z_dim}
-    stages = {8: ([1, 2, 4, 4], [False, True, True]), 4: ([1, 2, 4], [True, True])}
-    if spec.vae_spatial not in stages:
-        raise ValueError(f"vae_spatial must be 4 or 8, got {spec.vae_spatial}")
-    dim_mult, temporal = stages[spec.vae_spatial]
+    dim_mult, temporal = wan_vae_layout(spec.vae_spatial)
     vae = AutoencoderKLWan(
         base_dim=spec.vae_base_dim, z_dim=spec.z_dim, dim_mult=dim_mult, num_res_blocks=1,
         attn_scales=[], temperal_downsample=temporal, scale_factor_spatial=spec.vae_spatial, **z_kwargs,
