@@ -82,11 +82,11 @@ def main() -> int:
         import numpy as np
 
         rng = np.random.default_rng(cfg.seed + 10)
-        clips, captions = T.make_clips(cfg.num_clips, cfg.frames, cfg, rng)
+        clips, captions = T.make_clips(cfg.num_clips, cfg.frames, cfg, rng, cfg.clear_frames)
         latents = T.encode_latents(vae, clips)
         T.set_latent_stats(vae, latents)
         vae.save_pretrained(work / "vae")  # now with latents_mean / latents_std
-        long_clips, long_captions = T.make_clips(cfg.num_causal_clips, cfg.causal_frames, cfg, rng)
+        long_clips, long_captions = T.make_clips(cfg.num_causal_clips, cfg.causal_frames, cfg, rng, cfg.clear_frames)
         long_latents = T.encode_latents(vae, long_clips)
         torch.save({"latents": T.normalize(latents, vae), "captions": captions,
                     "long_latents": T.normalize(long_latents, vae), "long_captions": long_captions}, work / "data.pt")

@@ -31,6 +31,20 @@ def test_clips_are_seeded_and_stay_in_the_frame():
         assert np.allclose(steps, steps[0])  # no bounce in the first frames
 
 
+def test_clear_frames_move_the_start_not_the_draws():
+    """Captioned training clips open with 12 frames of the named motion; the same seed keeps its captions."""
+    for seed in range(30):
+        short, long = (ClipSpec.sample(np.random.default_rng(seed), clear_frames=k) for k in (CLEAR_FRAMES, 12))
+        assert caption(short) == caption(long)
+        a, b = short.objects[0], long.objects[0]
+        assert (a.shape, a.color, a.direction, a.size, a.speed) == (b.shape, b.color, b.direction, b.size, b.speed)
+        steps = np.diff(trajectory(b, 17, 64)[:13], axis=0)
+        assert np.allclose(steps, steps[0])  # 12 steps before any bounce
+    with pytest.raises(ValueError, match="clear_frames=40 does not fit"):
+        for seed in range(10):
+            ClipSpec.sample(np.random.default_rng(seed), clear_frames=40)
+
+
 def test_captions_use_the_vocabulary_and_tokenize_to_whole_words():
     from composer.testing.tokenizer import build_tokenizer
 
@@ -125,7 +139,7 @@ def test_embedded_causal_model_streams_and_follows_the_prompt():
         assert len(chunks) == 9 and stream.frames.shape == (33, 64, 64, 3)
         score.add(prompt, stream.frames[:17])
     assert score.accuracy("color") >= FLOORS["causal_color"]
-    assert score.accuracy("direction") >= FLOORS["causal_direction"]  # needs the causal stage's CFG
+    assert score.accuracy("direction") >= FLOORS["causal_direction"]
     drift = measure_drift(gen, prompts[:2], num_frames=65)
     assert len(drift.chunks) == 3 and "first -> last chunk" in drift.report()
 
@@ -155,7 +169,9 @@ def test_training_script_runs_end_to_end(tmp_path):
 
 # Floors below what the shipped models score on these subsets (colour 100%, direction 50%; causal colour 100%,
 # direction 2 of 6) and above chance (14%, 12.5%). Without CFG direction falls to about 10% (causal: 0 of 6).
-FLOORS = {"color": 0.75, "direction": 0.3, "causal_color": 0.5, "causal_direction": 0.15}
+# Measured on these subsets: t2v colour 12/12, direction 9/12 (4/12 without CFG, so the floor catches a lost
+# CFG); causal colour 6/6, direction 5/6 (with or without CFG: tests/test_causal.py checks the causal CFG).
+FLOORS = {"color": 0.9, "direction": 0.5, "causal_color": 0.8, "causal_direction": 0.5}
 
 
 def test_embedded_models_resolve_by_name(tmp_path, monkeypatch):

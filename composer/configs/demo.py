@@ -12,16 +12,15 @@ from composer.registry.configs import register_configs
 
 @dataclass
 class ShapesT2VSamplingParam(SamplingParam):
-    """What the shapes model was trained on: 64x64, 17 frames at 8 fps; 24 steps. Guidance 9: the tiny model's
-    conditional prediction alone barely separates directions (docs/demo-model.md: direction accuracy 17% at
-    guidance 3, 42% at 5, 58% at 9, 46% at 12 on held-out prompts)."""
+    """What the shapes model was trained on: 64x64, 17 frames at 8 fps; 24 steps. Guidance 5, chosen on 48
+    held-out prompts (docs/demo-model.md: direction 79% at guidance 4, 85% at 5 and 6; colour falls past 7)."""
 
     negative_prompt: str | None = ""
     height: int = 64
     width: int = 64
     num_frames: int = 17
     num_inference_steps: int = 24
-    guidance_scale: float = 9.0
+    guidance_scale: float = 5.0
     fps: int = 8
 
 
@@ -29,11 +28,11 @@ class ShapesT2VSamplingParam(SamplingParam):
 class ShapesCausalSamplingParam(CausalWanSamplingParam):
     """The causal shapes model: 64x64 at 8 fps, 33 frames by default; long videos in rollouts of 6 blocks (one
     latent frame each), each restarted from the last 3 latent frames. Unlike Self-Forcing's distilled models it
-    was trained with caption dropout, so it samples with CFG: guidance 4 (direction 6% without, 25% at 4, 12%
-    at 8 on 16 held-out prompts; docs/demo-model.md)."""
+    was trained with caption dropout, so it samples with CFG: guidance 2 (direction 71% without, 90% at 2, 85%
+    at 3 on 48 held-out prompts; docs/demo-model.md)."""
 
     negative_prompt: str | None = ""
-    guidance_scale: float = 4.0
+    guidance_scale: float = 2.0
     height: int = 64
     width: int = 64
     num_frames: int = 33

@@ -33,7 +33,7 @@ DIRECTIONS: dict[str, tuple[float, float]] = {
     "down-left": (-0.7071, 0.7071),
     "down-right": (0.7071, 0.7071),
 }
-CLEAR_FRAMES = 4  # frames of motion before any bounce
+CLEAR_FRAMES = 4  # frames of motion before any bounce, by default
 DIRECTION_WORDS = {  # how a direction reads in a caption
     "left": "left", "right": "right", "up": "up", "down": "down",
     "up-left": "up and left", "up-right": "up and right", "down-left": "down and left", "down-right": "down and right",
@@ -57,7 +57,11 @@ class ClipSpec:
     background: str = "black"
 
     @staticmethod
-    def sample(rng: np.random.Generator, size: int = 64, max_objects: int = 1) -> ClipSpec:
+    def sample(rng: np.random.Generator, size: int = 64, max_objects: int = 1,
+               clear_frames: int = CLEAR_FRAMES) -> ClipSpec:
+        """A random spec whose objects move `clear_frames` frames in their named direction before any bounce.
+        The draws do not depend on `clear_frames` (only where they land), so one seed gives the same shapes,
+        colours, directions and captions for every value."""
         background = str(rng.choice(list(BACKGROUNDS)))
         count = int(rng.integers(1, max_objects + 1))
         colors = rng.choice(list(COLORS), count, replace=False)
@@ -68,9 +72,9 @@ class ClipSpec:
             # 1.6-2.6 px/frame at 64x64: a 17-frame clip crosses about half the frame, so the named direction
             # is most of what happens (at most one bounce); faster, the walls decide most of the motion
             speed = float(rng.uniform(0.025, 0.04) * size)
-            # Start where the first CLEAR_FRAMES steps stay clear of the walls, so the motion a caption names
+            # Start where the first clear_frames steps stay clear of the walls, so the motion a caption names
             # is what the clip opens with; bounces come later.
-            reach = np.abs(DIRECTIONS[direction]) * speed * CLEAR_FRAMES
+            reach = np.abs(DIRECTIONS[direction]) * speed * clear_frames
             start = []
             for axis in (0, 1):
                 lo, hi = radius, size - radius
@@ -78,6 +82,9 @@ class ClipSpec:
                     hi -= reach[axis]
                 elif DIRECTIONS[direction][axis] < 0:
                     lo += reach[axis]
+                if lo > hi:
+                    raise ValueError(f"clear_frames={clear_frames} does not fit: a {radius:.1f} px shape at "
+                                     f"{speed:.2f} px/frame runs into a wall of the {size} px frame first")
                 start.append(float(rng.uniform(lo, hi)))
             objects.append(ShapeSpec(str(rng.choice(SHAPES)), str(color), direction, radius, start[0], start[1], speed))
         return ClipSpec(tuple(objects), background)
@@ -104,31 +111,41 @@ def trajectory(obj: ShapeSpec, num_frames: int, size: int) -> np.ndarray:
     return out
 
 
-def _coverage(shape: str, cx: float, cy: float, r: float, size: int, ss: int = 4) -> np.ndarray:
-    """Fraction of each pixel the shape covers (supersampled ss x ss)."""
-    coords = (np.arange(size * ss) + 0.5) / ss
-    xs, ys = np.meshgrid(coords, coords)
+def _coverage(shape: str, cx: float, cy: float, r: float, xs: np.ndarray, ys: np.ndarray, ss: int = 4) -> np.ndarray:
+    """Fraction of each pixel of the window with pixel columns `xs` and rows `ys` that the shape covers
+    (supersampled ss x ss)."""
+    sub = (np.arange(ss) + 0.5) / ss
+    gx, gy = np.meshgrid((xs[:, None] + sub).ravel(), (ys[:, None] + sub).ravel())
     if shape == "circle":
-        inside = (xs - cx) ** 2 + (ys - cy) ** 2 <= r**2
+        inside = (gx - cx) ** 2 + (gy - cy) ** 2 <= r**2
     elif shape == "square":
-        inside = (np.abs(xs - cx) <= r * 0.89) & (np.abs(ys - cy) <= r * 0.89)  # about a circle's area
+        inside = (np.abs(gx - cx) <= r * 0.89) & (np.abs(gy - cy) <= r * 0.89)  # about a circle's area
     else:  # upward triangle inscribed in a circle of radius 1.15 r
         rr = r * 1.15
         top, base = cy - rr, cy + rr * 0.5
-        half_width = (ys - top) / (base - top) * rr * 0.866
-        inside = (ys >= top) & (ys <= base) & (np.abs(xs - cx) <= half_width)
-    return inside.reshape(size, ss, size, ss).mean(axis=(1, 3))
+        half_width = (gy - top) / (base - top) * rr * 0.866
+        inside = (gy >= top) & (gy <= base) & (np.abs(gx - cx) <= half_width)
+    return inside.reshape(len(ys), ss, len(xs), ss).mean(axis=(1, 3))
+
+
+def _window(centre: float, reach: float, size: int) -> np.ndarray:
+    """Pixel indices that a shape centred at `centre` reaching `reach` pixels either side can touch."""
+    return np.arange(max(0, int(np.floor(centre - reach)) - 1), min(size, int(np.ceil(centre + reach)) + 1))
 
 
 def render(spec: ClipSpec, num_frames: int = 17, size: int = 64) -> np.ndarray:
-    """uint8 frames [T, size, size, 3]."""
+    """uint8 frames [T, size, size, 3]. Each shape is drawn in the window around it (all three fit in a
+    circle of radius 1.15 r), which is what makes rendering training data cheap."""
     frames = np.empty((num_frames, size, size, 3), dtype=np.float32)
     frames[:] = BACKGROUNDS[spec.background]
     paths = [trajectory(o, num_frames, size) for o in spec.objects]
     for t in range(num_frames):
         for obj, path in zip(spec.objects, paths):
-            alpha = _coverage(obj.shape, path[t, 0], path[t, 1], obj.size, size)[..., None]
-            frames[t] = frames[t] * (1 - alpha) + np.array(COLORS[obj.color], dtype=np.float32) * alpha
+            cx, cy = path[t]
+            xs, ys = _window(cx, 1.2 * obj.size, size), _window(cy, 1.2 * obj.size, size)
+            alpha = _coverage(obj.shape, cx, cy, obj.size, xs, ys)[..., None]
+            view = frames[t, ys[0]:ys[-1] + 1, xs[0]:xs[-1] + 1]
+            view[:] = view * (1 - alpha) + np.array(COLORS[obj.color], dtype=np.float32) * alpha
     return frames.round().clip(0, 255).astype(np.uint8)
 
 
