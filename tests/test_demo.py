@@ -185,3 +185,14 @@ def test_embedded_models_resolve_by_name(tmp_path, monkeypatch):
     assert resolve_model_path("shapes-t2v") == (tmp_path / "shapes-t2v").resolve()
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         resolve_model_path("shapes-nothing")
+
+
+def test_make_demo_video_follows_its_prompt(shapes_t2v):
+    """`make demo` runs a seeded prompt: the video it writes must show that prompt (read from the Makefile)."""
+    import re
+
+    makefile = (REPO / "Makefile").read_text()
+    prompt = re.search(r"^PROMPT \?= (.+)$", makefile, re.M).group(1).strip()
+    seed = int(re.search(r"^SEED \?= (\d+)$", makefile, re.M).group(1))
+    frames = shapes_t2v.generate_video(prompt, seed=seed).frames
+    assert analyze(frames).matches(Target.from_prompt(prompt)) == {"color": True, "shape": True, "direction": True}
