@@ -111,6 +111,9 @@ def trajectory(obj: ShapeSpec, num_frames: int, size: int) -> np.ndarray:
     return out
 
 
+REACH = 1.15  # every shape lies within REACH * r of its centre (the triangle's circumradius; the others less)
+
+
 def _coverage(shape: str, cx: float, cy: float, r: float, xs: np.ndarray, ys: np.ndarray, ss: int = 4) -> np.ndarray:
     """Fraction of each pixel of the window with pixel columns `xs` and rows `ys` that the shape covers
     (supersampled ss x ss)."""
@@ -120,8 +123,8 @@ def _coverage(shape: str, cx: float, cy: float, r: float, xs: np.ndarray, ys: np
         inside = (gx - cx) ** 2 + (gy - cy) ** 2 <= r**2
     elif shape == "square":
         inside = (np.abs(gx - cx) <= r * 0.89) & (np.abs(gy - cy) <= r * 0.89)  # about a circle's area
-    else:  # upward triangle inscribed in a circle of radius 1.15 r
-        rr = r * 1.15
+    else:  # upward triangle inscribed in a circle of radius REACH * r
+        rr = r * REACH
         top, base = cy - rr, cy + rr * 0.5
         half_width = (gy - top) / (base - top) * rr * 0.866
         inside = (gy >= top) & (gy <= base) & (np.abs(gx - cx) <= half_width)
@@ -134,15 +137,15 @@ def _window(centre: float, reach: float, size: int) -> np.ndarray:
 
 
 def render(spec: ClipSpec, num_frames: int = 17, size: int = 64) -> np.ndarray:
-    """uint8 frames [T, size, size, 3]. Each shape is drawn in the window around it (all three fit in a
-    circle of radius 1.15 r), which is what makes rendering training data cheap."""
+    """uint8 frames [T, size, size, 3]. Each shape is drawn only in the window of pixels it can touch, which
+    is what makes rendering training data cheap."""
     frames = np.empty((num_frames, size, size, 3), dtype=np.float32)
     frames[:] = BACKGROUNDS[spec.background]
     paths = [trajectory(o, num_frames, size) for o in spec.objects]
     for t in range(num_frames):
         for obj, path in zip(spec.objects, paths):
             cx, cy = path[t]
-            xs, ys = _window(cx, 1.2 * obj.size, size), _window(cy, 1.2 * obj.size, size)
+            xs, ys = _window(cx, REACH * obj.size, size), _window(cy, REACH * obj.size, size)
             alpha = _coverage(obj.shape, cx, cy, obj.size, xs, ys)[..., None]
             view = frames[t, ys[0]:ys[-1] + 1, xs[0]:xs[-1] + 1]
             view[:] = view * (1 - alpha) + np.array(COLORS[obj.color], dtype=np.float32) * alpha
