@@ -77,12 +77,16 @@ class VideoGenerator:
         index = read_model_index(folder)
         pipeline_cls = get_pipeline_class(index.class_name)
         configs = resolve_configs(
-            model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class
+            model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,
+            family=runtime.model_family,
         )
         logger.info(
             "loading %s as family %s (matched by %s) with %s",
             model_path, configs.family.name, configs.matched_by, pipeline_cls.__name__,
         )
+        if configs.matched_by == "detector":
+            logger.info("sampling defaults are %s's; if this folder is another family's model, name it with "
+                        "model_family (--model-family)", configs.family.name)
         start = time.perf_counter()
         pipeline = pipeline_cls(index, configs.pipeline_config(), runtime)
         logger.info("model ready in %.1f s on %s", time.perf_counter() - start, runtime.torch_device)

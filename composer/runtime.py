@@ -50,6 +50,11 @@ class RuntimeArgs:
         default=False,
         metadata={"help": "causal models: keep the KV cache in CPU memory, one layer at a time on the GPU"},
     )
+    model_family: str | None = field(
+        default=None,
+        metadata={"help": "the model family (`composer models` lists them) when the folder's name or hub id does not "
+                          "say, e.g. a renamed copy: its configs and sampling defaults (default: found from the name)"},
+    )
     verify_values: bool = field(
         default=False, metadata={"help": "let stage checks read tensor values (NaN/inf; synchronises the device)"}
     )

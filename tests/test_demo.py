@@ -217,6 +217,21 @@ def test_embedded_models_resolve_by_name(tmp_path, monkeypatch):
         resolve_model_path("shapes-nothing")
 
 
+def test_renamed_copy_loads_with_the_model_family_option(tmp_path):
+    import shutil
+
+    from composer import VideoGenerator
+
+    copy = tmp_path / "t2v"
+    shutil.copytree(packaged_model(T2V_NAME), copy)
+    plain = VideoGenerator.from_pretrained(copy, device="cpu", progress=False)
+    assert plain.family == "wan2.1-t2v" and plain.default_sampling.height == 480  # what the name alone gives
+    named = VideoGenerator.from_pretrained(copy, device="cpu", progress=False, model_family="shapes-t2v")
+    assert named.family == "shapes-t2v"
+    sp = named.default_sampling
+    assert (sp.height, sp.width, sp.num_frames, sp.guidance_scale) == (64, 64, 17, 5.0)
+
+
 def test_make_demo_video_follows_its_prompt(shapes_t2v):
     """`make demo` runs a seeded prompt: the video it writes must show that prompt (read from the Makefile)."""
     import re

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from composer.configs.base import PipelineConfig, SamplingParam
-from composer.errors import UnknownModelError
+from composer.errors import ConfigError, UnknownModelError
 from composer.registry import configs as config_registry
 from composer.registry import get_model_class, get_pipeline_class, register_configs, resolve_configs
 
@@ -102,6 +102,24 @@ def test_builtin_wan_family_defaults():
     assert resolved.pipeline_config().text_encoder_max_length == 512
     assert resolve_configs("wan2.1-t2v-1.3b-diffusers").matched_by == "short name"
     assert resolve_configs("/some/folder", "WanPipeline").family.name == "wan2.1-t2v"
+
+
+def test_model_family_option_names_the_family_outright():
+    from composer.configs.causal_wan import CausalWanConfig
+    from composer.configs.wan import WanT2VConfig
+
+    # a renamed copy: the name says nothing, the detector would give Wan2.1's 480x832 defaults
+    assert resolve_configs("/models/t2v", "WanPipeline", WanT2VConfig).family.name == "wan2.1-t2v"
+    for name in ("shapes-t2v", "Shapes-T2V", "composer/shapes-t2v"):
+        resolved = resolve_configs("/models/t2v", "WanPipeline", WanT2VConfig, family=name)
+        assert (resolved.family.name, resolved.matched_by) == ("shapes-t2v", "model_family option")
+        assert resolved.sampling_param().height == 64
+    with pytest.raises(UnknownModelError, match="model_family = 'shapes-t3v': no registered family") as info:
+        resolve_configs("/models/t2v", "WanPipeline", WanT2VConfig, family="shapes-t3v")
+    assert "shapes-t2v" in str(info.value) and "wan2.1-t2v" in str(info.value)
+    # a causal folder cannot take a bidirectional family's configs
+    with pytest.raises(ConfigError, match="model_family = 'shapes-t2v': that family's WanT2VConfig does not fit"):
+        resolve_configs("/models/causal", "CausalWanPipeline", CausalWanConfig, family="shapes-t2v")
 
 
 def test_unknown_family_error_lists_known_families():

@@ -2,7 +2,7 @@
 
 Resolution order: exact hub id > short name (the id's last part, case-insensitive, also matched against a
 local folder's name) > detectors (called with the path and model_index `_class_name`) > an error listing
-the known families.
+the known families. The runtime option `model_family` names the family outright (a renamed copy of a model).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 
 from composer.configs.base import PipelineConfig, SamplingParam
-from composer.errors import UnknownModelError
+from composer.errors import ConfigError, UnknownModelError
 
 Detector = Callable[[str, "str | None"], bool]
 
@@ -36,7 +36,7 @@ class ModelFamily:
 @dataclass(frozen=True)
 class ResolvedConfigs:
     family: ModelFamily
-    matched_by: str  # "hub id", "short name" or "detector"
+    matched_by: str  # "hub id", "short name", "detector" or "model_family option"
 
     def pipeline_config(self) -> PipelineConfig:
         return self.family.pipeline_config_cls()
@@ -103,13 +103,19 @@ def _short_name(model: str) -> str:
 
 
 def resolve_configs(
-    model: str, class_name: str | None = None, config_class: type[PipelineConfig] = PipelineConfig
+    model: str,
+    class_name: str | None = None,
+    config_class: type[PipelineConfig] = PipelineConfig,
+    family: str | None = None,
 ) -> ResolvedConfigs:
-    """Find the family for a hub id or local path (`class_name`: model_index.json's `_class_name`).
+    """Find the family for a hub id or local path (`class_name`: model_index.json's `_class_name`), or take
+    the one named by `family` (a family name or one of its hub ids, case-insensitive).
 
     Only families whose PipelineConfig is a `config_class` (what the folder's pipeline needs) are candidates,
     so a causal folder named like a released bidirectional model still gets a causal family.
     """
+    if family is not None:
+        return ResolvedConfigs(_named_family(family, config_class), "model_family option")
     families = [f for f in registered_families() if issubclass(f.pipeline_config_cls, config_class)]
     hub_id = hub_id_of(model)
     for family in families:
@@ -129,6 +135,23 @@ def resolve_configs(
         f"no registered model family matches '{model}'"
         + (f" (model_index _class_name '{class_name}')" if class_name else "")
         + f". Known families:\n  {known}\nSee docs/adding-a-model-family.md to add one."
+    )
+
+
+def _named_family(name: str, config_class: type[PipelineConfig]) -> ModelFamily:
+    wanted = name.lower()
+    for family in registered_families():
+        if wanted == family.name.lower() or wanted in (p.lower() for p in family.hf_model_paths):
+            if not issubclass(family.pipeline_config_cls, config_class):
+                raise ConfigError(
+                    f"model_family = {name!r}: that family's {family.pipeline_config_cls.__name__} does not fit this "
+                    f"folder's pipeline, which needs a {config_class.__name__}"
+                )
+            return family
+    fitting = [f.name for f in registered_families() if issubclass(f.pipeline_config_cls, config_class)]
+    raise UnknownModelError(
+        f"model_family = {name!r}: no registered family has that name or hub id. Families for this pipeline: "
+        f"{', '.join(fitting) or '(none)'}; `composer models` lists them all"
     )
 
 
