@@ -35,6 +35,10 @@ Run (from the repository root):
     python benchmarks/wan_vs_diffusers.py --model-path /path/to/Wan2.1-T2V-1.3B-Diffusers --device cuda \
         --dtype bf16 --steps 10 --skip-e2e
 
+Measured on an H100 (2026-11-23, `--preset medium`): DiT forward 11.4 vs 11.1 ms in fp32 (0.97x), 10.8 vs
+12.0 ms in bf16 (1.11x), outputs bit-identical; end to end 118 vs 173 ms in fp32 and 129 vs 188 ms in bf16
+(1.46x both; composer's stages: text 15, timesteps 3, denoising 46, decoding 51 ms), the same uint8 frames.
+
 Presets build a randomly initialised model with `composer.testing.build_tiny_wan` in a temporary folder
 (`--model-path` uses an existing diffusers-format folder instead; the preset then gives only the video size
 and default step count).

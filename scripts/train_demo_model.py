@@ -40,6 +40,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=None, help="intermediate results (default: <out>/../.demo-train)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--device", default="cpu",
+                   help="where to train: cpu, cuda, cuda:1, auto (the DiT stages draw their batches on the CPU)")
     p.add_argument("--quick", action="store_true", help="a few steps of everything (smoke test)")
     p.add_argument("--eval-prompts", type=int, default=16, help="prompts scored after saving (0: skip)")
     for f in dataclasses.fields(T.TrainConfig):
@@ -50,6 +52,13 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    from composer.runtime import RuntimeArgs
+
+    runtime = RuntimeArgs(device=args.device)
+    errors = [e for e in runtime.validation_errors() if e.startswith("device")]
+    if errors:
+        sys.exit(f"--device: {errors[0]}")
+    args.device = str(runtime.torch_device)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(T.TrainConfig) if getattr(args, f.name) is not None}
     cfg = T.TrainConfig(**{**(QUICK if args.quick else {}), **overrides})
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -73,7 +82,7 @@ def main() -> int:
 
     if "vae" in stages:
         t = time.perf_counter()
-        T.train_vae(cfg, log).save_pretrained(work / "vae")
+        T.train_vae(cfg, log, device=args.device).cpu().save_pretrained(work / "vae")
         log(f"vae trained in {time.perf_counter() - t:.0f} s")
     vae = AutoencoderKLWan.from_pretrained(work / "vae")
 
@@ -83,11 +92,12 @@ def main() -> int:
 
         rng = np.random.default_rng(cfg.seed + 10)
         clips, captions = T.make_clips(cfg.num_clips, cfg.frames, cfg, rng, cfg.clear_frames)
+        vae.to(args.device)
         latents = T.encode_latents(vae, clips)
         T.set_latent_stats(vae, latents)
-        vae.save_pretrained(work / "vae")  # now with latents_mean / latents_std
         long_clips, long_captions = T.make_clips(cfg.num_causal_clips, cfg.causal_frames, cfg, rng, cfg.clear_frames)
         long_latents = T.encode_latents(vae, long_clips)
+        vae.cpu().save_pretrained(work / "vae")  # now with latents_mean / latents_std
         torch.save({"latents": T.normalize(latents, vae), "captions": captions,
                     "long_latents": T.normalize(long_latents, vae), "long_captions": long_captions}, work / "data.pt")
         log(f"data: {len(clips)} + {len(long_clips)} clips encoded in {time.perf_counter() - t:.0f} s")
@@ -95,10 +105,10 @@ def main() -> int:
 
     if "t2v" in stages:
         t = time.perf_counter()
-        tokenizer, encoder, dit = T.train_t2v(cfg, data["latents"], data["captions"], log)
+        tokenizer, encoder, dit = T.train_t2v(cfg, data["latents"], data["captions"], log, device=args.device)
         tokenizer.save_pretrained(work / "tokenizer")
-        encoder.save_pretrained(work / "text_encoder")
-        dit.save_pretrained(work / "transformer")
+        encoder.cpu().save_pretrained(work / "text_encoder")
+        dit.cpu().save_pretrained(work / "transformer")
         log(f"t2v trained in {time.perf_counter() - t:.0f} s")
     tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
     encoder = UMT5EncoderModel.from_pretrained(work / "text_encoder").eval()
@@ -106,8 +116,10 @@ def main() -> int:
 
     if "causal" in stages:
         t = time.perf_counter()
-        causal = T.train_causal(cfg, dit, tokenizer, encoder, data["long_latents"], data["long_captions"], log)
-        torch.save(causal.state_dict(), work / "causal.pt")
+        causal = T.train_causal(cfg, dit, tokenizer, encoder, data["long_latents"], data["long_captions"], log,
+                                device=args.device)
+        torch.save(causal.cpu().state_dict(), work / "causal.pt")
+        encoder.cpu()
         log(f"causal trained in {time.perf_counter() - t:.0f} s")
 
     if "save" in stages:

@@ -241,3 +241,17 @@ def test_make_demo_video_follows_its_prompt(shapes_t2v):
     seed = int(re.search(r"^SEED \?= (\d+)$", makefile, re.M).group(1))
     frames = shapes_t2v.generate_video(prompt, seed=seed).frames
     assert analyze(frames).matches(Target.from_prompt(prompt)) == {"color": True, "shape": True, "direction": True}
+
+
+@pytest.mark.parametrize("device", ["gpu0", "cuda"])
+def test_training_script_names_a_device_it_cannot_use(device, tmp_path):
+    """A device it cannot use stops the script before it writes or trains anything, naming the flag."""
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "train_demo_model.py"), "--device", device,
+                          "--stages", "vae", "--work", str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and not (tmp_path / "work").exists()
+    assert f"--device: device = {device!r}" in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
