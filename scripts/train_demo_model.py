@@ -119,7 +119,6 @@ def main() -> int:
         causal = T.train_causal(cfg, dit, tokenizer, encoder, data["long_latents"], data["long_captions"], log,
                                 device=args.device)
         torch.save(causal.cpu().state_dict(), work / "causal.pt")
-        encoder.cpu()
         log(f"causal trained in {time.perf_counter() - t:.0f} s")
 
     if "save" in stages:

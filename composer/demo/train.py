@@ -387,6 +387,7 @@ def train_causal(cfg: TrainConfig, dit, tokenizer, encoder, latents: torch.Tenso
         state[name] = tensor.clone()
     model.load_state_dict(state, strict=True)
     model.to(device).train().requires_grad_(True)
+    encoder_device = encoder.device
     encoder = encoder.to(device).requires_grad_(False)
     frames = latents.shape[2]
     n = cfg.frames_per_block
@@ -398,6 +399,7 @@ def train_causal(cfg: TrainConfig, dit, tokenizer, encoder, latents: torch.Tenso
         all_context = torch.cat([encode_text(tokenizer, encoder, captions[i:i + 256], cfg.text_max_length)
                                  for i in range(0, len(captions), 256)])
         empty = encode_text(tokenizer, encoder, [""], cfg.text_max_length)
+    encoder.to(encoder_device)  # only the captions' embeddings are needed from here on
     for step in range(cfg.causal_steps):
         idx = torch.randint(len(latents), (cfg.causal_batch,), generator=g)
         x0 = latents[idx].to(device)
