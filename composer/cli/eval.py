@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
         help="prompt following (colour, shape, direction read from the frames) of the shapes models, and drift",
     )
     demo.add_argument("--model-path", default=None, help="text-to-video model (default: the embedded one)")
-    demo.add_argument("--causal-model-path", default=None, help="causal model for the drift figure (default: embedded)")
+    demo.add_argument("--causal-model-path", default=None, help="causal model scored by --causal and the drift figure (default: embedded)")
     demo.add_argument("--num-prompts", type=int, default=50)
     demo.add_argument("--seed", type=int, default=0, help="prompts and generation seeds start here")
     demo.add_argument("--num-inference-steps", "--steps", type=int, default=None, help="override the model default")
