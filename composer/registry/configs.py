@@ -116,7 +116,7 @@ def resolve_configs(
     """
     if family is not None:
         return ResolvedConfigs(_named_family(family, config_class), "model_family option")
-    families = [f for f in registered_families() if issubclass(f.pipeline_config_cls, config_class)]
+    families = _families_for(config_class)
     hub_id = hub_id_of(model)
     for family in families:
         if hub_id in family.hf_model_paths:
@@ -138,6 +138,11 @@ def resolve_configs(
     )
 
 
+def _families_for(config_class: type[PipelineConfig]) -> list[ModelFamily]:
+    """The registered families whose PipelineConfig fits a pipeline that needs a `config_class`."""
+    return [f for f in registered_families() if issubclass(f.pipeline_config_cls, config_class)]
+
+
 def _named_family(name: str, config_class: type[PipelineConfig]) -> ModelFamily:
     wanted = name.lower()
     for family in registered_families():
@@ -148,7 +153,7 @@ def _named_family(name: str, config_class: type[PipelineConfig]) -> ModelFamily:
                     f"folder's pipeline, which needs a {config_class.__name__}"
                 )
             return family
-    fitting = [f.name for f in registered_families() if issubclass(f.pipeline_config_cls, config_class)]
+    fitting = [f.name for f in _families_for(config_class)]
     raise UnknownModelError(
         f"model_family = {name!r}: no registered family has that name or hub id. Families for this pipeline: "
         f"{', '.join(fitting) or '(none)'}; `composer models` lists them all"
