@@ -209,6 +209,24 @@ def test_eval_cli_prints_scores(tmp_path):
     assert (tmp_path / "scores.json").is_file()
 
 
+def test_eval_cli_scores_a_renamed_copy_as_a_shapes_model(tmp_path):
+    """A retrained or copied folder the registry knows by no name is still sampled at 64x64 x 17 frames (its
+    architecture's defaults, Wan2.1's 480x832 x 81, would take hours on a CPU)."""
+    import json
+    import shutil
+
+    copy = tmp_path / "retrained-t2v"
+    shutil.copytree(packaged_model(T2V_NAME), copy)
+    run = subprocess.run(
+        [sys.executable, "-m", "composer.cli.main", "eval", "demo", "--model-path", str(copy), "--num-prompts", "2",
+         "--drift-prompts", "0", "--json", str(tmp_path / "scores.json")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "as family shapes-t2v" in run.stderr
+    assert json.loads((tmp_path / "scores.json").read_text())["t2v"]["color"] == 1.0
+
+
 def test_training_script_runs_end_to_end(tmp_path):
     run = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_demo_model.py"), "--quick", "--out", str(tmp_path / "models"),

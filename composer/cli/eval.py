@@ -13,7 +13,9 @@ def add_parser(sub) -> None:
         "demo", allow_abbrev=False,
         help="prompt following (colour, shape, direction read from the frames) of the shapes models, and drift",
     )
-    demo.add_argument("--model-path", default=None, help="text-to-video model (default: the embedded one)")
+    demo.add_argument("--model-path", default=None,
+                      help="text-to-video model (default: the embedded one); any folder is loaded as that model's family, "
+                           "so a renamed copy or a retrained model is scored at the shapes world's size and settings")
     demo.add_argument("--causal-model-path", default=None, help="causal model scored by --causal and the drift figure (default: embedded)")
     demo.add_argument("--num-prompts", type=int, default=50)
     demo.add_argument("--seed", type=int, default=0, help="prompts and generation seeds start here")
@@ -44,12 +46,15 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("num_inference_steps", args.num_inference_steps),
                                    ("guidance_scale", args.guidance_scale)) if v is not None}
     results: dict = {}
-    gen = VideoGenerator.from_pretrained(folder(args.model_path, T2V_NAME), progress=False)
+    # the score reads the shapes world (64x64, 17 frames), so a folder whose name the registry does not know is
+    # still sampled as a shapes model, not with the defaults of the architecture's real checkpoints
+    gen = VideoGenerator.from_pretrained(folder(args.model_path, T2V_NAME), progress=False, model_family=T2V_NAME)
     t2v = score_prompts(gen, prompts, args.seed, **overrides)
     print(t2v.report())
     results["t2v"] = t2v.score.summary()
     if args.causal or args.drift_prompts:
-        causal = VideoGenerator.from_pretrained(folder(args.causal_model_path, CAUSAL_NAME), progress=False)
+        causal = VideoGenerator.from_pretrained(folder(args.causal_model_path, CAUSAL_NAME), progress=False,
+                                                model_family=CAUSAL_NAME)
         causal_overrides = {} if args.causal_guidance_scale is None else {"guidance_scale": args.causal_guidance_scale}
         if args.causal:
             scored = score_prompts(causal, prompts, args.seed, **causal_overrides)
