@@ -28,7 +28,7 @@ from composer.demo.shapes import CLEAR_FRAMES, ClipSpec, caption, render, vocabu
 
 @dataclass
 class TrainConfig:
-    """Sizes and schedules; the defaults train in about 65 minutes on 2 CPU cores (docs/demo-model.md)."""
+    """Sizes and schedules; the defaults train in about 53 minutes on 2 CPU cores (docs/demo-model.md)."""
 
     seed: int = 0
     size: int = 64
