@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from composer.demo import train as T  # noqa: E402
+from composer.demo import vae as V  # noqa: E402
 from composer.demo.folders import CAUSAL_NAME, PACKAGED, T2V_NAME  # noqa: E402
 
 STAGES = ("vae", "data", "t2v", "causal", "save")
@@ -82,7 +83,7 @@ def main() -> int:
 
     if "vae" in stages:
         t = time.perf_counter()
-        T.train_vae(cfg, log, device=args.device).cpu().save_pretrained(work / "vae")
+        V.train_vae(cfg, log, device=args.device).cpu().save_pretrained(work / "vae")
         log(f"vae trained in {time.perf_counter() - t:.0f} s")
     vae = AutoencoderKLWan.from_pretrained(work / "vae")
 
@@ -93,13 +94,13 @@ def main() -> int:
         rng = np.random.default_rng(cfg.seed + 10)
         clips, captions = T.make_clips(cfg.num_clips, cfg.frames, cfg, rng, cfg.clear_frames)
         vae.to(args.device)
-        latents = T.encode_latents(vae, clips)
-        T.set_latent_stats(vae, latents)
+        latents = V.encode_latents(vae, clips)
+        V.set_latent_stats(vae, latents)
         long_clips, long_captions = T.make_clips(cfg.num_causal_clips, cfg.causal_frames, cfg, rng, cfg.clear_frames)
-        long_latents = T.encode_latents(vae, long_clips)
+        long_latents = V.encode_latents(vae, long_clips)
         vae.cpu().save_pretrained(work / "vae")  # now with latents_mean / latents_std
-        torch.save({"latents": T.normalize(latents, vae), "captions": captions,
-                    "long_latents": T.normalize(long_latents, vae), "long_captions": long_captions}, work / "data.pt")
+        torch.save({"latents": V.normalize(latents, vae), "captions": captions,
+                    "long_latents": V.normalize(long_latents, vae), "long_captions": long_captions}, work / "data.pt")
         log(f"data: {len(clips)} + {len(long_clips)} clips encoded in {time.perf_counter() - t:.0f} s")
     data = torch.load(work / "data.pt")
 

@@ -63,7 +63,8 @@ def test_single_frame_convs_match_the_3d_path():
     causal 3D convolutions, and clips (cached chunks) untouched."""
     import torch
 
-    from composer.demo.train import TrainConfig, decode_unclamped, new_vae, single_frame_convs
+    from composer.demo.train import TrainConfig
+    from composer.demo.vae import decode_unclamped, new_vae, single_frame_convs
 
     torch.manual_seed(0)
     vae = new_vae(TrainConfig(vae_base_dim=8, z_dim=4))
@@ -94,7 +95,8 @@ def test_short_clip_steps_train_on_exact_encodings_of_shorter_clips():
     the encoding of the clip's first 4 (n - 1) + 1 frames, which is a clip of its own."""
     import torch
 
-    from composer.demo.train import TrainConfig, new_vae, window_frames
+    from composer.demo.train import TrainConfig, window_frames
+    from composer.demo.vae import new_vae
 
     assert [window_frames(step, 5, 3, 5) for step in range(10)] == [3, 3, 3, 3, 5] * 2
     assert [window_frames(step, 9, 5, 1) for step in range(3)] == [9, 9, 9]  # full_every 1: whole clips only
