@@ -50,6 +50,27 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+# What each stage reads from --work, and what it writes there for the stages after it.
+NEEDS = {"vae": (), "data": ("vae",), "t2v": ("data.pt",),
+         "causal": ("data.pt", "tokenizer", "text_encoder", "transformer"),
+         "save": ("vae", "tokenizer", "text_encoder", "transformer", "causal.pt")}
+MAKES = {"vae": ("vae",), "data": ("data.pt",), "t2v": ("tokenizer", "text_encoder", "transformer"),
+         "causal": ("causal.pt",), "save": ()}
+
+
+def missing_inputs(stages: list[str], work: Path) -> list[str]:
+    """What the requested stages need from --work that neither an earlier requested stage nor a past run made."""
+    made, missing = set(), []
+    for stage in (s for s in STAGES if s in stages):
+        for name in NEEDS[stage]:
+            if name not in made and not (work / name).exists():
+                made.add(name)  # said once
+                maker = next(s for s in STAGES if name in MAKES[s])
+                missing.append(f"the {stage} stage needs {work / name}: run the {maker} stage first (same --work)")
+        made.update(MAKES[stage])
+    return missing
+
+
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -67,6 +88,9 @@ def main() -> int:
     if unknown:
         sys.exit(f"unknown stages {sorted(unknown)}; choose from {', '.join(STAGES)}")
     work = args.work or args.out.parent / ".demo-train"
+    missing = missing_inputs(stages, work)
+    if missing:
+        sys.exit("cannot run --stages " + ",".join(stages) + ":\n  " + "\n  ".join(missing))
     work.mkdir(parents=True, exist_ok=True)
     log_file = (work / "train.log").open("a")
 
@@ -85,12 +109,12 @@ def main() -> int:
         t = time.perf_counter()
         V.train_vae(cfg, log, device=args.device).cpu().save_pretrained(work / "vae")
         log(f"vae trained in {time.perf_counter() - t:.0f} s")
-    vae = AutoencoderKLWan.from_pretrained(work / "vae")
 
     if "data" in stages:
         t = time.perf_counter()
         import numpy as np
 
+        vae = AutoencoderKLWan.from_pretrained(work / "vae")
         rng = np.random.default_rng(cfg.seed + 10)
         clips, captions = T.make_clips(cfg.num_clips, cfg.frames, cfg, rng, cfg.clear_frames)
         vae.to(args.device)
@@ -102,7 +126,7 @@ def main() -> int:
         torch.save({"latents": V.normalize(latents, vae), "captions": captions,
                     "long_latents": V.normalize(long_latents, vae), "long_captions": long_captions}, work / "data.pt")
         log(f"data: {len(clips)} + {len(long_clips)} clips encoded in {time.perf_counter() - t:.0f} s")
-    data = torch.load(work / "data.pt")
+    data = torch.load(work / "data.pt") if {"t2v", "causal"} & set(stages) else None
 
     if "t2v" in stages:
         t = time.perf_counter()
@@ -111,9 +135,10 @@ def main() -> int:
         encoder.cpu().save_pretrained(work / "text_encoder")
         dit.cpu().save_pretrained(work / "transformer")
         log(f"t2v trained in {time.perf_counter() - t:.0f} s")
-    tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
-    encoder = UMT5EncoderModel.from_pretrained(work / "text_encoder").eval()
-    dit = WanTransformer3DModel.from_pretrained(work / "transformer").eval()
+    if {"causal", "save"} & set(stages):
+        tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
+        encoder = UMT5EncoderModel.from_pretrained(work / "text_encoder").eval()
+        dit = WanTransformer3DModel.from_pretrained(work / "transformer").eval()
 
     if "causal" in stages:
         t = time.perf_counter()
@@ -128,6 +153,7 @@ def main() -> int:
         from composer.models.wan.causal import CausalWanTransformer3DModel
         from composer.models.wan.config import WanTransformerConfig
 
+        vae = AutoencoderKLWan.from_pretrained(work / "vae")
         t2v_dir = save_t2v_folder(args.out / T2V_NAME, tokenizer, encoder, vae, dit, cfg.text_max_length,
                                   flow_shift=cfg.train_shift)
         causal = CausalWanTransformer3DModel(WanTransformerConfig.from_dict(dict(dit.config)))

@@ -229,12 +229,16 @@ def test_eval_cli_scores_a_renamed_copy_as_a_shapes_model(tmp_path):
     assert json.loads((tmp_path / "scores.json").read_text())["t2v"]["color"] == 1.0
 
 
-def test_training_script_runs_end_to_end(tmp_path):
-    run = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "train_demo_model.py"), "--quick", "--out", str(tmp_path / "models"),
-         "--eval-prompts", "1"],
-        capture_output=True, text=True, timeout=900,
-    )
+def test_training_script_runs_end_to_end_in_two_parts(tmp_path):
+    """Every stage, run as the docs reproduce the shipped models: the VAE and latents first, then the rest from
+    them (the work folder carries what one part hands the next)."""
+    script = [sys.executable, str(REPO / "scripts" / "train_demo_model.py"), "--quick", "--work", str(tmp_path / "work"),
+              "--out", str(tmp_path / "models")]
+    run = subprocess.run(script + ["--stages", "vae,data"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "work" / "data.pt").is_file() and not (tmp_path / "models").exists()
+    run = subprocess.run(script + ["--stages", "t2v,causal,save", "--eval-prompts", "1"],
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     for name in (T2V_NAME, CAUSAL_NAME):
         assert (tmp_path / "models" / name / "model_index.json").is_file()
@@ -284,6 +288,17 @@ def test_make_demo_video_follows_its_prompt(shapes_t2v):
     seed = int(re.search(r"^SEED \?= (\d+)$", makefile, re.M).group(1))
     frames = shapes_t2v.generate_video(prompt, seed=seed).frames
     assert analyze(frames).matches(Target.from_prompt(prompt)) == {"color": True, "shape": True, "direction": True}
+
+
+def test_training_script_names_the_stage_a_missing_input_comes_from(tmp_path):
+    """Stages run alone need what earlier stages left in --work; without it the script says which, up front."""
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "train_demo_model.py"), "--stages", "causal,save",
+                          "--work", str(tmp_path / "work"), "--out", str(tmp_path / "models")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert f"the causal stage needs {tmp_path / 'work' / 'transformer'}: run the t2v stage first" in run.stderr
+    assert "the save stage needs" in run.stderr and "run the vae stage first" in run.stderr
+    assert not (tmp_path / "work").exists() and not (tmp_path / "models").exists()
 
 
 @pytest.mark.parametrize("device", ["gpu0", "cuda"])

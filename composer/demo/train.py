@@ -72,9 +72,9 @@ class TrainConfig:
     dit_freq_dim: int = 64
     dit_patch: int = 1  # spatial patch (1, p, p): an 8x8 token grid per latent frame with the 8x VAE (use 2 with
     # the 4x one), where a latent frame's motion (4 frames, 6-10 px) is about a token; coarser, it hides in a patch
-    dit_steps: int = 3000  # direction is learned late and abruptly; no cheaper schedule kept it reliably: 5000 x 6
-    # (0.7x the CPU time) reached 81-85% in three GPU runs but 52% in a CPU run, others stayed under 60%
-    # (docs/demo-model.md)
+    dit_steps: int = 3000  # direction is learned late and abruptly, and whether a run gets there turns on float
+    # rounding: on 2 CPU cores 3000 x 16 reached 85% (shipped) and 62% on held-out prompts; 5000 x 6 (0.7-0.9x the
+    # time) 88, 77, 52 and 52% (81-85% in three GPU runs); cheaper schedules stayed under 60% (docs/demo-model.md)
     dit_batch: int = 16
     dit_lr: float = 5e-4
     # short clips: the steps between every dit_full_every-th train on the first dit_short_frames latent frames of
