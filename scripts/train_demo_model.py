@@ -100,6 +100,7 @@ def main() -> int:
         log_file.write(line + "\n")
         log_file.flush()
 
+    needed = {name for stage in stages for name in NEEDS[stage]}  # what to load from --work
     log(f"config: {cfg}")
     start = time.perf_counter()
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
@@ -126,7 +127,7 @@ def main() -> int:
         torch.save({"latents": V.normalize(latents, vae), "captions": captions,
                     "long_latents": V.normalize(long_latents, vae), "long_captions": long_captions}, work / "data.pt")
         log(f"data: {len(clips)} + {len(long_clips)} clips encoded in {time.perf_counter() - t:.0f} s")
-    data = torch.load(work / "data.pt") if {"t2v", "causal"} & set(stages) else None
+    data = torch.load(work / "data.pt") if "data.pt" in needed else None
 
     if "t2v" in stages:
         t = time.perf_counter()
@@ -135,7 +136,7 @@ def main() -> int:
         encoder.cpu().save_pretrained(work / "text_encoder")
         dit.cpu().save_pretrained(work / "transformer")
         log(f"t2v trained in {time.perf_counter() - t:.0f} s")
-    if {"causal", "save"} & set(stages):
+    if "transformer" in needed:
         tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
         encoder = UMT5EncoderModel.from_pretrained(work / "text_encoder").eval()
         dit = WanTransformer3DModel.from_pretrained(work / "transformer").eval()
