@@ -15,7 +15,7 @@ PY := $(ENV_DIR)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(ENV_DIR)/.composer-installed
 # Seeded, so the demo is the same video on every machine. Over seeds 0-19 this prompt comes out red, round and
-# moving down and right 19 times of 20 ("moving left": 12 of 20; docs/demo-model.md has the per-direction figures).
+# moving down and right 20 times of 20 ("moving left": 13 of 20; docs/demo-model.md has the per-direction figures).
 PROMPT ?= a red circle moving down and right on a black background
 SEED ?= 0
 OUTPUT ?= outputs/demo.mp4

@@ -90,6 +90,23 @@ def test_single_frame_convs_match_the_3d_path():
     assert not any("forward" in vars(m) for m in vae.modules())  # the class's forward again on exit
 
 
+def test_lr_schedule_warms_up_holds_then_decays():
+    """`decay` 1 is the plain cosine after the warm-up; less holds the base lr and decays over that fraction."""
+    import math
+
+    from composer.demo.train import cosine_lr
+
+    base, total, warmup = 5e-4, 1000, 100
+    assert cosine_lr(0, total, base, warmup) == base / warmup
+    for step in (100, 400, 550, 999):
+        assert math.isclose(cosine_lr(step, total, base, warmup),
+                            base * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))))
+    lrs = [cosine_lr(step, total, base, warmup, decay=0.2) for step in range(total)]
+    assert lrs[warmup:820] == [base] * (820 - warmup)  # the last 180 of the 900 steps after the warm-up decay
+    assert all(a > b for a, b in zip(lrs[820:], lrs[821:]))
+    assert math.isclose(lrs[910], base / 2) and lrs[-1] < base * 1e-3
+
+
 def test_short_clip_steps_train_on_exact_encodings_of_shorter_clips():
     """The DiT stages' cheap steps take a prefix of each clip's latents; the Wan VAE is causal, so that prefix is
     the encoding of the clip's first 4 (n - 1) + 1 frames, which is a clip of its own."""
@@ -246,9 +263,9 @@ def test_training_script_runs_end_to_end_in_two_parts(tmp_path):
 
 
 # Floors below what the shipped models score on these subsets and far above chance (colour 14%, direction
-# 12.5%). Measured on these subsets: t2v colour 12/12, direction 9/12 (4/12 without CFG, so the floor catches a
+# 12.5%). Measured on these subsets: t2v colour 12/12, direction 12/12 (6/12 without CFG, so the floor catches a
 # lost CFG); causal colour 6/6, direction 6/6 (with or without CFG: tests/test_causal.py checks the causal CFG).
-FLOORS = {"color": 0.9, "direction": 0.5, "causal_color": 0.8, "causal_direction": 0.5}
+FLOORS = {"color": 0.9, "direction": 0.75, "causal_color": 0.8, "causal_direction": 0.5}
 
 
 def test_embedded_models_resolve_by_name(tmp_path, monkeypatch):
