@@ -107,6 +107,17 @@ def test_lr_schedule_warms_up_holds_then_decays():
     assert math.isclose(lrs[910], base / 2) and lrs[-1] < base * 1e-3
 
 
+def test_vae_curriculum_batches_images_then_crops_then_full_clips():
+    """The VAE's three phases, with the crop phase's clip length a flag of its own."""
+    from composer.demo.train import TrainConfig
+    from composer.demo.vae import _vae_batch
+
+    cfg = TrainConfig(vae_image_steps=2, vae_crop_steps=2, vae_crop_frames=9, vae_crop_batch=3, vae_full_batch=1)
+    rng = np.random.default_rng(0)
+    shapes = [tuple(_vae_batch(step, cfg, rng).shape) for step in range(5)]
+    assert shapes == [(6, 3, 1, 64, 64)] * 2 + [(3, 3, 9, 32, 32)] * 2 + [(1, 3, 17, 64, 64)]
+
+
 def test_short_clip_steps_train_on_exact_encodings_of_shorter_clips():
     """The DiT stages' cheap steps take a prefix of each clip's latents; the Wan VAE is causal, so that prefix is
     the encoding of the clip's first 4 (n - 1) + 1 frames, which is a clip of its own."""

@@ -43,7 +43,7 @@ def _vae_batch(step: int, cfg: TrainConfig, rng: np.random.Generator) -> torch.T
     if step < cfg.vae_image_steps:
         return to_pixels(make_clips(cfg.vae_image_batch, 1, cfg, rng)[0])
     if step < cfg.vae_image_steps + cfg.vae_crop_steps:
-        x = to_pixels(make_clips(cfg.vae_crop_batch, cfg.frames, cfg, rng)[0])
+        x = to_pixels(make_clips(cfg.vae_crop_batch, cfg.vae_crop_frames, cfg, rng)[0])
         top, left = rng.integers(0, cfg.size - cfg.vae_crop_size + 1, size=2)
         return x[..., top:top + cfg.vae_crop_size, left:left + cfg.vae_crop_size]
     return to_pixels(make_clips(cfg.vae_full_batch, cfg.frames, cfg, rng)[0])
