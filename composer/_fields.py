@@ -40,19 +40,43 @@ def raise_if_errors(errors: list[str], what: str) -> None:
         raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(errors))
 
 
-def base_type(annotation: Any) -> type | None:
-    """The plain type behind `int`, `int | None`, `Optional[float]`... (None for anything fancier)."""
+def _without_none(annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args[0] if len(args) == 1 and isinstance(args[0], type) else None
+        return args[0] if len(args) == 1 else None
+    return annotation
+
+
+def base_type(annotation: Any) -> type | None:
+    """The plain type behind `int`, `int | None`, `Optional[float]`, `list[str]` (-> list)... (None for anything
+    fancier)."""
+    annotation = _without_none(annotation)
+    if typing.get_origin(annotation) is list:
+        return list
     return annotation if isinstance(annotation, type) else None
+
+
+def item_type(annotation: Any) -> type | None:
+    """The item type of a `list[X]` (or `list[X] | None`) field, else None."""
+    annotation = _without_none(annotation)
+    if typing.get_origin(annotation) is not list:
+        return None
+    (item,) = typing.get_args(annotation) or (str,)
+    return item if isinstance(item, type) else None
 
 
 def coerce(value: Any, annotation: Any, name: str, errors: list[str]) -> Any:
     """Coerce a value from YAML / CLI / JSON to the field's type, recording a message when it cannot."""
     if value is None:
         return None
+    item = item_type(annotation)
+    if item is not None:  # a list: a list/tuple, one value, or (from a CLI or env string) comma-separated values
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        elif not isinstance(value, (list, tuple)):
+            value = [value]
+        return [coerce(v, item, f"{name}[{i}]", errors) for i, v in enumerate(value)]
     typ = base_type(annotation)
     try:
         if typ is bool:

@@ -22,6 +22,10 @@ DTYPES: dict[str, str] = {
     "float16": "float16",
 }
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
+OFFLOAD_MODES = ("none", "model", "layerwise", "disk")
+COMPILE_MODES = ("none", "regional", "full")
+CFG_MODES = ("batched", "sequential")
+COMPILE_TORCH_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def to_torch_dtype(name: str):
@@ -58,6 +62,39 @@ class RuntimeArgs:
     verify_values: bool = field(
         default=False, metadata={"help": "let stage checks read tensor values (NaN/inf; synchronises the device)"}
     )
+    cfg_mode: str = field(
+        default="batched",
+        metadata={"help": "classifier-free guidance: 'batched' (prompt and negative prompt as one batch-2 model call) "
+                          "or 'sequential' (two calls: less activation memory)"},
+    )
+    lora_path: list[str] | None = field(
+        default=None,
+        metadata={"help": "LoRA file(s) (.safetensors) for the transformer, in diffusers/PEFT, original Wan or "
+                          "kohya/musubi naming; several stack"},
+    )
+    lora_scale: list[float] | None = field(
+        default=None, metadata={"help": "one strength per LoRA file (default 1.0 each)"}
+    )
+    lora_fuse: bool = field(
+        default=False,
+        metadata={"help": "merge the LoRA into the weights (a little faster per step; unfused adapters switch "
+                          "cheaply between videos)"},
+    )
+    offload: str = field(
+        default="none",
+        metadata={"help": "none; model (each component on the device only while its stage runs); layerwise "
+                          "(transformer blocks in host memory, streamed to the device one block ahead); disk "
+                          "(layerwise, blocks read from the memory-mapped safetensors files)"},
+    )
+    compile: str = field(
+        default="none",
+        metadata={"help": "torch.compile the transformer: none; regional (each block, compiled once and reused); "
+                          "full (the whole model)"},
+    )
+    compile_mode: str | None = field(
+        default=None,
+        metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"},
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> RuntimeArgs:
@@ -86,6 +123,17 @@ class RuntimeArgs:
                 errors.append(f"{name} = {value!r}: expected one of fp32, bf16, fp16")
         if self.attention_backend not in ATTENTION_BACKENDS:
             errors.append(f"attention_backend = {self.attention_backend!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
+        for name, allowed in (("offload", OFFLOAD_MODES), ("compile", COMPILE_MODES), ("cfg_mode", CFG_MODES)):
+            if getattr(self, name) not in allowed:
+                errors.append(f"{name} = {getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        if self.compile_mode is not None and self.compile_mode not in COMPILE_TORCH_MODES:
+            errors.append(f"compile_mode = {self.compile_mode!r}: expected one of {', '.join(COMPILE_TORCH_MODES)}")
+        if self.lora_scale is not None:
+            if not self.lora_path:
+                errors.append("lora_scale is set but lora_path is not: give the LoRA file(s) too")
+            elif len(self.lora_scale) != len(self.lora_path):
+                errors.append(f"lora_scale has {len(self.lora_scale)} value(s) for {len(self.lora_path)} lora_path "
+                              "file(s): give one scale per file")
         import torch
 
         try:

@@ -37,6 +37,8 @@ def add_flags(group: argparse._ArgumentGroup, flags: list[Flag]) -> list[str]:
         if flag.type is bool:
             group.add_argument(*names, dest=flag.name, action=argparse.BooleanOptionalAction, default=None,
                                help=flag.help)
+        elif flag.type is list:
+            group.add_argument(*names, dest=flag.name, nargs="+", default=None, metavar="VALUE", help=flag.help)
         else:
             metavar = {int: "INT", float: "FLOAT"}.get(flag.type, "STR")
             group.add_argument(*names, dest=flag.name, type=str, default=None, metavar=metavar, help=flag.help)
