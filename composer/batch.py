@@ -1,17 +1,70 @@
-"""ForwardBatch: the one object that flows through a pipeline's stages.
+"""ForwardBatch: the one object that flows through a pipeline's stages, and the chunks streaming stages yield.
 
-It holds what a request asks for and what the stages make of it. Family-specific state does not get a
-field here: a family's stages keep it in `extra` under a documented key.
+It holds what a request asks for and what the stages make of it. What a request carries beyond the common
+fields (a causal plan, start frames, ...) is a typed object attached with `batch.attach(obj)` and read with
+`batch.get(Type)`: one object per type, never string keys, and no field per model family.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
+T = TypeVar("T")
+
+
+@dataclass
+class RequestStats:
+    """Profile of a request, filled as it runs (a family may extend it, e.g. CausalStats)."""
+
+    time_to_first_frame: float | None = None  # seconds from the request to its first frames being ready
+    total_seconds: float | None = None
+    frames: int = 0  # decoded frames
+
+    @property
+    def frames_per_second(self) -> float | None:
+        if not self.total_seconds or not self.frames:
+            return None
+        return self.frames / self.total_seconds
+
+    def summary(self) -> str:
+        parts = []
+        if self.time_to_first_frame is not None:
+            parts.append(f"time to first frame {self.time_to_first_frame:.2f} s")
+        if self.frames_per_second is not None:
+            parts.append(f"{self.frames_per_second:.1f} frames/s ({self.frames} frames)")
+        return ", ".join(parts)
+
+
+@dataclass
+class LatentBlock:
+    """A streaming denoiser's finished piece: clean latents [B, C, n, h, w] (fp32) and where it sits."""
+
+    index: int
+    segment: int
+    prompt: str
+    start_frame: int  # latent frame index in the whole video
+    latents: torch.Tensor
+    seconds: float
+
+
+@dataclass
+class VideoChunk:
+    """Frames decoded from one block (or from the start frames), in video order."""
+
+    frames: np.ndarray  # uint8 [t, H, W, 3]
+    block_index: int | None  # None for the start frames
+    segment: int
+    prompt: str
+    start_frame: int  # index of the chunk's first frame in the video
+    block_seconds: float  # denoising time of the block (0 for the start frames)
+    decode_seconds: float
+    since_start: float  # seconds from the request to this chunk being ready
 
 
 @dataclass
@@ -49,7 +102,12 @@ class ForwardBatch:
 
     # Seconds per stage (host time; a stage that ends on the host, like decoding, includes device work).
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The request's profile (RequestStats or a family's subclass), when its pipeline keeps one.
+    stats: RequestStats | None = None
+    # When the request started (time.perf_counter()), for time-to-first-frame figures.
+    started: float = field(default_factory=time.perf_counter)
+    # Typed request state beyond the common fields, one object per type (see `attach` / `get`).
+    state: dict[type, Any] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -58,3 +116,15 @@ class ForwardBatch:
     @property
     def do_classifier_free_guidance(self) -> bool:
         return self.guidance_scale > 1.0
+
+    def attach(self, obj: Any) -> None:
+        """Attach a typed piece of request state (replacing any earlier one of the same type)."""
+        self.state[type(obj)] = obj
+
+    def get(self, cls: type[T], default: Any = ...) -> T:
+        """The attached object of type `cls`; without a default, a missing one is a KeyError naming it."""
+        if cls in self.state:
+            return self.state[cls]
+        if default is not ...:
+            return default
+        raise KeyError(f"the request carries no {cls.__name__} (attached: {[t.__name__ for t in self.state]})")

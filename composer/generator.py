@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from composer.batch import ForwardBatch
+from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.configs.base import SamplingParam
 from composer.errors import InvalidInputError
 from composer.loader.model_index import read_model_index
@@ -43,7 +43,7 @@ class GenerationResult:
     sampling: SamplingParam
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, plus "total"
     output_path: Path | None = None
-    stats: Any = None  # causal models: CausalStats (block latency, time to first frame, fps, KV memory)
+    stats: RequestStats | None = None  # causal models: CausalStats (block latency, time to first frame, fps, KV)
     latents: torch.Tensor | None = None  # the final latents [B, C, F, h, w] on the CPU (before decoding)
 
     @property
@@ -115,7 +115,7 @@ class VideoGenerator:
         batch = self.pipeline.forward(batch)
         timings = dict(batch.timings)
         timings["total"] = time.perf_counter() - start
-        stats = batch.extra.get("causal_stats")
+        stats = batch.stats
         if stats is not None:
             stats.total_seconds, stats.frames = timings["total"], int(batch.frames.shape[1])
             stats.time_to_first_frame = timings["total"]  # nothing is shown before the whole video is decoded
@@ -197,8 +197,15 @@ class VideoStream:
     def seed(self) -> int:
         return self._batch.seed
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[VideoChunk]:
+        frames = 0
         for chunk in self._chunks:
+            frames += len(chunk.frames)
+            stats = self._batch.stats
+            if stats is not None:
+                if stats.time_to_first_frame is None:
+                    stats.time_to_first_frame = chunk.since_start
+                stats.frames, stats.total_seconds = frames, time.perf_counter() - self._batch.started
             if self.keep_video:
                 self.chunks.append(chunk)
             yield chunk
@@ -211,8 +218,8 @@ class VideoStream:
         return np.concatenate([c.frames for c in self.chunks])
 
     @property
-    def stats(self):
-        return self._batch.extra.get("causal_stats")
+    def stats(self) -> RequestStats | None:
+        return self._batch.stats
 
     @property
     def latents(self):

@@ -49,22 +49,22 @@ def test_checks_read_metadata_only_so_meta_tensors_pass():
     batch.scheduler = object()
     batch.prompt_embeds = torch.empty(1, 512, 32, device=meta)
     batch.negative_prompt_embeds = torch.empty(1, 512, 32, device=meta)
-    stage = DenoisingStage(transformer=None)
-    stage._verify(batch, "input")
-    stage._verify(batch, "output")  # includes V.all_finite, skipped unless values are checked
+    stage = DenoisingStage(engine=None)
+    stage.check(batch, "input")
+    stage.check(batch, "output")  # includes V.all_finite, skipped unless values are checked
     latent_stage = LatentPreparationStage(16, 4, 8, meta)
     batch.num_frames, batch.height, batch.width = 9, 64, 64
-    latent_stage._verify(batch, "output")
+    latent_stage.check(batch, "output")
 
 
 def test_value_checks_run_when_switched_on():
     batch = _batch()
     batch.latents = torch.full((1, 16, 3, 8, 8), float("nan"))
-    stage = DenoisingStage(transformer=None)
-    stage._verify(batch, "output")  # default: no value checks
+    stage = DenoisingStage(engine=None)
+    stage.check(batch, "output")  # default: no value checks
     stage.check_values = True
     with pytest.raises(StageVerificationError, match="latents = Tensor.*expected finite values"):
-        stage._verify(batch, "output")
+        stage.check(batch, "output")
 
 
 def test_validators_describe_tensors_without_values():
@@ -77,9 +77,13 @@ class _Boom(Stage):
         raise RuntimeError("kernel failed")
 
 
+class _Ran:
+    """A typed piece of request state."""
+
+
 class _Sleepy(Stage):
     def forward(self, batch):
-        batch.extra["ran"] = True
+        batch.attach(_Ran())
         return batch
 
 
@@ -92,7 +96,7 @@ def test_stage_errors_keep_type_and_traceback_and_name_the_stage():
 def test_stage_timing_accumulates_per_stage():
     batch = _Sleepy()(_batch())
     batch = _Sleepy()(batch)
-    assert batch.extra["ran"] and batch.timings["_Sleepy"] > 0
+    assert isinstance(batch.get(_Ran), _Ran) and batch.timings["_Sleepy"] > 0
 
 
 class _CountingEncoder(torch.nn.Module):

@@ -23,6 +23,8 @@ host-to-device copy per layer per pass.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +139,17 @@ class KVCache:
         self._pass = (start, end)
         return self
 
+    @contextmanager
+    def pass_over(self, start: int, num_frames: int) -> Iterator[KVCache]:
+        """`begin` .. `finish` around one forward pass; a pass that raises leaves the cache as it was."""
+        self.begin(start, num_frames)
+        try:
+            yield self
+        except BaseException:
+            self.abort()
+            raise
+        self.finish()
+
     def finish(self) -> None:
         """Close the pass begun with `begin`: its frames now count as written."""
         if self._pass is None:
@@ -175,6 +188,9 @@ class KVCache:
                 runs.append((frame, slot, 1))
         return runs
 
+    # Bookkeeping in Python ints (slots, runs): kept out of torch.compile graphs, so a compiled block does not
+    # specialise on the frame position and recompile for every block.
+    @torch.compiler.disable
     def _write_and_read(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self._pass
         tpf = self.spec.tokens_per_frame

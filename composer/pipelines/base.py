@@ -1,30 +1,38 @@
-"""ComposedPipeline: loads a model folder's modules and runs an ordered list of stages over a ForwardBatch."""
+"""ComposedPipeline: loads a model folder's modules, applies the runtime hooks, and runs an ordered list of
+stages over a ForwardBatch, as a whole video (`forward`) or as pieces streamed while they are made (`stream`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from composer.accel.hooks import apply_hooks, enabled_hooks
 from composer.batch import ForwardBatch
 from composer.configs.base import PipelineConfig
+from composer.engine import DenoisingEngine
 from composer.errors import UnsupportedError
 from composer.loader.components import ComponentLoader
 from composer.loader.model_index import ModelIndex
 from composer.logging import get_logger
-from composer.models.attention import set_attention_backend
 from composer.runtime import RuntimeArgs
 from composer.stages.base import Stage
 
 logger = get_logger(__name__)
 
+StageScope = Callable[[Stage], AbstractContextManager]
+
 
 class ComposedPipeline:
     """Subclasses set `class_names` (model_index `_class_name`s served) and `required_modules`, and build
-    their stages in `create_stages()` with `add_stage`."""
+    their stages in `create_stages()` with `add_stage` (denoising stages get their engine from `make_engine`).
+
+    Construction: check_supported -> load_modules -> hook phase (composer/accel/hooks.py) -> create_stages.
+    """
 
     class_names: tuple[str, ...] = ()
     required_modules: tuple[str, ...] = ()
@@ -37,7 +45,11 @@ class ComposedPipeline:
         self.runtime = runtime
         self.device = runtime.torch_device
         self.check_supported()
+        self.hooks = enabled_hooks(runtime)
+        self.engines: list[DenoisingEngine] = []
+        self.stage_scopes: list[StageScope] = []  # hooks' context managers around each stage run
         self.modules: dict[str, Any] = self.load_modules()
+        self.applied_hooks = apply_hooks(self, self.hooks)
         self.stages: list[Stage] = []
         self.create_stages()
 
@@ -55,6 +67,14 @@ class ComposedPipeline:
             return self.runtime.torch_dtype
         return None
 
+    def load_device(self, name: str) -> torch.device:
+        """Where a module loads: the runtime device, unless a hook keeps it elsewhere (offload: the host)."""
+        device = self.device
+        for hook in self.hooks:
+            if hasattr(hook, "load_device"):
+                device = hook.load_device(self, name, device)
+        return device
+
     def load_modules(self) -> dict[str, Any]:
         modules = {}
         for name in self.required_modules:
@@ -62,11 +82,22 @@ class ComposedPipeline:
             folder = self.folder / name
             start = time.perf_counter()
             loader = ComponentLoader.for_spec(spec, folder)
-            modules[name] = loader.load(folder, spec, self.device, self.module_dtype(name))
-            if isinstance(modules[name], torch.nn.Module):
-                set_attention_backend(modules[name], self.runtime.attention_backend)
+            modules[name] = loader.load(folder, spec, self.load_device(name), self.module_dtype(name))
             logger.info("loaded %s (%s) in %.1f s", name, type(modules[name]).__name__, time.perf_counter() - start)
         return modules
+
+    def denoisers(self) -> dict[str, torch.nn.Module]:
+        """The denoising models (`transformer`, `transformer_2`, ...): what LoRA, offload and compile act on."""
+        return {n: m for n, m in self.modules.items() if n.startswith("transformer") and isinstance(m, torch.nn.Module)}
+
+    def make_engine(self, transformer: torch.nn.Module) -> DenoisingEngine:
+        """The denoising engine over `transformer`, with the runtime's CFG mode and every hook's settings."""
+        engine = DenoisingEngine(transformer, cfg_mode=self.runtime.cfg_mode)
+        for hook in self.hooks:
+            if hasattr(hook, "configure_engine"):
+                hook.configure_engine(engine)
+        self.engines.append(engine)
+        return engine
 
     # -- requests ------------------------------------------------------------------------------------
     def sampling_defaults(self) -> dict[str, Any]:
@@ -74,16 +105,9 @@ class ComposedPipeline:
         return {}
 
     def prepare(self, batch: ForwardBatch, sampling, segments=None, keep_video: bool = True) -> None:
-        """Fill family-specific request state into `batch.extra` before the stages run."""
+        """Attach family-specific request state to the batch (typed objects) before the stages run."""
         if segments is not None:
             raise UnsupportedError(f"{type(self).__name__} does not take prompt segments (a causal model does)")
-
-    def stream(self, batch: ForwardBatch) -> Iterator:
-        """Yield frames as they are made. Only pipelines that generate incrementally can."""
-        raise UnsupportedError(
-            f"{type(self).__name__} makes the whole video at once and cannot stream; causal (block-autoregressive) "
-            "models can"
-        )
 
     # -- stages --------------------------------------------------------------------------------------
     def create_stages(self) -> None:
@@ -99,12 +123,54 @@ class ComposedPipeline:
                 return stage
         raise KeyError(f"no stage {name} in {type(self).__name__} (stages: {[s.name for s in self.stages]})")
 
+    @property
+    def can_stream(self) -> bool:
+        """Whether a stage produces pieces by itself (a causal denoiser; a decoder only passes them on)."""
+        first = next((stage for stage in self.stages if stage.streams), None)
+        return first is not None and not first.streams_from_upstream
+
+    @contextmanager
+    def _scope(self, stage: Stage) -> Iterator[None]:
+        with ExitStack() as stack:
+            for scope in self.stage_scopes:
+                stack.enter_context(scope(stage))
+            yield
+
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        """Run every stage over the whole video."""
         for stage in self.stages:
-            batch = stage(batch)
+            with self._scope(stage):
+                batch = stage(batch)
         return batch
+
+    def stream(self, batch: ForwardBatch) -> Iterator[Any]:
+        """The same stages, lazily: the stages before the first streaming stage run when iteration starts,
+        then each streaming stage consumes the pieces of the one before it (the causal denoiser's latent
+        blocks -> the decoder's frame chunks). Yields the last stage's pieces."""
+        if not self.can_stream:
+            raise UnsupportedError(
+                f"{type(self).__name__} makes the whole video at once and cannot stream; causal (block-autoregressive) "
+                "models can"
+            )
+        return self._stream(batch)
+
+    def _stream(self, batch: ForwardBatch) -> Iterator[Any]:
+        batch.started = time.perf_counter()  # the request starts when its stream is first read
+        pieces: Iterator[Any] | None = None
+        for stage in self.stages:
+            if stage.streams:
+                pieces = self._stream_stage(stage, batch, pieces)
+            elif pieces is None:
+                with self._scope(stage):
+                    batch = stage(batch)
+            else:
+                raise UnsupportedError(f"{stage.name} comes after a streaming stage but cannot take its pieces")
+        yield from pieces
+
+    def _stream_stage(self, stage: Stage, batch: ForwardBatch, upstream: Iterator[Any] | None) -> Iterator[Any]:
+        with self._scope(stage):
+            yield from stage.iter_call(batch, upstream)
 
     def __repr__(self) -> str:
         stages = " -> ".join(s.name for s in self.stages)
         return f"{type(self).__name__}({self.folder}, stages: {stages})"
-

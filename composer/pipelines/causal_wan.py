@@ -8,47 +8,21 @@ local_attn_size, sink_size) are entries of model_index.json.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-
-from composer.batch import ForwardBatch
+from composer.batch import ForwardBatch, VideoChunk
 from composer.configs.causal_wan import CausalWanConfig
 from composer.errors import InvalidInputError
 from composer.pipelines.base import ComposedPipeline
-from composer.stages.causal_denoising import (
-    KEEP_VIDEO,
-    OVERLAP_FRAMES,
-    ROLLOUT_BLOCKS,
-    SEGMENTS,
-    STATS,
-    USE_KV_CACHE,
-    CausalDenoisingStage,
-    CausalStats,
-    checked_segments,
-)
-from composer.stages.decoding import DecodingStage, StreamingVideoDecoder
+from composer.stages.causal_denoising import CausalDenoisingStage, CausalPlan, checked_segments
+from composer.stages.decoding import DecodingStage
 from composer.stages.input_validation import InputValidationStage
-from composer.stages.start_frames import START_FRAMES, StartFrameEncodingStage
+from composer.stages.start_frames import StartFrameEncodingStage, StartFrames
 from composer.stages.text_encoding import TextEncodingStage
 from composer.video import read_frames
 
-
-@dataclass
-class VideoChunk:
-    """Frames decoded from one block (or from the start frames), in video order."""
-
-    frames: np.ndarray  # uint8 [t, H, W, 3]
-    block_index: int | None  # None for the start frames
-    segment: int
-    prompt: str
-    start_frame: int  # index of the chunk's first frame in the video
-    block_seconds: float  # denoising time of the block (0 for the start frames)
-    decode_seconds: float
-    since_start: float  # seconds from the request to this chunk being ready
+__all__ = ["CausalWanPipeline", "VideoChunk"]
 
 
 class CausalWanPipeline(ComposedPipeline):
@@ -80,7 +54,7 @@ class CausalWanPipeline(ComposedPipeline):
         self.add_stage(StartFrameEncodingStage(vae))
         self.add_stage(
             CausalDenoisingStage(
-                transformer, text.encode, self.config, spatial_factor=spatial,
+                self.make_engine(transformer), text.encode, self.config, spatial_factor=spatial,
                 kv_cache_offload=self.runtime.kv_cache_offload, progress=self.runtime.progress,
             )
         )
@@ -108,7 +82,8 @@ class CausalWanPipeline(ComposedPipeline):
             usable = (len(frames) - 1) // temporal * temporal + 1
             start_frames = frames[len(frames) - usable:]
         start_latent_frames = 0 if start_frames is None else (len(start_frames) - 1) // temporal + 1
-        batch.extra[START_FRAMES] = start_frames
+        if start_frames is not None:
+            batch.attach(StartFrames(start_frames))
 
         if isinstance(segments, (list, tuple)):
             segments = list(checked_segments(segments))  # an explicit list is checked up front
@@ -120,15 +95,14 @@ class CausalWanPipeline(ComposedPipeline):
             batch.num_frames = (start_latent_frames + total_blocks * n - 1) * temporal + 1
             if segments and isinstance(segments[0][0], str):
                 batch.prompt = [segments[0][0]] * batch.batch_size
-        batch.extra[SEGMENTS] = segments
-        batch.extra[ROLLOUT_BLOCKS] = sampling.rollout_blocks
-        batch.extra[OVERLAP_FRAMES] = sampling.overlap_frames
-        batch.extra[USE_KV_CACHE] = sampling.kv_cache
-        batch.extra[KEEP_VIDEO] = keep_video
         if sampling.rollout_blocks is not None and sampling.rollout_blocks < 1:
             raise InvalidInputError(f"rollout_blocks must be >= 1, got {sampling.rollout_blocks}")
         if sampling.overlap_frames < 0:
             raise InvalidInputError(f"overlap_frames must be >= 0, got {sampling.overlap_frames}")
+        batch.attach(CausalPlan(
+            segments=segments, rollout_blocks=sampling.rollout_blocks, overlap_frames=sampling.overlap_frames,
+            use_kv_cache=sampling.kv_cache, keep_video=keep_video,
+        ))
 
     def _blocks_for(self, num_frames: int, start_latent_frames: int) -> int:
         """Blocks to generate so the video has `num_frames` frames (0 when num_frames is invalid: the
@@ -150,49 +124,6 @@ class CausalWanPipeline(ComposedPipeline):
                 f"{n}-frame blocks (nearest valid num_frames: {', '.join(map(str, valid))})"
             )
         return generated // n
-
-    # -- streaming -----------------------------------------------------------------------------------
-    def stream(self, batch: ForwardBatch) -> Iterator[VideoChunk]:
-        """Run the stages up to denoising, then yield decoded frames block by block."""
-        started = time.perf_counter()
-        denoiser = self.stage("CausalDenoisingStage")
-        for stage in self.stages[: self.stages.index(denoiser)]:
-            batch = stage(batch)
-        denoiser._verify(batch, "input")
-        decoder = StreamingVideoDecoder(self.modules["vae"])
-        frame_index = 0
-
-        def chunk(latents, block) -> VideoChunk:
-            nonlocal frame_index
-            t0 = time.perf_counter()
-            frames = decoder.decode(latents)[0]
-            decode_seconds = time.perf_counter() - t0
-            batch.timings["StreamingDecode"] += decode_seconds
-            out = VideoChunk(
-                frames=frames, block_index=None if block is None else block.index,
-                segment=0 if block is None else block.segment,
-                prompt=batch.prompt[0] if block is None else block.prompt, start_frame=frame_index,
-                block_seconds=0.0 if block is None else block.seconds, decode_seconds=decode_seconds,
-                since_start=time.perf_counter() - started,
-            )
-            frame_index += len(frames)
-            return out
-
-        first = True
-        if batch.start_latents is not None:
-            yield chunk(batch.start_latents, None)
-        t0 = time.perf_counter()
-        for block in denoiser.iter_blocks(batch):
-            batch.timings[denoiser.name] += time.perf_counter() - t0
-            piece = chunk(block.latents, block)
-            stats: CausalStats = batch.extra[STATS]
-            if first:
-                stats.time_to_first_frame = piece.since_start
-                first = False
-            stats.frames = piece.start_frame + len(piece.frames)
-            stats.total_seconds = time.perf_counter() - started
-            yield piece
-            t0 = time.perf_counter()
 
 
 EntryClass = CausalWanPipeline

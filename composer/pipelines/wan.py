@@ -46,7 +46,7 @@ class WanPipeline(ComposedPipeline):
         )
         self.add_stage(TimestepPreparationStage(self.modules["scheduler"], self.device))
         self.add_stage(LatentPreparationStage(transformer.config.in_channels, temporal, spatial, self.device))
-        self.add_stage(DenoisingStage(transformer, progress=self.runtime.progress))
+        self.add_stage(DenoisingStage(self.make_engine(transformer), progress=self.runtime.progress))
         self.add_stage(DecodingStage(vae))
 
 

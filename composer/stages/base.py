@@ -1,8 +1,17 @@
-"""Stage: one step of a pipeline. The base class owns checking, timing, logging and error context."""
+"""Stage: one step of a pipeline. The base class owns checking, timing, logging and error context.
+
+A stage transforms the whole batch (`forward`), and a streaming stage can also hand out its result piece by
+piece (`stream`): the causal denoiser yields latent blocks as they finish, the decoder turns each into frames.
+The pipeline runs both kinds through the public `__call__` / `iter_call`; nothing runs a stage by hand.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
 
 from composer.batch import ForwardBatch
 from composer.errors import StageVerificationError
@@ -10,6 +19,7 @@ from composer.logging import get_logger
 from composer.stages.validators import VerificationResult
 
 logger = get_logger(__name__)
+_NOTE = "(raised in pipeline stage "
 
 
 class Stage:
@@ -17,15 +27,33 @@ class Stage:
 
     Subclasses implement `forward` and, where useful, the two checks; `__call__` runs
     verify_input -> forward -> verify_output, times `forward` into `batch.timings[name]`, and names the stage
-    on any exception that escapes it.
+    on any exception that escapes it. Streaming stages also implement `stream(batch, upstream)`.
     """
 
     # Whether checks may read tensor values (a device sync): off by default, on for debugging.
     check_values: bool = False
+    # A streaming stage that only transforms an upstream stage's pieces (a decoder) cannot start a stream.
+    streams_from_upstream: bool = False
 
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    @property
+    def streams(self) -> bool:
+        """Whether this stage can yield its result in pieces (it implements `stream`)."""
+        return type(self).stream is not Stage.stream
+
+    def modules(self) -> list[nn.Module]:
+        """The torch modules this stage runs (what must be on the device while it runs): its nn.Module
+        attributes and those of its denoising engine."""
+        found: list[nn.Module] = []
+        for value in vars(self).values():
+            if isinstance(value, nn.Module):
+                found.append(value)
+            elif isinstance(getattr(value, "transformer", None), nn.Module):  # a DenoisingEngine
+                found.append(value.transformer)
+        return list({id(m): m for m in found}.values())
 
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
         """Add checks on the fields this stage reads."""
@@ -33,26 +61,87 @@ class Stage:
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
         """Add checks on the fields this stage wrote."""
 
+    def verify_stream_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        """Checks before streaming (default: those of `verify_input`; a stage fed by an upstream stream
+        checks less here, its pieces arrive later)."""
+        self.verify_input(batch, result)
+
+    def verify_stream_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        """Checks after a stream is exhausted (default: those of `verify_output`)."""
+        self.verify_output(batch, result)
+
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         raise NotImplementedError
 
-    def _verify(self, batch: ForwardBatch, phase: str) -> None:
+    def stream(self, batch: ForwardBatch, upstream: Iterator[Any] | None) -> Iterator[Any]:
+        """Yield the result in pieces; `upstream` is the previous streaming stage's pieces, if any."""
+        raise NotImplementedError(f"{self.name} does not stream")
+
+    def check(self, batch: ForwardBatch, phase: str) -> None:
+        """Run the checks of `phase` ("input", "output", "stream_input", "stream_output"); raise
+        StageVerificationError listing every failure."""
         result = VerificationResult(check_values=self.check_values)
-        (self.verify_input if phase == "input" else self.verify_output)(batch, result)
+        verify = {"input": self.verify_input, "output": self.verify_output,
+                  "stream_input": self.verify_stream_input, "stream_output": self.verify_stream_output}
+        verify[phase](batch, result)
         if not result.ok:
-            raise StageVerificationError(self.name, phase, result.failures)
+            raise StageVerificationError(self.name, phase.removeprefix("stream_"), result.failures)
+
+    def _note(self, exc: BaseException) -> None:
+        # An upstream stage's error passes through the streaming stages after it: name only where it arose.
+        if hasattr(exc, "add_note") and not any(n.startswith(_NOTE) for n in getattr(exc, "__notes__", ())):
+            exc.add_note(f"{_NOTE}{self.name})")
 
     def __call__(self, batch: ForwardBatch) -> ForwardBatch:
-        self._verify(batch, "input")
+        self.check(batch, "input")
         start = time.perf_counter()
         try:
             batch = self.forward(batch)
         except Exception as exc:
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised in pipeline stage {self.name})")
+            self._note(exc)
             raise
         elapsed = time.perf_counter() - start
         batch.timings[self.name] += elapsed
         logger.debug("%s took %.3f s", self.name, elapsed)
-        self._verify(batch, "output")
+        self.check(batch, "output")
         return batch
+
+    def iter_call(self, batch: ForwardBatch, upstream: Iterator[Any] | None = None) -> Iterator[Any]:
+        """The streaming `__call__`: checks, then each piece of `stream` as it is made (time spent making it,
+        less the time spent waiting on `upstream`, goes to `batch.timings[name]`), then the output checks."""
+        self.check(batch, "stream_input")
+        timed_upstream = _TimedIterator(upstream) if upstream is not None else None
+        pieces = self.stream(batch, timed_upstream)
+        while True:
+            start = time.perf_counter()
+            waited = timed_upstream.seconds if timed_upstream is not None else 0.0
+            try:
+                piece = next(pieces)
+            except StopIteration:
+                break
+            except Exception as exc:
+                self._note(exc)
+                raise
+            finally:
+                upstream_time = (timed_upstream.seconds - waited) if timed_upstream is not None else 0.0
+                batch.timings[self.name] += time.perf_counter() - start - upstream_time
+            yield piece
+        self.check(batch, "stream_output")
+
+
+class _TimedIterator:
+    """An iterator that adds up the time spent in its `next` calls."""
+
+    def __init__(self, items: Iterator[Any]):
+        self._items = iter(items)
+        self.seconds = 0.0
+
+    def __iter__(self) -> _TimedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return next(self._items)
+        finally:
+            self.seconds += time.perf_counter() - start

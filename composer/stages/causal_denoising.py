@@ -11,10 +11,14 @@ draw on the GPU in bf16, which gives other values): one seeded CPU generator; at
 whole rollout's noise [B, F, C, h, w]; then for each block and each non-final step one draw of
 [B * frames_in_block, C, h, w].
 
-Classifier-free guidance (guidance_scale > 1; Self-Forcing's distilled models run without it): every model pass
-runs the prompt and the negative prompt as one doubled batch, rows [cond; uncond], over one KV cache of twice
-the batch; the flow is uncond + g (cond - uncond) and both halves continue from the same guided clean
-frames. The noise draws stay those of the unguided batch, so a seed keeps its meaning.
+Every model pass goes through the pipeline's DenoisingEngine: each block's steps are one `engine.run` with the
+`FewStepFlow` step rule, and the prefill and clean passes are engine calls of kind "context".
+
+Classifier-free guidance (guidance_scale > 1; Self-Forcing's distilled models run without it): the prompt and
+the negative prompt are two branches. Batched (the engine's default) they run as one doubled batch, rows
+[cond; uncond], over one KV cache of twice the batch; sequential, each branch has its own cache. The flow is
+uncond + g (cond - uncond) and both branches continue from the same guided clean frames. The noise draws stay
+those of the unguided batch, so a seed keeps its meaning.
 
 Long videos and prompt switches: a segment (prompt, num_blocks) may span several rollouts of
 `rollout_blocks` blocks. Each new rollout, and each new prompt, starts a fresh cache (frame positions
@@ -32,53 +36,36 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from composer.batch import ForwardBatch
+from composer.batch import ForwardBatch, LatentBlock, RequestStats
 from composer.cache import KVCache, KVCacheSpec
 from composer.configs.causal_wan import CausalWanConfig
+from composer.engine import ClassifierFreeGuidance, DenoisingEngine, FewStepFlow, ModelInputs
 from composer.errors import InvalidInputError
-from composer.models.wan.causal import CausalWanTransformer3DModel
+from composer.models.wan.causal import block_causal_mask
 from composer.schedulers import FlowMatchTable
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
-# Keys this stage reads from ForwardBatch.extra.
-SEGMENTS = "segments"  # iterable of (prompt, num_blocks); read lazily (interactive prompts)
-ROLLOUT_BLOCKS = "rollout_blocks"  # int | None
-OVERLAP_FRAMES = "overlap_frames"  # int
-USE_KV_CACHE = "kv_cache"  # bool
-KEEP_VIDEO = "keep_video"  # bool: keep every latent frame (off: only what the next rollout needs)
-STATS = "causal_stats"  # written: CausalStats
+
+@dataclass
+class CausalPlan:
+    """What a causal request asks for beyond ForwardBatch's common fields (CausalWanPipeline.prepare)."""
+
+    segments: Iterable[tuple[str, int]]  # (prompt, num_blocks) pairs, read lazily (interactive prompts)
+    rollout_blocks: int | None = None  # blocks per rollout (None: one rollout per segment)
+    overlap_frames: int = 3  # latent frames carried into the next rollout / prompt
+    use_kv_cache: bool = True  # off: the uncached block-causal recompute (the reference)
+    keep_video: bool = True  # off: keep only the latent frames the next rollout needs (endless streams)
 
 
 @dataclass
-class LatentBlock:
-    """One finished block: clean latents [B, C, n, h, w] (fp32) and where it sits in the video."""
-
-    index: int
-    segment: int
-    prompt: str
-    start_frame: int  # latent frame index in the whole video
-    latents: torch.Tensor
-    seconds: float
-
-
-@dataclass
-class CausalStats:
+class CausalStats(RequestStats):
     """Profile of a causal generation (filled as blocks finish)."""
 
     block_seconds: list[float] = field(default_factory=list)
     prefill_seconds: float = 0.0
     kv_cache_bytes: int = 0
     rollouts: int = 0
-    time_to_first_frame: float | None = None  # set by the streaming pipeline
-    total_seconds: float | None = None
-    frames: int = 0  # decoded frames
-
-    @property
-    def frames_per_second(self) -> float | None:
-        if not self.total_seconds or not self.frames:
-            return None
-        return self.frames / self.total_seconds
 
     def summary(self) -> str:
         blocks = self.block_seconds
@@ -86,10 +73,9 @@ class CausalStats:
         if blocks:
             parts.append(f"block latency mean {sum(blocks) / len(blocks) * 1000:.0f} ms "
                          f"(first {blocks[0] * 1000:.0f} ms, last {blocks[-1] * 1000:.0f} ms)")
-        if self.time_to_first_frame is not None:
-            parts.append(f"time to first frame {self.time_to_first_frame:.2f} s")
-        if self.frames_per_second is not None:
-            parts.append(f"{self.frames_per_second:.1f} frames/s ({self.frames} frames)")
+        common = super().summary()
+        if common:
+            parts.append(common)
         parts.append(f"KV cache {format_bytes(self.kv_cache_bytes)}")
         if self.rollouts > 1:
             parts.append(f"{self.rollouts} rollouts")
@@ -109,18 +95,18 @@ def _sync(device: torch.device) -> None:
 
 
 class CausalDenoisingStage(Stage):
-    """Runs every block of every segment; `iter_blocks` yields them as they finish (for streaming)."""
+    """Runs every block of every segment; `stream` yields them as they finish."""
 
     def __init__(
         self,
-        transformer: CausalWanTransformer3DModel,
+        engine: DenoisingEngine,
         encode_prompts: Callable[[list[str]], torch.Tensor],
         config: CausalWanConfig,
         spatial_factor: int,
         kv_cache_offload: bool = False,
         progress: bool = True,
     ):
-        self.transformer = transformer
+        self.engine = engine
         self.spatial_factor = spatial_factor  # the VAE's: latent height = height // spatial_factor
         self.encode_prompts = encode_prompts
         self.config = config
@@ -130,13 +116,17 @@ class CausalDenoisingStage(Stage):
         self.steps = self.table.step_list(config.denoising_step_list, config.warp_denoising_step)
 
     @property
+    def transformer(self):
+        return self.engine.transformer
+
+    @property
     def window(self) -> tuple[int | None, int]:
         local = self.config.local_attn_size
         return (None if local == -1 else local), self.config.sink_size
 
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
         result.add_check("generator", batch.generator, V.not_none)
-        result.add_check(f"extra['{SEGMENTS}']", batch.extra.get(SEGMENTS), V.not_none)
+        result.add_check("causal plan (CausalPlan)", batch.get(CausalPlan, None), V.not_none)
         if batch.start_latents is not None:
             result.add_check("start_latents", batch.start_latents, V.ndim(5))
         if batch.do_classifier_free_guidance:
@@ -145,20 +135,27 @@ class CausalDenoisingStage(Stage):
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         # Streaming callers report each block themselves; the whole-video path gets a progress bar.
         with tqdm(desc="blocks", unit="block", disable=not self.progress, leave=False) as bar:
-            for _ in self.iter_blocks(batch):
+            for _ in self.stream(batch, None):
                 bar.update()
         return batch
 
     # -- the sampler ---------------------------------------------------------------------------------
-    def _new_cache(self, batch_size: int, capacity: int, tokens_per_frame: int) -> KVCache:
+    def _new_caches(self, batch_size: int, branches: int, capacity: int, tokens_per_frame: int) -> list[KVCache]:
+        """One cache per guidance branch; batched branches share one cache holding all their rows."""
         cfg = self.transformer.config
         window, sink = self.window
-        spec = KVCacheSpec(
-            num_layers=cfg.num_layers, batch_size=batch_size, num_heads=cfg.num_attention_heads,
-            head_dim=cfg.attention_head_dim, tokens_per_frame=tokens_per_frame, capacity_frames=capacity,
-            window_frames=window, sink_frames=sink,
-        )
-        return KVCache(spec, self.transformer.dtype, self.transformer.device, offload=self.kv_cache_offload)
+
+        def cache(rows: int) -> KVCache:
+            spec = KVCacheSpec(
+                num_layers=cfg.num_layers, batch_size=rows, num_heads=cfg.num_attention_heads,
+                head_dim=cfg.attention_head_dim, tokens_per_frame=tokens_per_frame, capacity_frames=capacity,
+                window_frames=window, sink_frames=sink,
+            )
+            return KVCache(spec, self.transformer.dtype, self.transformer.device, offload=self.kv_cache_offload)
+
+        if branches > 1 and self.engine.batched_cfg:
+            return [cache(batch_size * branches)] * branches
+        return [cache(batch_size) for _ in range(branches)]
 
     def _chunks(self, start: int, end: int) -> list[tuple[int, int]]:
         n = self.config.num_frames_per_block
@@ -168,25 +165,26 @@ class CausalDenoisingStage(Stage):
         return torch.full((batch_size, frames), float(value), device=self.transformer.device)
 
     @torch.inference_mode()  # also around each resumption of this generator
-    def iter_blocks(self, batch: ForwardBatch) -> Iterator[LatentBlock]:
-        """Generate block by block, yielding each finished block. Sets extra[STATS] at once and, at the end,
-        batch.latents: every latent frame (start frames included), or with keep_video off only the newest
-        `overlap_frames`."""
-        model, cfg = self.transformer, self.config
+    def stream(self, batch: ForwardBatch, upstream: Iterator | None = None) -> Iterator[LatentBlock]:
+        """Generate block by block, yielding each finished block. Sets batch.stats (CausalStats) at once and, at
+        the end, batch.latents: every latent frame (start frames included), or with keep_video off only the
+        newest `overlap_frames`."""
+        model, cfg, engine = self.transformer, self.config, self.engine
+        plan = batch.get(CausalPlan)
         dtype, device = model.dtype, model.device
         bsz = batch.batch_size
         channels = model.config.in_channels
         h, w = batch.height // self.spatial_factor, batch.width // self.spatial_factor
         tpf = model.tokens_per_frame(h, w)
-        guidance = float(batch.guidance_scale) if batch.do_classifier_free_guidance else None
-        rows = 2 * bsz if guidance is not None else bsz  # model batch: [cond; uncond] with CFG
-        negative = batch.negative_prompt_embeds.to(device, dtype) if guidance is not None else None
+        guidance = None
+        uncond_text = None
+        if batch.do_classifier_free_guidance:
+            guidance = ClassifierFreeGuidance(float(batch.guidance_scale), fp32=True)
+            uncond_text = engine.text_inputs(batch.negative_prompt_embeds.to(device, dtype))
+        branches = 2 if guidance is not None else 1
         n = cfg.num_frames_per_block
-        use_cache = batch.extra.get(USE_KV_CACHE, True)
-        rollout_blocks = batch.extra.get(ROLLOUT_BLOCKS)
-        overlap = batch.extra.get(OVERLAP_FRAMES, n)
-        keep_video = batch.extra.get(KEEP_VIDEO, True)
-        stats = batch.extra[STATS] = CausalStats()
+        overlap = plan.overlap_frames
+        stats = batch.stats = CausalStats()
 
         # Clean latent chunks [B, C, f, h, w] on the device, fp32: the whole video, or (keep_video off, for
         # endless streams) only the newest `overlap` frames the next rollout starts from.
@@ -197,14 +195,13 @@ class CausalDenoisingStage(Stage):
             frames_done = batch.start_latents.shape[2]
         block_index = 0
         first_rollout = True
-        for segment, (prompt, num_blocks) in enumerate(checked_segments(batch.extra[SEGMENTS])):
-            context_embeds = self.encode_prompts([prompt] * bsz).to(device, dtype)
-            if negative is not None:
-                context_embeds = torch.cat([context_embeds, negative])
-            cross_kv = model.cross_attention_kv(context_embeds)
+        for segment, (prompt, num_blocks) in enumerate(checked_segments(plan.segments)):
+            texts = [engine.text_inputs(self.encode_prompts([prompt] * bsz).to(device, dtype))]
+            if uncond_text is not None:
+                texts.append(uncond_text)
             remaining = num_blocks
             while remaining > 0:
-                blocks = min(remaining, rollout_blocks or remaining)
+                blocks = min(remaining, plan.rollout_blocks or remaining)
                 remaining -= blocks
                 # Rollout context: the start latents (first rollout) or the newest `overlap` frames.
                 so_far = torch.cat(video, dim=2) if video else None
@@ -216,16 +213,17 @@ class CausalDenoisingStage(Stage):
                     context = so_far[:, :, max(0, so_far.shape[2] - overlap):] if overlap > 0 else None
                 first_rollout = False
                 prefix = 0 if context is None else context.shape[2]
-                cache = self._new_cache(rows, prefix + blocks * n, tpf) if use_cache else None
+                caches = self._new_caches(bsz, branches, prefix + blocks * n, tpf) if plan.use_kv_cache else None
                 stats.rollouts += 1
-                stats.kv_cache_bytes = max(stats.kv_cache_bytes, cache.nbytes if cache else 0)
+                if caches is not None:
+                    stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in {id(c): c for c in caches}.values()))
 
                 start = time.perf_counter()
-                if cache is not None and context is not None:
+                if caches is not None and context is not None:
                     for s, e in self._chunks(0, prefix):
-                        model.forward_cached(
-                            _rows(context[:, :, s:e], rows).to(dtype), self._timesteps(cfg.context_noise, rows, e - s),
-                            cross_kv, cache, s,
+                        engine.forward_branches(
+                            context[:, :, s:e], self._timesteps(cfg.context_noise, bsz, e - s),
+                            _cached(texts, caches, s), kind="context",
                         )
                 _sync(device)
                 stats.prefill_seconds += time.perf_counter() - start
@@ -233,21 +231,24 @@ class CausalDenoisingStage(Stage):
                 noise = torch.randn((bsz, blocks * n, channels, h, w), generator=batch.generator)
                 noise = noise.permute(0, 2, 1, 3, 4).to(device)  # [B, C, F, h, w]
                 # the recompute path re-reads the rollout's clean frames; the cached path has them as keys
-                rollout_clean = [] if context is None or use_cache else [context]
+                rollout_clean = [] if context is None or caches is not None else [context]
                 for b in range(blocks):
                     start = time.perf_counter()
                     s = prefix + b * n
                     x = noise[:, :, b * n:(b + 1) * n]
-                    x0 = self._denoise_block(x, s, cross_kv, cache, rollout_clean, prefix, batch.generator, guidance)
-                    if cache is not None:
-                        model.forward_cached(
-                            _rows(x0, rows).to(dtype), self._timesteps(cfg.context_noise, rows, n), cross_kv, cache, s
-                        )
+                    if caches is not None:
+                        inputs = _cached(texts, caches, s)
+                    else:
+                        inputs = self._recompute_inputs(texts, rollout_clean, prefix, n, tpf, device)
+                    steps = FewStepFlow(self.table, self.steps.tolist(), batch.generator)
+                    x0 = engine.run(x, steps, inputs[0], inputs[1] if guidance else None, guidance, run=block_index)
+                    if caches is not None:  # the clean pass leaves the block's keys/values in the cache
+                        engine.forward_branches(x0, self._timesteps(cfg.context_noise, bsz, n), inputs, kind="context")
                     x0 = x0.float()
-                    if not use_cache:
+                    if caches is None:
                         rollout_clean.append(x0)
                     video.append(x0)
-                    if not keep_video:
+                    if not plan.keep_video:
                         video = _newest_frames(video, overlap)
                     _sync(device)
                     elapsed = time.perf_counter() - start
@@ -259,58 +260,22 @@ class CausalDenoisingStage(Stage):
             raise InvalidInputError("nothing to generate: every segment has 0 blocks")
         batch.latents = torch.cat(video, dim=2) if video else None
 
-    def _denoise_block(
-        self,
-        x: torch.Tensor,
-        start_frame: int,
-        cross_kv,
-        cache: KVCache | None,
-        rollout_clean: list[torch.Tensor],
-        prefill_frames: int,
-        generator: torch.Generator,
-        guidance: float | None = None,
-    ) -> torch.Tensor:
-        """The few-step loop for one block; returns its clean x0 (in the model's output dtype; fp32 with CFG)."""
-        model = self.transformer
-        dtype = model.dtype
-        bsz, channels, n, h, w = x.shape
-        rows = 2 * bsz if guidance is not None else bsz
-        steps = self.steps.tolist()
-        x0 = x
-        for i, t in enumerate(steps):
-            timestep = self._timesteps(t, rows, n)
-            if cache is not None:
-                flow = model.forward_cached(_rows(x, rows).to(dtype), timestep, cross_kv, cache, start_frame)
-            else:
-                clean = [_rows(c, rows) for c in rollout_clean]
-                flow = self._recompute(_rows(x, rows), timestep, cross_kv, clean, prefill_frames)
-            if guidance is not None:
-                cond, uncond = flow.float().chunk(2)
-                flow = uncond + guidance * (cond - uncond)
-            x0 = self.table.to_x0(flow, x, t)
-            if i < len(steps) - 1:
-                eps = torch.randn((bsz * n, channels, h, w), generator=generator)
-                eps = eps.unflatten(0, (bsz, n)).permute(0, 2, 1, 3, 4).to(x.device)
-                x = self.table.add_noise(x0, eps, steps[i + 1])
-        return x0
-
-    def _recompute(self, x, timestep, cross_kv, rollout_clean: list[torch.Tensor], prefill_frames: int):
-        """Uncached reference: every frame of the rollout so far through a block-causal mask whose chunks are
-        the cached path's passes (the prefill in blocks, then each generated block)."""
-        model, cfg = self.transformer, self.config
-        context = torch.cat(rollout_clean, dim=2) if rollout_clean else x[:, :, :0]
-        prefix = context.shape[2]
-        frames = torch.cat([context, x], dim=2).to(model.dtype)
-        times = torch.cat([self._timesteps(cfg.context_noise, x.shape[0], prefix), timestep], dim=1)
-        chunks = self._chunks(0, prefill_frames) + self._chunks(prefill_frames, prefix + x.shape[2])
+    def _recompute_inputs(self, texts: list[ModelInputs], rollout_clean: list[torch.Tensor], prefill_frames: int,
+                          n: int, tpf: int, device: torch.device) -> list[ModelInputs]:
+        """Uncached reference: every frame of the rollout so far as clean context before the block, through a
+        block-causal mask whose chunks are the cached path's passes (the prefill in blocks, then each block)."""
+        context = torch.cat(rollout_clean, dim=2) if rollout_clean else None
+        prefix = 0 if context is None else context.shape[2]
+        chunks = self._chunks(0, prefill_frames) + self._chunks(prefill_frames, prefix + n)
         window, sink = self.window
-        out = model.forward_masked(frames, times, cross_kv, chunks, window, sink)
-        return out[:, :, prefix:]
+        mask = block_causal_mask(chunks, tpf, window, sink, device)
+        context_t = self._timesteps(self.config.context_noise, context.shape[0], prefix) if context is not None else None
+        return [t.at(0, attn_mask=mask, context=context, context_timestep=context_t) for t in texts]
 
 
-def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [B, ...] as the model batch of `rows` rows: itself, or [x; x] for CFG's cond and uncond halves."""
-    return x if x.shape[0] == rows else torch.cat([x] * (rows // x.shape[0]))
+def _cached(texts: list[ModelInputs], caches: list[KVCache], start_frame: int) -> list[ModelInputs]:
+    """Each branch's inputs for a cached pass starting at `start_frame`."""
+    return [t.at(start_frame, kv_cache=c) for t, c in zip(texts, caches)]
 
 
 def _newest_frames(chunks: list[torch.Tensor], count: int) -> list[torch.Tensor]:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
-from composer.batch import ForwardBatch
+from composer.batch import ForwardBatch, LatentBlock, VideoChunk
+from composer.errors import StageVerificationError, UnsupportedError
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
@@ -31,6 +35,8 @@ def video_to_frames(video: torch.Tensor) -> torch.Tensor:
 class DecodingStage(Stage):
     """Denormalizes the latents and decodes them with the VAE into frames (`batch.frames`)."""
 
+    streams_from_upstream = True  # decodes a streaming denoiser's blocks
+
     def __init__(self, vae: torch.nn.Module):
         self.vae = vae
 
@@ -52,6 +58,43 @@ class DecodingStage(Stage):
         batch.frames = video_to_frames(self.decode(batch.latents)).numpy()
         return batch
 
+    # -- streaming: frames per latent block, as the denoiser finishes them -----------------------------
+    def verify_stream_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        """The latents arrive block by block from upstream."""
+
+    def verify_stream_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        """The frames went out chunk by chunk (each chunk's shape is checked as it is made)."""
+
+    def stream(self, batch: ForwardBatch, upstream: Iterator[LatentBlock] | None) -> Iterator[VideoChunk]:
+        """The start frames (when the request has start latents), then each upstream block's frames: the
+        VAE's temporal cache is carried from chunk to chunk, so the frames equal a whole-video decode."""
+        if upstream is None:
+            raise UnsupportedError("streaming decode needs a streaming denoiser before it")
+        decoder = StreamingVideoDecoder(self.vae)
+        frame_index = 0
+
+        def chunk(latents: torch.Tensor, block: LatentBlock | None) -> VideoChunk:
+            nonlocal frame_index
+            start = time.perf_counter()
+            frames = decoder.decode(latents)[0]
+            if frames.shape[1:] != (batch.height, batch.width, 3):
+                raise StageVerificationError(self.name, "output", [("frames", list(frames.shape),
+                                             f"uint8 frames [t, {batch.height}, {batch.width}, 3]")])
+            piece = VideoChunk(
+                frames=frames, block_index=None if block is None else block.index,
+                segment=0 if block is None else block.segment,
+                prompt=batch.prompt[0] if block is None else block.prompt, start_frame=frame_index,
+                block_seconds=0.0 if block is None else block.seconds, decode_seconds=time.perf_counter() - start,
+                since_start=time.perf_counter() - batch.started,
+            )
+            frame_index += len(frames)
+            return piece
+
+        if batch.start_latents is not None:
+            yield chunk(batch.start_latents, None)
+        for block in upstream:
+            yield chunk(block.latents, block)
+
 
 class StreamingVideoDecoder:
     """Decodes latents chunk by chunk, carrying the Wan VAE's causal temporal cache between chunks, so the
@@ -61,8 +104,6 @@ class StreamingVideoDecoder:
     """
 
     def __init__(self, vae: torch.nn.Module):
-        from composer.errors import UnsupportedError
-
         counts = getattr(vae, "_cached_conv_counts", None)
         usable = (
             counts is not None and hasattr(vae, "decoder") and hasattr(vae, "post_quant_conv")

@@ -1,21 +1,21 @@
-"""DenoisingStage: the sampling loop (classifier-free guidance, the folder's flow-matching scheduler)."""
+"""DenoisingStage: text-to-video sampling through the denoising engine (CFG, the folder's scheduler)."""
 
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
 from composer.batch import ForwardBatch
+from composer.engine import ClassifierFreeGuidance, DenoisingEngine, SchedulerSteps
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
 
 class DenoisingStage(Stage):
-    """For each timestep: predict with the transformer (twice with CFG: prompt and negative prompt),
-    combine `uncond + scale * (cond - uncond)`, and let the scheduler step the fp32 latents."""
+    """For each timestep: the engine predicts (with CFG, prompt and negative prompt: one batched call by
+    default), combines `uncond + scale * (cond - uncond)`, and the scheduler steps the fp32 latents."""
 
-    def __init__(self, transformer: torch.nn.Module, progress: bool = True):
-        self.transformer = transformer
+    def __init__(self, engine: DenoisingEngine, progress: bool = True):
+        self.engine = engine
         self.progress = progress
 
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
@@ -29,25 +29,14 @@ class DenoisingStage(Stage):
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
         result.add_check("latents", batch.latents, V.ndim(5), V.all_finite)
 
-    def predict(self, latents: torch.Tensor, t: torch.Tensor, batch: ForwardBatch, cond, uncond) -> torch.Tensor:
-        """The guided model prediction for one step."""
-        x = latents.to(self.transformer.dtype)
-        timestep = t.expand(latents.shape[0])
-        pred = self.transformer(x, timestep, cond)
-        if batch.do_classifier_free_guidance:
-            pred_uncond = self.transformer(x, timestep, uncond)
-            pred = pred_uncond + batch.guidance_scale * (pred - pred_uncond)
-        return pred
-
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
-        dtype = self.transformer.dtype
-        cond = batch.prompt_embeds.to(dtype)
-        uncond = batch.negative_prompt_embeds.to(dtype) if batch.do_classifier_free_guidance else None
-        latents = batch.latents
-        steps = tqdm(batch.timesteps, desc="denoising", unit="step", disable=not self.progress, leave=False)
-        for t in steps:
-            pred = self.predict(latents, t, batch, cond, uncond)
-            latents = batch.scheduler.step(pred, t, latents, return_dict=False)[0]
-        batch.latents = latents
+        dtype = self.engine.transformer.dtype
+        cond = self.engine.text_inputs(batch.prompt_embeds.to(dtype))
+        uncond, guidance = None, None
+        if batch.do_classifier_free_guidance:
+            uncond = self.engine.text_inputs(batch.negative_prompt_embeds.to(dtype))
+            guidance = ClassifierFreeGuidance(batch.guidance_scale)
+        steps = SchedulerSteps(batch.scheduler, batch.timesteps)
+        batch.latents = self.engine.run(batch.latents, steps, cond, uncond, guidance, progress=self.progress)
         return batch

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,12 @@ from composer.batch import ForwardBatch
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
-START_FRAMES = "start_frames"  # ForwardBatch.extra key: uint8 [T, H, W, 3] with T = 4k + 1
+
+@dataclass
+class StartFrames:
+    """Frames a request starts from (an image, or the end of a video to continue): uint8 [T, H, W, 3], T = 4k+1."""
+
+    frames: np.ndarray
 
 
 def normalize_latents(latents: torch.Tensor, vae_config) -> torch.Tensor:
@@ -36,21 +43,21 @@ def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 class StartFrameEncodingStage(Stage):
-    """Encodes `extra["start_frames"]` with the VAE (posterior mean, normalized) into `start_latents`."""
+    """Encodes the request's StartFrames with the VAE (posterior mean, normalized) into `start_latents`."""
 
     def __init__(self, vae: torch.nn.Module):
         self.vae = vae
 
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
-        if batch.extra.get(START_FRAMES) is not None:
+        if batch.get(StartFrames, None) is not None:
             result.add_check("start_latents", batch.start_latents, V.ndim(5))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
-        frames = batch.extra.get(START_FRAMES)
-        if frames is None:
+        start = batch.get(StartFrames, None)
+        if start is None:
             return batch
-        frames = resize_frames(np.asarray(frames), batch.height, batch.width)
+        frames = resize_frames(np.asarray(start.frames), batch.height, batch.width)
         pixels = torch.from_numpy(frames).permute(3, 0, 1, 2).unsqueeze(0)  # [1, 3, T, H, W]
         pixels = (pixels.to(self.vae.device, self.vae.dtype) / 127.5 - 1.0).expand(batch.batch_size, -1, -1, -1, -1)
         mu = self.vae.encode(pixels).latent_dist.mode()

@@ -1,7 +1,10 @@
 """`Attention`: the single module through which every composer model computes attention.
 
-Models hand it projected, normed, rotated q/k/v; parallel strategies (sequence parallel and the like) wrap
-or replace it, so model code stays the same on one device or many.
+Models hand it projected, normed, rotated q/k/v. It has a role: `self` attention may carry a KV cache handle
+(causal generation: this pass's keys/values are written to the cache and every visible cached key is attended
+to); `cross` attention gets the text's keys/values, usually precomputed once per prompt. Parallel strategies
+(sequence parallel and the like) wrap or replace this one module, so model code stays the same on one device
+or many.
 """
 
 from __future__ import annotations
@@ -9,19 +12,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from composer.models.attention.backends import resolve_backend, run_attention
+from composer.models.attention.backends import AUTO, resolve_backend, run_attention
+
+ROLES = ("self", "cross")
 
 
 class Attention(nn.Module):
     """softmax(q k^T / sqrt(d)) v over [batch, seq, heads, head_dim] tensors, on the selected backend."""
 
-    def __init__(self, backend: str = "auto"):
+    def __init__(self, role: str = "self", backend: str = AUTO):
         super().__init__()
+        if role not in ROLES:
+            raise ValueError(f"attention role must be one of {ROLES}, got {role!r}")
+        self.role = role
         self.set_backend(backend)
 
     def set_backend(self, name: str) -> None:
         self.backend_name = name
-        self._backend = resolve_backend(name)
+        self._backend = None  # resolved on first use (or by the attention-backend hook at load)
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            self._backend = resolve_backend(self.backend_name)
+        return self._backend
 
     def forward(
         self,
@@ -29,15 +43,26 @@ class Attention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
+        kv_cache=None,
     ) -> torch.Tensor:
-        return run_attention(self._backend, query, key, value, attn_mask)
+        """`kv_cache` (self role only): a layer handle of `composer.cache.KVCache` positioned on this pass;
+        `update(k, v)` stores this pass's keys/values and returns every key/value the pass may see."""
+        if kv_cache is not None:
+            if self.role != "self":
+                raise ValueError("only self-attention keeps a KV cache; cross-attention takes precomputed text k/v")
+            key, value = kv_cache.update(key, value)
+        return run_attention(self.backend, query, key, value, attn_mask)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend_name}"
+        return f"role={self.role}, backend={self.backend_name}"
 
 
-def set_attention_backend(model: nn.Module, name: str) -> None:
-    """Point every Attention module of `model` at backend `name` ("auto", "sdpa", "flash")."""
+def set_attention_backend(model: nn.Module, name: str) -> list[str]:
+    """Point every Attention module of `model` at backend `name` (`auto` or a registered backend); returns
+    the names of the backends they resolved to."""
+    used = []
     for module in model.modules():
         if isinstance(module, Attention):
             module.set_backend(name)
+            used.append(module.backend.name)
+    return sorted(set(used))

@@ -71,14 +71,7 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
     ) -> torch.Tensor:
         """Predict for frames [start_frame, start_frame + F) of `latents` [B, C, F, H, W], timestep [B, F];
         their keys/values go into `kv_cache` (appended, or overwriting the newest frames on a re-run)."""
-        kv_cache.begin(start_frame, latents.shape[2])
-        try:
-            out = self(latents, timestep, cross_kv=cross_kv, frame_offset=start_frame, kv_cache=kv_cache)
-        except BaseException:
-            kv_cache.abort()
-            raise
-        kv_cache.finish()
-        return out
+        return self(latents, timestep, cross_kv=cross_kv, frame_offset=start_frame, kv_cache=kv_cache)
 
     def forward_masked(
         self,

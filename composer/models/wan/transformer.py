@@ -46,7 +46,7 @@ class WanSelfAttention(nn.Module):
         self.to_out = nn.Linear(dim, dim)
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
-        self.attention = Attention()
+        self.attention = Attention(role="self")
 
     def project_qkv(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (normed, rotated) and v as [B, S, heads, head_dim]."""
@@ -61,9 +61,7 @@ class WanSelfAttention(nn.Module):
         """`kv_cache`: a layer handle of composer.cache.KVCache; this pass's k/v are written into it and q
         attends to every key it holds that the window lets it see."""
         q, k, v = self.project_qkv(x, rotary)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
-        return self.to_out(self.attention(q, k, v, attn_mask).flatten(2))
+        return self.to_out(self.attention(q, k, v, attn_mask, kv_cache).flatten(2))
 
 
 class WanCrossAttention(nn.Module):
@@ -78,7 +76,7 @@ class WanCrossAttention(nn.Module):
         self.to_out = nn.Linear(dim, dim)
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
-        self.attention = Attention()
+        self.attention = Attention(role="cross")
 
     def project_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.norm_k(self.to_k(context)).unflatten(2, (self.num_heads, -1))
@@ -199,6 +197,9 @@ class WanTransformer3DModel(nn.Module):
 
     class_names = ("WanTransformer3DModel", "WanModel")
     config_class = WanTransformerConfig
+    # The repeated transformer blocks (an nn.ModuleList): what regional compilation compiles once and
+    # layerwise offload streams to the device.
+    repeated_blocks = "blocks"
     # checkpoint naming -> composer naming (see composer/loader/weights.py)
     param_name_mappings = {"diffusers": DIFFUSERS_TO_COMPOSER, "original": ORIGINAL_TO_COMPOSER}
     ignored_checkpoint_keys = (r"\.norm_added_q\.",)
@@ -272,9 +273,18 @@ class WanTransformer3DModel(nn.Module):
         encoder_hidden_states [B, L, text_dim] or its precomputed `cross_kv` -> prediction [B, C, F, H, W].
 
         Causal generation uses the keyword-only arguments: `frame_offset` (absolute index of the first frame,
-        for RoPE), `attn_mask` (a [S, S] boolean mask over tokens) and `kv_cache` (a composer.cache.KVCache
-        positioned on this pass's frames).
+        for RoPE), `attn_mask` (a [S, S] boolean mask over tokens) and `kv_cache` (a composer.cache.KVCache:
+        this pass covers frames [frame_offset, frame_offset + F); their keys/values are appended to it, or
+        overwrite the newest frames on a re-run, and every cached frame the window shows is attended to).
         """
+        if kv_cache is not None:
+            with kv_cache.pass_over(frame_offset, hidden_states.shape[2]):
+                return self._forward(hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset,
+                                     attn_mask, kv_cache)
+        return self._forward(hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset, attn_mask)
+
+    def _forward(self, hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset, attn_mask,
+                 kv_cache=None) -> torch.Tensor:
         x, grid = self.patchify(hidden_states)
         rotary = self.rotary(grid, x.device, frame_offset)
         if cross_kv is None:

@@ -1,0 +1,61 @@
+"""torch.compile hook (`compile = regional | full`, `compile_mode`).
+
+- regional: each repeated transformer block's `forward` is compiled. The blocks share one code object and
+  dynamo treats their parameters as inputs (torch's default `inline_inbuilt_nn_modules`), so the block is
+  compiled once and every block reuses it: compile time does not grow with depth.
+- full: the transformer's whole `forward`.
+
+Only `forward` is compiled, never `__call__`, so module hooks (layerwise offload, LoRA layers' own logic is
+inside forward and compiles) stay outside the graph. The KV cache's bookkeeping is excluded from graphs (see
+composer/cache/kv_cache.py), so causal blocks compile too. Compilation happens on the first video of a size;
+later steps and videos of that size reuse it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from composer.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def repeated_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    name = getattr(type(model), "repeated_blocks", None)
+    blocks = getattr(model, name, None) if name else None
+    return blocks if isinstance(blocks, torch.nn.ModuleList) else None
+
+
+def compile_module(module: torch.nn.Module, mode: str | None) -> None:
+    """Compile `module.forward` in place (the module object, its parameters and hooks stay as they are)."""
+    options = {} if mode in (None, "default") else {"mode": mode}
+    module.forward = torch.compile(module.forward, **options)
+
+
+class CompileHook:
+    name = "compile"
+
+    @staticmethod
+    def enabled(runtime: Any) -> bool:
+        return runtime.compile != "none"
+
+    def apply(self, pipeline: Any) -> str:
+        runtime = pipeline.runtime
+        done = []
+        for name, model in pipeline.denoisers().items():
+            if runtime.compile == "regional":
+                blocks = repeated_blocks(model)
+                if blocks is None:
+                    compile_module(model, runtime.compile_mode)
+                    done.append(f"{name} whole (no repeated blocks declared)")
+                    continue
+                for block in blocks:
+                    compile_module(block, runtime.compile_mode)
+                done.append(f"{name}: {len(blocks)} blocks, one compiled graph reused")
+            else:
+                compile_module(model, runtime.compile_mode)
+                done.append(f"{name} whole")
+        mode = runtime.compile_mode or "default"
+        return f"{runtime.compile}, mode {mode}: " + "; ".join(done) + " (compiles on the first video of each size)"

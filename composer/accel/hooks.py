@@ -1,0 +1,48 @@
+"""The hook phase: `apply_hooks(pipeline)` runs between `load_modules()` and `create_stages()`.
+
+Order (each hook sees what the ones before it made):
+
+    lora       adapters on the transformer(s) (unfused peft layers, or merged into the weights)
+    attention  every Attention module on the runtime's backend (`attention_backend`)
+    offload    model: components on the device only while their stage runs; layerwise / disk: transformer
+               blocks streamed to the device one block ahead
+    compile    torch.compile of the transformer(s): each repeated block (regional) or the whole model
+
+(quantization goes before lora, parallel sharding between attention and offload, as they land.)
+
+A hook is an object with `name`, `enabled(runtime) -> bool` and `apply(pipeline) -> str` (what it did, for
+the log); optionally `load_device(pipeline, module_name, device) -> device` (where a module loads) and
+`configure_engine(engine)` (called for every DenoisingEngine the pipeline makes). Hooks refuse combinations
+they cannot serve with a ConfigError naming both settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def hook_classes() -> list[type]:
+    """Every hook, in application order (imported here, so a hook's heavy imports wait until it is used)."""
+    from composer.accel.attention import AttentionBackendHook
+    from composer.accel.compile import CompileHook
+
+    return [AttentionBackendHook, CompileHook]
+
+
+def enabled_hooks(runtime: Any) -> list[Any]:
+    """Instances of the hooks the runtime settings turn on, in order."""
+    return [cls() for cls in hook_classes() if cls.enabled(runtime)]
+
+
+def apply_hooks(pipeline: Any, hooks: list[Any]) -> list[str]:
+    """Apply `hooks` to a loaded pipeline in order; returns (and logs) one line per hook."""
+    lines = []
+    for hook in hooks:
+        line = hook.apply(pipeline)
+        lines.append(f"{hook.name}: {line}")
+        logger.info("hook %s: %s", hook.name, line)
+    return lines

@@ -1,0 +1,174 @@
+"""DenoisingEngine: the one step loop and the one call site of a pipeline's transformer.
+
+    for each step:  hooks.before_step -> predict -> step rule -> hooks.after_step
+    predict:        one model call per guidance branch, or (batched CFG, the default) one call over the
+                    branches as one batch; then guidance combines them
+    model call:     hooks.around_model wrap the transformer call (outermost hook first)
+
+Hooks are objects with any of `before_step(info)`, `after_step(info)` and `around_model(call, model_call)`;
+a step cache, CFG parallel or a profiler attaches here once for every pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from composer.engine.guidance import ClassifierFreeGuidance
+from composer.engine.inputs import ModelInputs
+from composer.engine.steps import StepRule
+
+
+@dataclass
+class StepInfo:
+    """Where a loop is: step `index` of `num_steps` at timestep `timestep`, in run `run` (a request's
+    text-to-video loop is run 0; the causal sampler numbers its blocks)."""
+
+    index: int
+    num_steps: int
+    timestep: float
+    run: int
+    latents: torch.Tensor
+
+
+@dataclass
+class ModelCall:
+    """One transformer call: inputs [rows, C, F, H, W], timestep [rows] or [rows, F], the conditioning, and
+    why it is made: "step" (a denoising prediction) or "context" (a causal pass that only writes the KV cache)."""
+
+    latents: torch.Tensor
+    timestep: torch.Tensor
+    inputs: ModelInputs
+    kind: str = "step"
+    step: StepInfo | None = None
+
+
+class EngineHook:
+    """Base class for engine hooks: override what you need."""
+
+    def before_step(self, info: StepInfo) -> None:
+        pass
+
+    def after_step(self, info: StepInfo) -> None:
+        pass
+
+    def around_model(self, call: Callable[[ModelCall], torch.Tensor], model_call: ModelCall) -> torch.Tensor:
+        return call(model_call)
+
+
+class DenoisingEngine:
+    """Runs denoising loops over one transformer. `cfg_mode`: "batched" (prompt and negative prompt as one
+    batch, one call a step) or "sequential" (one call per branch: less activation memory)."""
+
+    def __init__(self, transformer: torch.nn.Module, cfg_mode: str = "batched", hooks: list | None = None):
+        if cfg_mode not in ("batched", "sequential"):
+            raise ValueError(f"cfg_mode must be 'batched' or 'sequential', got {cfg_mode!r}")
+        self.transformer = transformer
+        self.cfg_mode = cfg_mode
+        self.hooks: list[EngineHook] = list(hooks or [])
+        self.precompute_text_kv = True
+        self._step: StepInfo | None = None
+
+    @property
+    def batched_cfg(self) -> bool:
+        return self.cfg_mode == "batched"
+
+    def add_hook(self, hook: EngineHook) -> None:
+        self.hooks.append(hook)
+
+    # -- the model call ------------------------------------------------------------------------------
+    def _call_transformer(self, call: ModelCall) -> torch.Tensor:
+        model, inputs = self.transformer, call.inputs
+        x, timestep = call.latents.to(model.dtype), call.timestep
+        prefix = 0
+        if inputs.context is not None:  # the uncached causal reference: clean context frames first
+            prefix = inputs.context.shape[2]
+            x = torch.cat([inputs.context.to(model.dtype), x], dim=2)
+            timestep = torch.cat([inputs.context_timestep, timestep], dim=1)
+        out = model(x, timestep, **inputs.model_kwargs())
+        return out[:, :, prefix:] if prefix else out
+
+    def call_model(self, latents: torch.Tensor, timestep: torch.Tensor, inputs: ModelInputs,
+                   kind: str = "step") -> torch.Tensor:
+        """The one place a pipeline calls its transformer; `around_model` hooks wrap it."""
+        call: Callable[[ModelCall], torch.Tensor] = self._call_transformer
+        for hook in reversed(self.hooks):  # the first hook added is the outermost
+            around = getattr(hook, "around_model", None)
+            if around is not None:
+                call = _wrap(around, call)
+        return call(ModelCall(latents, timestep, inputs, kind, self._step))
+
+    def text_inputs(self, text: torch.Tensor) -> ModelInputs:
+        """Conditioning for a text embedding [B, L, D]: each block's cross-attention k/v computed once here and
+        reused by every step, unless `precompute_text_kv` is off (layerwise offload turns it off: block
+        weights are on the device only while their block runs)."""
+        if self.precompute_text_kv and hasattr(self.transformer, "cross_attention_kv"):
+            return ModelInputs(cross_kv=self.transformer.cross_attention_kv(text))
+        return ModelInputs(text=text)
+
+    def forward_branches(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
+                         kind: str = "step", merged: ModelInputs | None = None) -> list[torch.Tensor]:
+        """The raw prediction of each branch: one batched call (cfg_mode batched) or one call per branch.
+        `merged`: the branches already batched (a loop batches them once, not every step)."""
+        if len(branches) == 1:
+            return [self.call_model(latents, timestep, branches[0], kind)]
+        if self.batched_cfg:
+            n = len(branches)
+            merged = merged if merged is not None else ModelInputs.batched(branches)
+            out = self.call_model(torch.cat([latents] * n), torch.cat([timestep] * n), merged, kind)
+            return list(out.chunk(n))
+        return [self.call_model(latents, timestep, b, kind) for b in branches]
+
+    def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: ModelInputs,
+                uncond: ModelInputs | None = None, guidance: ClassifierFreeGuidance | None = None,
+                merged: ModelInputs | None = None) -> torch.Tensor:
+        """The (guided) prediction for one step."""
+        if guidance is None:
+            return self.forward_branches(latents, timestep, [cond])[0]
+        pred_cond, pred_uncond = self.forward_branches(latents, timestep, [cond, uncond], merged=merged)
+        return guidance.combine(pred_cond, pred_uncond)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(
+        self,
+        latents: torch.Tensor,
+        steps: StepRule,
+        cond: ModelInputs,
+        uncond: ModelInputs | None = None,
+        guidance: ClassifierFreeGuidance | None = None,
+        *,
+        run: int = 0,
+        progress: bool = False,
+    ) -> torch.Tensor:
+        """Every step of `steps` from `latents`; returns the final latents."""
+        if guidance is not None and uncond is None:
+            raise ValueError("guidance needs the negative branch (uncond)")
+        merged = ModelInputs.batched([cond, uncond]) if guidance is not None and self.batched_cfg else None
+        timesteps = steps.timesteps
+        num_steps = len(timesteps)
+        for index, t in enumerate(tqdm(timesteps, desc="denoising", unit="step", disable=not progress, leave=False)):
+            info = StepInfo(index, num_steps, float(t), run, latents)
+            for hook in self.hooks:
+                if hasattr(hook, "before_step"):
+                    hook.before_step(info)
+            self._step = info
+            try:
+                pred = self.predict(latents, steps.model_timestep(t, latents), cond, uncond, guidance, merged)
+            finally:
+                self._step = None
+            latents = steps.step(index, t, pred, latents)
+            info.latents = latents
+            for hook in self.hooks:
+                if hasattr(hook, "after_step"):
+                    hook.after_step(info)
+        return latents
+
+
+def _wrap(around, inner):
+    def call(model_call: ModelCall) -> torch.Tensor:
+        return around(inner, model_call)
+
+    return call

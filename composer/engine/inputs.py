@@ -1,0 +1,74 @@
+"""ModelInputs: what the transformer sees besides the noisy latents and the timestep, for one guidance branch."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CrossKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class ModelInputs:
+    """One branch's conditioning (the prompt, or the negative prompt under CFG) and causal context.
+
+    - `text` [B, L, D]: text encoder states, or `cross_kv`: each block's cross-attention (k, v), computed once
+      per prompt;
+    - `kv_cache` + `frame_offset`: a causal pass over frames [frame_offset, frame_offset + F) against a KVCache;
+    - `attn_mask` [S, S] and `context` [B, C, f, h, w] with `context_timestep` [B, f]: the uncached causal
+      reference, whose clean context frames are prepended to the input (and cut from the output).
+    """
+
+    text: torch.Tensor | None = None
+    cross_kv: CrossKV | None = None
+    kv_cache: Any = None
+    frame_offset: int = 0
+    attn_mask: torch.Tensor | None = None
+    context: torch.Tensor | None = None
+    context_timestep: torch.Tensor | None = None
+
+    def at(self, frame_offset: int, **changes: Any) -> ModelInputs:
+        """The same conditioning for a pass starting at another frame."""
+        return dataclasses.replace(self, frame_offset=frame_offset, **changes)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if self.cross_kv is not None:
+            kwargs["cross_kv"] = self.cross_kv
+        else:
+            kwargs["encoder_hidden_states"] = self.text
+        if self.kv_cache is not None or self.frame_offset:
+            kwargs["frame_offset"] = self.frame_offset
+        if self.kv_cache is not None:
+            kwargs["kv_cache"] = self.kv_cache
+        if self.attn_mask is not None:
+            kwargs["attn_mask"] = self.attn_mask
+        return kwargs
+
+    @staticmethod
+    def batched(branches: list[ModelInputs]) -> ModelInputs:
+        """The branches as one batch (rows in branch order). A KV cache cannot be concatenated: batched
+        branches share one cache object holding every branch's rows."""
+        first = branches[0]
+        if any(b.kv_cache is not first.kv_cache for b in branches):
+            raise ValueError("batched guidance branches must share one KV cache (allocated for all their rows)")
+        if any(b.frame_offset != first.frame_offset or b.attn_mask is not first.attn_mask for b in branches):
+            raise ValueError("batched guidance branches must cover the same frames")
+
+        def cat(values):
+            return None if values[0] is None else torch.cat(values)
+
+        cross_kv = None
+        if first.cross_kv is not None:
+            cross_kv = [
+                (torch.cat([b.cross_kv[i][0] for b in branches]), torch.cat([b.cross_kv[i][1] for b in branches]))
+                for i in range(len(first.cross_kv))
+            ]
+        return ModelInputs(
+            text=cat([b.text for b in branches]), cross_kv=cross_kv, kv_cache=first.kv_cache,
+            frame_offset=first.frame_offset, attn_mask=first.attn_mask,
+            context=cat([b.context for b in branches]), context_timestep=cat([b.context_timestep for b in branches]),
+        )
