@@ -52,7 +52,7 @@ class GenerationResult:
 
 
 class VideoGenerator:
-    """A loaded pipeline plus its family's sampling defaults."""
+    """A loaded pipeline plus its sampling defaults: the family's, with what the model folder states over them."""
 
     def __init__(self, pipeline: ComposedPipeline, default_sampling: SamplingParam, model_path: str, family: str):
         self.pipeline = pipeline
@@ -90,11 +90,11 @@ class VideoGenerator:
         start = time.perf_counter()
         pipeline = pipeline_cls(index, configs.pipeline_config(), runtime)
         logger.info("model ready in %.1f s on %s", time.perf_counter() - start, runtime.torch_device)
-        defaults = configs.sampling_param().updated(**pipeline.sampling_defaults())
+        defaults = configs.sampling_param().with_folder_defaults(pipeline.sampling_defaults())
         return cls(pipeline, defaults, model_path, configs.family.name)
 
     def sampling_param(self, **overrides: Any) -> SamplingParam:
-        """The family defaults with `overrides` applied (raises ConfigError for unknown keys)."""
+        """The defaults (family < model folder) with `overrides` applied (raises ConfigError for unknown keys)."""
         return self.default_sampling.updated(**overrides)
 
     def generate_video(

@@ -1,4 +1,7 @@
-"""`composer generate`: one video from a prompt. Precedence: family defaults < --config preset < flags.
+"""`composer generate`: one video from a prompt.
+
+Sampling precedence: family defaults < what the model folder states (its scheduler's flow shift, a causal
+folder's step list) < --config preset < flags.
 
 Causal (block-autoregressive) models can also stream (`--stream`: the file grows block by block), switch
 prompts (`--segment "PROMPT::BLOCKS"`, repeated) and take the next prompt from stdin (`--interactive`).

@@ -27,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"    detector: {'yes' if family.model_detectors else 'no'}")
         print(f"    configs:  {family.pipeline_config_cls.__name__} / {family.sampling_param_cls.__name__}")
         print(f"    defaults: {defaults}")
+    print("  (a model folder's own settings win over these defaults: its scheduler's flow shift, a causal folder's "
+          "step list)")
     print("Pipelines (model_index.json _class_name -> class):")
     for name, entry in sorted(pipeline_entry_points().items()):
         print(f"  {name} -> {entry.module}.{entry.class_name}")

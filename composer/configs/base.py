@@ -48,7 +48,12 @@ class SamplingParam:
     num_inference_steps: int = field(default=50, metadata={"help": "denoising steps"})
     guidance_scale: float = field(default=5.0, metadata={"help": "classifier-free guidance scale (<= 1 disables CFG)"})
     flow_shift: float | None = field(
-        default=None, metadata={"help": "timestep shift of the flow-matching schedule (default: the model folder's)"}
+        default=None,
+        metadata={
+            "help": "timestep shift of the flow-matching schedule (default: the model folder's scheduler setting, "
+            "`shift` / `flow_shift` in scheduler/scheduler_config.json; the family's value where the folder "
+            "states none)"
+        },
     )
     seed: int | None = field(default=None, metadata={"help": "random seed (same meaning as in diffusers); default: random"})
     fps: int = field(default=16, metadata={"help": "frames per second of the written video"})
@@ -64,6 +69,15 @@ class SamplingParam:
                 values[key] = coerce(value, hints[key], key, errors)
         raise_if_errors(errors, "sampling parameters")
         return dataclasses.replace(self, **values)
+
+    def with_folder_defaults(self, values: dict[str, Any]) -> SamplingParam:
+        """A copy with the defaults a model folder states (`ComposedPipeline.sampling_defaults()`), over the
+        family's. Unlike `updated`, None is applied: the folder fixes that setting, so no family value fits."""
+        errors = unknown_key_errors(type(self), values, "sampling default")
+        hints = field_types(type(self))
+        changes = {key: coerce(value, hints[key], key, errors) for key, value in values.items() if key in hints}
+        raise_if_errors(errors, "sampling defaults of the model folder")
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -25,7 +25,8 @@ class WanT2VConfig(PipelineConfig):
 
 @dataclass
 class WanT2V480PSamplingParam(SamplingParam):
-    """Wan2.1 T2V at 480p: 832x480, 81 frames at 16 fps, 50 steps, CFG 5.0, flow shift 3.0."""
+    """Wan2.1 T2V at 480p: 832x480, 81 frames at 16 fps, 50 steps, CFG 5.0. The flow shift is the model folder's
+    (the released folders' scheduler configs say 3.0); 3.0 only fills in for a folder that states none."""
 
     negative_prompt: str | None = WAN_NEGATIVE_PROMPT
     height: int = 480
@@ -35,7 +36,6 @@ class WanT2V480PSamplingParam(SamplingParam):
     guidance_scale: float = 5.0
     flow_shift: float | None = 3.0
     fps: int = 16
-
 
 
 register_configs(

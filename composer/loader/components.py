@@ -54,6 +54,23 @@ class ComponentLoader:
         )
 
 
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A component's config file as written: only the settings the folder states.
+
+    diffusers and transformers fill unstated settings with their own defaults when they load a component,
+    so the loaded object's `config` cannot tell what the folder said from what the library assumed.
+    """
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path} does not exist; the model folder is incomplete") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFormatError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelFormatError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def _config_class_name(folder: Path) -> str | None:
     config = folder / "config.json"
     if not config.is_file():
@@ -86,10 +103,7 @@ class ComposerModelLoader(ComponentLoader):
         config_path = folder / "config.json"
         if not config_path.is_file():
             raise ModelFormatError(f"{folder} has no config.json for component '{spec.name}'")
-        try:
-            raw = json.loads(config_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelFormatError(f"{config_path} is not valid JSON: {exc}") from exc
+        raw = read_config_file(config_path)
         cls = get_model_class(raw.get("_class_name") or spec.class_name)
         config = cls.config_class.from_dict(raw)
         with torch.device("meta"):

@@ -101,7 +101,8 @@ class ComposedPipeline:
 
     # -- requests ------------------------------------------------------------------------------------
     def sampling_defaults(self) -> dict[str, Any]:
-        """Sampling defaults the model folder itself fixes (applied over the family's SamplingParam)."""
+        """Sampling defaults the model folder itself states, applied over the family's SamplingParam (a None
+        clears the family's value: the folder fixes that setting)."""
         return {}
 
     def prepare(self, batch: ForwardBatch, sampling, segments=None, keep_video: bool = True) -> None:

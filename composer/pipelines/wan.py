@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from composer.configs.wan import WanT2VConfig
 from composer.errors import UnsupportedError
+from composer.loader.components import read_config_file
 from composer.pipelines.base import ComposedPipeline
 from composer.stages.decoding import DecodingStage
 from composer.stages.denoising import DenoisingStage
 from composer.stages.input_validation import InputValidationStage
 from composer.stages.latents import LatentPreparationStage
 from composer.stages.text_encoding import TextEncodingStage
-from composer.stages.timesteps import TimestepPreparationStage
+from composer.stages.timesteps import TimestepPreparationStage, flow_shift_key
 
 
 class WanPipeline(ComposedPipeline):
@@ -29,6 +32,17 @@ class WanPipeline(ComposedPipeline):
             )
         if extra.get("expand_timesteps"):
             raise UnsupportedError(f"{self.folder} is a Wan2.2 TI2V folder (expand_timesteps); not supported yet")
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The default flow_shift is the one the folder's scheduler config states: fine-tuned and distilled
+        Wan folders ship their own (5, 8, ...). A config that states none leaves the family's value."""
+        scheduler = self.modules["scheduler"]
+        key = flow_shift_key(scheduler.config)
+        if key is None or scheduler.config.get("use_dynamic_shifting"):
+            return {"flow_shift": None}  # no fixed shift to set: a family value would only be refused later
+        # The file, not `scheduler.config`: diffusers fills an unstated shift with its own default (1.0).
+        stated = read_config_file(self.folder / "scheduler" / scheduler.config_name)
+        return {"flow_shift": stated[key]} if stated.get(key) is not None else {}
 
     def create_stages(self) -> None:
         vae, transformer = self.modules["vae"], self.modules["transformer"]

@@ -8,19 +8,25 @@ from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
 
+def flow_shift_key(config) -> str | None:
+    """The name of a scheduler config's flow-shift setting, or None when it has none.
+
+    diffusers names the shift `flow_shift` (UniPC, DPM-Solver) or `shift` (flow-match Euler).
+    """
+    return next((key for key in ("flow_shift", "shift") if key in config), None)
+
+
 def scheduler_with_shift(template, flow_shift: float | None):
     """A new scheduler of the template's class and config, with `flow_shift` applied when given.
 
-    Schedulers carry state between steps, so each request gets its own instance. diffusers names the
-    shift `flow_shift` (UniPC, DPM-Solver) or `shift` (flow-match Euler).
+    Schedulers carry state between steps, so each request gets its own instance.
     """
     overrides = {}
     if flow_shift is not None:
         config = template.config
-        if "flow_shift" in config:
-            overrides["flow_shift"] = flow_shift
-        elif "shift" in config:
-            overrides["shift"] = flow_shift
+        key = flow_shift_key(config)
+        if key is not None:
+            overrides[key] = flow_shift
         else:
             raise UnsupportedError(
                 f"{type(template).__name__} has no flow shift setting; leave flow_shift unset for this model"
