@@ -39,7 +39,7 @@ test: install
 	$(PY) -m pytest -q tests
 
 lint: install
-	$(ENV_DIR)/bin/ruff check composer tests benchmarks
+	$(ENV_DIR)/bin/ruff check composer tests benchmarks demo scripts
 
 bench: install
 	$(PY) benchmarks/wan_vs_diffusers.py

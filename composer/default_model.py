@@ -18,6 +18,6 @@ def default_model_path() -> Path:
     if folder is None:
         raise ModelNotFoundError(
             f"the embedded default model ({T2V_NAME}) is missing from this install; reinstall composer, pass "
-            "--model-path, or train it with `python scripts/train_demo_model.py`"
+            "--model-path, or train it from a source checkout with `python scripts/train_demo_model.py`"
         )
     return folder

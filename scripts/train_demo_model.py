@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
+# The training code (demo/) is a folder of the checkout, not of the installed package: find it from any directory.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from composer.demo import train as T  # noqa: E402
-from composer.demo import vae as V  # noqa: E402
-from composer.demo.folders import CAUSAL_NAME, PACKAGED, T2V_NAME  # noqa: E402
+from composer.demo.packaged import CAUSAL_NAME, PACKAGED, T2V_NAME  # noqa: E402
+from demo import train as T  # noqa: E402
+from demo import vae as V  # noqa: E402
 
 STAGES = ("vae", "data", "t2v", "causal", "save")
 QUICK = dict(vae_image_steps=10, vae_crop_steps=6, vae_full_steps=2, num_clips=64, num_causal_clips=32, dit_steps=30,
@@ -150,9 +151,9 @@ def main() -> int:
 
     if "save" in stages:
         from composer.convert.self_forcing import CausalSettings
-        from composer.demo.folders import save_causal_folder, save_t2v_folder
         from composer.models.wan.causal import CausalWanTransformer3DModel
         from composer.models.wan.config import WanTransformerConfig
+        from demo.folders import save_causal_folder, save_t2v_folder
 
         vae = AutoencoderKLWan.from_pretrained(work / "vae")
         t2v_dir = save_t2v_folder(args.out / T2V_NAME, tokenizer, encoder, vae, dit, cfg.text_max_length,
@@ -166,8 +167,8 @@ def main() -> int:
         size = sum(f.stat().st_size for d in (t2v_dir, args.out / CAUSAL_NAME) for f in d.rglob("*") if f.is_file())
         log(f"wrote {t2v_dir} and {args.out / CAUSAL_NAME} ({size / 2**20:.1f} MiB)")
         if args.eval_prompts:
-            from composer.demo.evaluate import demo_prompts, score_prompts
             from composer.generator import VideoGenerator
+            from demo.evaluate import demo_prompts, score_prompts
 
             gen = VideoGenerator.from_pretrained(t2v_dir, progress=False)
             log(score_prompts(gen, demo_prompts(args.eval_prompts, seed=1000), seed=1000).report())

@@ -1,4 +1,5 @@
-"""The embedded shapes models: data, the frame-reading score, the trained models' floor, eval CLI, training."""
+"""The embedded shapes models: data, the frame-reading score, the trained models' floor, the eval and training
+scripts."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from composer.demo.evaluate import demo_prompts, measure_drift, score_prompts
-from composer.demo.folders import CAUSAL_NAME, T2V_NAME, packaged_model
-from composer.demo.score import Score, Target, analyze
-from composer.demo.shapes import CLEAR_FRAMES, ClipSpec, caption, render, trajectory, vocabulary
+from composer.demo.packaged import CAUSAL_NAME, T2V_NAME, packaged_model
+from demo.evaluate import demo_prompts, measure_drift, score_prompts
+from demo.score import Score, Target, analyze
+from demo.shapes import CLEAR_FRAMES, ClipSpec, caption, render, trajectory, vocabulary
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,8 +64,8 @@ def test_single_frame_convs_match_the_3d_path():
     causal 3D convolutions, and clips (cached chunks) untouched."""
     import torch
 
-    from composer.demo.train import TrainConfig
-    from composer.demo.vae import decode_unclamped, new_vae, single_frame_convs
+    from demo.train import TrainConfig
+    from demo.vae import decode_unclamped, new_vae, single_frame_convs
 
     torch.manual_seed(0)
     vae = new_vae(TrainConfig(vae_base_dim=8, z_dim=4))
@@ -94,7 +95,7 @@ def test_lr_schedule_warms_up_holds_then_decays():
     """`decay` 1 is the plain cosine after the warm-up; less holds the base lr and decays over that fraction."""
     import math
 
-    from composer.demo.train import cosine_lr
+    from demo.train import cosine_lr
 
     base, total, warmup = 5e-4, 1000, 100
     assert cosine_lr(0, total, base, warmup) == base / warmup
@@ -109,8 +110,8 @@ def test_lr_schedule_warms_up_holds_then_decays():
 
 def test_vae_curriculum_batches_images_then_crops_then_full_clips():
     """The VAE's three phases, with the crop phase's clip length a flag of its own."""
-    from composer.demo.train import TrainConfig
-    from composer.demo.vae import _vae_batch
+    from demo.train import TrainConfig
+    from demo.vae import _vae_batch
 
     cfg = TrainConfig(vae_image_steps=2, vae_crop_steps=2, vae_crop_frames=9, vae_crop_batch=3, vae_full_batch=1)
     rng = np.random.default_rng(0)
@@ -123,8 +124,8 @@ def test_short_clip_steps_train_on_exact_encodings_of_shorter_clips():
     the encoding of the clip's first 4 (n - 1) + 1 frames, which is a clip of its own."""
     import torch
 
-    from composer.demo.train import TrainConfig, window_frames
-    from composer.demo.vae import new_vae
+    from demo.train import TrainConfig, window_frames
+    from demo.vae import new_vae
 
     assert [window_frames(step, 5, 3, 5) for step in range(10)] == [3, 3, 3, 3, 5] * 2
     assert [window_frames(step, 9, 5, 1) for step in range(3)] == [9, 9, 9]  # full_every 1: whole clips only
@@ -228,9 +229,12 @@ def test_embedded_causal_model_streams_and_follows_the_prompt():
     assert len(drift.chunks) == 3 and "first -> last chunk" in drift.report()
 
 
-def test_eval_cli_prints_scores(tmp_path):
+EVAL_SCRIPT = [sys.executable, str(REPO / "scripts" / "eval_demo_model.py")]
+
+
+def test_eval_script_prints_scores(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "composer.cli.main", "eval", "demo", "--num-prompts", "3", "--drift-prompts", "1",
+        EVAL_SCRIPT + ["--num-prompts", "3", "--drift-prompts", "1",
          "--drift-frames", "41", "--json", str(tmp_path / "scores.json")],
         capture_output=True, text=True, timeout=600,
     )
@@ -239,7 +243,7 @@ def test_eval_cli_prints_scores(tmp_path):
     assert (tmp_path / "scores.json").is_file()
 
 
-def test_eval_cli_scores_a_renamed_copy_as_a_shapes_model(tmp_path):
+def test_eval_script_scores_a_renamed_copy_as_a_shapes_model(tmp_path):
     """A retrained or copied folder the registry knows by no name is still sampled at 64x64 x 17 frames (its
     architecture's defaults, Wan2.1's 480x832 x 81, would take hours on a CPU)."""
     import json
@@ -247,15 +251,22 @@ def test_eval_cli_scores_a_renamed_copy_as_a_shapes_model(tmp_path):
 
     copy = tmp_path / "retrained-t2v"
     shutil.copytree(packaged_model(T2V_NAME), copy)
-    run = subprocess.run(
-        [sys.executable, "-m", "composer.cli.main", "eval", "demo", "--model-path", str(copy), "--num-prompts", "2",
-         "--drift-prompts", "0", "--json", str(tmp_path / "scores.json")],
-        capture_output=True, text=True, timeout=300,
+    run = subprocess.run(  # from another directory: the script finds demo/ itself
+        EVAL_SCRIPT + ["--model-path", str(copy), "--num-prompts", "2", "--drift-prompts", "0", "--json",
+                       str(tmp_path / "scores.json")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr
     assert "as family shapes-t2v" in run.stderr
     assert json.loads((tmp_path / "scores.json").read_text())["t2v"]["color"] == 1.0
 
+
+
+def test_eval_script_names_a_missing_model_without_a_traceback(tmp_path):
+    run = subprocess.run(EVAL_SCRIPT + ["--model-path", str(tmp_path / "nothing"), "--num-prompts", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "eval_demo_model.py: error:" in run.stderr and "does not exist" in run.stderr
 
 def test_training_script_runs_end_to_end_in_two_parts(tmp_path):
     """Every stage, run as the docs reproduce the shipped models: the VAE and latents first, then the rest from

@@ -1,4 +1,4 @@
-"""`composer <verb>`: generate, models, convert, eval. A ComposerError prints as one line and exits 1; no traceback."""
+"""`composer <verb>`: generate, models, convert. A ComposerError prints as one line and exits 1; no traceback."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ from composer.errors import ComposerError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from composer.cli import convert, eval, generate, models
+    from composer.cli import convert, generate, models
 
     parser = argparse.ArgumentParser(
         prog="composer", description="Inference engine for video diffusion models.", allow_abbrev=False
     )
-    sub = parser.add_subparsers(dest="verb", required=True, metavar="{generate,models,convert,eval}")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="{generate,models,convert}")
     generate.add_parser(sub)
     models.add_parser(sub)
     convert.add_parser(sub)
-    eval.add_parser(sub)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""The embedded demo models trained on synthetic moving shapes (composer/demo): 64x64 clips, quick defaults."""
+"""The embedded demo models trained on synthetic moving shapes: 64x64 clips, quick defaults. The folders are
+package data (composer/demo/models); the code that trained them is the checkout's demo/, not the engine's."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from composer.demo.shapes import COLORS, DIRECTION_WORDS, DIRECTIONS, SHAPES
+from demo.shapes import COLORS, DIRECTION_WORDS, DIRECTIONS, SHAPES
 
 _PROMPT = re.compile(
     r"a (?P<color>\w+) (?P<shape>\w+) moving (?P<direction>(?:up|down)(?: and (?:left|right))?|left|right)"

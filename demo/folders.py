@@ -1,5 +1,8 @@
 """Writing trained demo models as model folders: the text-to-video one in exact diffusers layout (written by
-diffusers' own WanPipeline.save_pretrained), the causal one through `composer convert self-forcing`."""
+diffusers' own WanPipeline.save_pretrained), the causal one through `composer convert self-forcing`.
+
+Where the shipped folders live and what they are called is the engine's (`composer.demo.packaged`), since the
+model resolver needs it at run time; this module only writes folders."""
 
 from __future__ import annotations
 
@@ -11,9 +14,8 @@ from pathlib import Path
 import torch
 
 from composer.convert.self_forcing import CausalSettings, convert_self_forcing
-from composer.demo.packaged import CAUSAL_NAME, PACKAGED, T2V_NAME, packaged_model
 
-__all__ = ["CAUSAL_NAME", "PACKAGED", "T2V_NAME", "packaged_model", "save_causal_folder", "save_t2v_folder"]
+__all__ = ["save_causal_folder", "save_t2v_folder", "strip_local_paths"]
 
 
 def save_t2v_folder(path: Path, tokenizer, text_encoder, vae, transformer, text_max_length: int,

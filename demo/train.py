@@ -1,7 +1,7 @@
 """Training the embedded default model on synthetic moving shapes (CPU-friendly, seeded).
 
 The shared pieces (the sizes and schedules, clips, the optimiser step, progress) and the two DiT stages; the
-VAE stage, which comes first, is in `composer.demo.vae`:
+VAE stage, which comes first, is in `demo.vae`:
 - `train_t2v`: a small UMT5 text encoder (word-level tokenizer over the caption vocabulary) and a small
   diffusers WanTransformer3DModel, trained together by flow matching (x_t = (1 - s) x0 + s eps, target
   eps - x0, t = 1000 s) with caption dropout for classifier-free guidance;
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from composer.demo.shapes import CLEAR_FRAMES, ClipSpec, caption, render, vocabulary
+from demo.shapes import CLEAR_FRAMES, ClipSpec, caption, render, vocabulary
 
 
 @dataclass

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from composer.demo.score import CHANCE, Score, Target, analyze
-from composer.demo.shapes import ClipSpec, caption
+from demo.score import CHANCE, Score, Target, analyze
+from demo.shapes import ClipSpec, caption
 
 
 def demo_prompts(count: int, seed: int = 0, size: int = 64) -> list[str]:

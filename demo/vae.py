@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from composer.demo.train import Log, Progress, TrainConfig, cosine_lr, make_clips, optimizer_step, to_pixels
+from demo.train import Log, Progress, TrainConfig, cosine_lr, make_clips, optimizer_step, to_pixels
 
 
 def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
