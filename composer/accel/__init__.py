@@ -1,0 +1,1 @@
+"""Hooks that change how a loaded model runs without changing its code: LoRA adapters (lora.py)."""
