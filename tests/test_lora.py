@@ -247,6 +247,27 @@ def test_a_bias_delta_alone_is_applied_at_the_adapters_scale(transformer, adapte
     torch.testing.assert_close(transformer.proj_out(x), before + 0.5 * delta)
 
 
+def test_a_peft_save_pretrained_folder_matches_peft(transformer, adapters, tmp_path):
+    """PEFT's own files (composer names under base_model.model., alpha in adapter_config.json): the same outputs
+    as the PeftModel that saved them."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=10, target_modules=["to_q", "fc_in"], rank_pattern={"fc_in": 2},
+                        alpha_pattern={"fc_in": 3}, init_lora_weights=False)
+    peft_model = get_peft_model(copy.deepcopy(transformer), config)
+    peft_model.save_pretrained(str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(1, 16, 2, 4, 4, generator=g), torch.tensor([300.0]),
+              torch.randn(1, 6, transformer.config.text_dim, generator=g))
+    with torch.no_grad():
+        expected = peft_model(*inputs)
+        adapters.set([tmp_path])
+        assert "peft naming, rank 2-4, alpha 3-10" in adapters.describe()
+        torch.testing.assert_close(transformer(*inputs), expected, rtol=0, atol=1e-5)
+
+
 def _load(cls, folder, dtype):
     from composer.loader.weights import load_weights
     from composer.models.wan.config import WanTransformerConfig
@@ -312,6 +333,7 @@ def test_errors(transformer, adapters, files, tmp_path):
          UnsupportedError, ["DoRA"]),
         ({"diffusion_model.patch_embedding.lora_down.weight": a, "diffusion_model.patch_embedding.lora_up.weight": b},
          UnsupportedError, ["patch_embedding (Conv3d)"]),
+        ({f"{stem}.diff": torch.zeros(64, 64)}, CheckpointError, ["only all-zero .diff tensors"]),
     ]
     for tensors, error, words in cases:
         with pytest.raises(error) as info:

@@ -91,7 +91,8 @@ class LoraAdapters:
     def set(self, paths: Sequence[str | Path], scales: Sequence[float] | None = None, fuse: bool = False) -> None:
         """Replace whatever adapters are active with these files (scale 1.0 each by default).
 
-        Every file is read and checked before the model changes; an error leaves the base model (no adapter).
+        Every file is read and checked before the model changes: a bad file leaves the model as it was. An error
+        while applying them (out of memory, say) leaves the base model, with no adapter.
         """
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
         scales = _check_scales(len(paths), scales)

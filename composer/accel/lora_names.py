@@ -3,7 +3,8 @@
 A LoRA file holds, for each adapted Linear, a down matrix A [r, in] and an up matrix B [out, r]; the layer
 computes W x + b + scale * (alpha / r) * B A x. Three namings are in use for Wan:
 
-    diffusers / PEFT   transformer.blocks.0.attn1.to_q.lora_A.weight           alpha: header metadata, else r
+    diffusers / PEFT   transformer.blocks.0.attn1.to_q.lora_A.weight           alpha: header metadata (or PEFT's
+                                                                               adapter_config.json), else r
     original Wan       diffusion_model.blocks.0.self_attn.q.lora_down.weight   (or lora_A), optional .alpha
     kohya / musubi     lora_unet_blocks_0_self_attn_q.lora_down.weight         .alpha
 
@@ -216,22 +217,34 @@ def _resolve(path: Path, names: list[str], model: nn.Module, modules: Mapping[st
     return naming, found
 
 
-def _metadata_alpha(path: Path, metadata: Mapping[str, str]) -> Callable[[str, int], float]:
-    """alpha for a module without an `.alpha` tensor: diffusers' header metadata (PEFT's own pattern rules),
-    else the rank (scaling 1)."""
-    raw = metadata.get(METADATA_KEY)
-    if raw is None:
-        return lambda stem, rank: float(rank)
+def _adapter_config(path: Path, metadata: Mapping[str, str]) -> dict | None:
+    """The LoraConfig the file was saved with, if it says: diffusers' header metadata, or the
+    `adapter_config.json` PEFT's `save_pretrained` writes next to `adapter_model.safetensors`."""
+    sidecar = path.parent / "adapter_config.json"
+    if METADATA_KEY in metadata:
+        source, raw = f"the header metadata '{METADATA_KEY}'", metadata[METADATA_KEY]
+    elif path.name == "adapter_model.safetensors" and sidecar.is_file():
+        source, raw = str(sidecar), sidecar.read_text(encoding="utf-8")
+    else:
+        return None
     try:
         config = json.loads(raw)
         if not isinstance(config, dict):
             raise ValueError(f"a {type(config).__name__}, not an object")
     except ValueError as exc:
-        raise CheckpointError(f"{path}: the header metadata '{METADATA_KEY}' is not a JSON object: {exc}") from exc
+        raise CheckpointError(f"{path}: {source} is not a JSON object: {exc}") from exc
     if any(k.startswith("transformer.") for k in config):  # diffusers prefixes each component's keys
         config = {k.removeprefix("transformer."): v for k, v in config.items() if k.startswith("transformer.")}
     if config.get("use_dora"):
-        raise UnsupportedError(f"{path} is a DoRA adapter (use_dora in its metadata): only plain LoRA is supported")
+        raise UnsupportedError(f"{path} is a DoRA adapter (use_dora in {source}): only plain LoRA is supported")
+    return config
+
+
+def _config_alpha(config: dict | None) -> Callable[[str, int], float]:
+    """alpha for a module without an `.alpha` tensor: the saved LoraConfig's (PEFT's own pattern rules), else
+    the rank (scaling 1)."""
+    if config is None:
+        return lambda stem, rank: float(rank)
     default, patterns = config.get("lora_alpha"), config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora"))
 
@@ -244,7 +257,7 @@ def _metadata_alpha(path: Path, metadata: Mapping[str, str]) -> Callable[[str, i
 
 
 def _module(path: Path, layer: nn.Linear, parts: dict[str, tuple[str, torch.Tensor]],
-            metadata_alpha: Callable[[str, int], float], stem: str) -> LoraModule:
+            config_alpha: Callable[[str, int], float], stem: str) -> LoraModule:
     down, up = parts.get("down"), parts.get("up")
     if (down is None) != (up is None):
         key = (down or up)[0]
@@ -274,7 +287,7 @@ def _module(path: Path, layer: nn.Linear, parts: dict[str, tuple[str, torch.Tens
             f"Linear({layer.in_features} -> {layer.out_features}): expected [r, {layer.in_features}] and "
             f"[{layer.out_features}, r] with the same r. Is this a LoRA for another model size?"
         )
-    alpha = float(parts["alpha"][1].float().item()) if "alpha" in parts else metadata_alpha(stem, rank)
+    alpha = float(parts["alpha"][1].float().item()) if "alpha" in parts else config_alpha(stem, rank)
     if not math.isfinite(alpha) or alpha == 0:
         raise CheckpointError(f"{path}: alpha of {down_key.removesuffix('.weight')} is {alpha}: expected a "
                               "finite non-zero number")
@@ -321,11 +334,13 @@ def read_lora(path: str | Path, model: nn.Module) -> LoraFile:
             f"{path}: full weight deltas (.diff) are not supported, only low-rank ones: "
             f"{_listing(sorted(weight_deltas))}. Extract a LoRA from them, or merge them into the model's weights"
         )
+    if not groups:
+        raise CheckpointError(f"{path} holds only all-zero .diff tensors: there is nothing to apply")
     modules = model_modules(model)
     naming, targets = _resolve(path, sorted(groups), model, modules)
-    metadata_alpha = _metadata_alpha(path, metadata)
+    config_alpha = _config_alpha(_adapter_config(path, metadata))
     adapted = {
-        targets[name]: _module(path, modules[targets[name]], parts, metadata_alpha, _split_prefix(name)[2])
+        targets[name]: _module(path, modules[targets[name]], parts, config_alpha, _split_prefix(name)[2])
         for name, parts in groups.items()
     }
     return LoraFile(path, naming, dict(sorted(adapted.items())), sorted(ignored))
