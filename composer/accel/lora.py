@@ -1,0 +1,184 @@
+"""LoRA adapters on a composer transformer, through PEFT.
+
+    adapters = LoraAdapters(transformer)
+    adapters.set(["style.safetensors", "motion.safetensors"], [0.8, 1.0])   # PEFT layers beside the weights
+    adapters.set(["style.safetensors"], fuse=True)                          # merged into the weights
+    adapters.unset()                                                        # the base model, bit for bit
+
+Unfused, each file is a PEFT adapter injected next to the layers it names (several active at once, each at
+its own scale); switching files swaps the small adapter layers and leaves the base weights alone. Fused, the
+adapters are merged into the weights with PEFT's `merge` and the layers go back to plain `nn.Linear` (no
+per-step LoRA cost); a CPU copy of every touched weight is kept, because subtracting the delta again would not
+give the original bits back. After `unset` the model holds its own `nn.Linear` modules again (what
+torch.compile and offloading see) and computes exactly what it computed before.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from composer.accel.lora_names import LoraFile, read_lora
+from composer.errors import CheckpointError, InvalidInputError
+from composer.logging import get_logger
+
+__all__ = ["LoraAdapters", "read_lora"]
+
+logger = get_logger(__name__)
+
+
+def _peft_config(file: LoraFile) -> LoraConfig:
+    """A LoraConfig adapting exactly the file's layers; the most common rank and alpha are the defaults and
+    the other layers get PEFT's per-layer patterns (escaped: a layer name is not a regex)."""
+    modules = file.modules
+    rank = Counter(m.rank for m in modules.values()).most_common(1)[0][0]
+    alpha = Counter(m.alpha for m in modules.values()).most_common(1)[0][0]
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=sorted(modules),  # exact names: PEFT matches a list entry to a name or its dotted end
+        rank_pattern={re.escape(name): m.rank for name, m in modules.items() if m.rank != rank},
+        alpha_pattern={re.escape(name): m.alpha for name, m in modules.items() if m.alpha != alpha},
+        lora_bias=any(m.bias is not None for m in modules.values()),
+        lora_dropout=0.0,
+        inference_mode=True,
+    )
+
+
+def _check_scales(count: int, scales: Sequence[float] | None) -> list[float]:
+    if scales is None:
+        return [1.0] * count
+    scales = list(scales)
+    if len(scales) != count:
+        raise InvalidInputError(f"{len(scales)} LoRA scale(s) for {count} LoRA file(s): give one scale per file "
+                                "(or none, for 1.0 each)")
+    bad = [s for s in scales if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)]
+    if bad:
+        raise InvalidInputError(f"LoRA scales must be finite numbers, got {bad}")
+    return [float(s) for s in scales]
+
+
+class LoraAdapters:
+    """LoRA adapters on one composer transformer (unfused PEFT layers, or fused into the weights)."""
+
+    def __init__(self, transformer: nn.Module):
+        self.model = transformer
+        self._files: list[LoraFile] = []
+        self._scales: list[float] = []
+        self._fused = False
+        self._wrapped: set[str] = set()  # layers that are PEFT layers now
+        self._originals: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # fused: weight, bias on CPU
+        self._requires_grad: dict[str, bool] = {}  # PEFT freezes the base parameters; given back on unset
+
+    @property
+    def active(self) -> bool:
+        """Whether any adapter is applied."""
+        return bool(self._files)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the active adapters are merged into the weights."""
+        return self._fused
+
+    def set(self, paths: Sequence[str | Path], scales: Sequence[float] | None = None, fuse: bool = False) -> None:
+        """Replace whatever adapters are active with these files (scale 1.0 each by default).
+
+        Every file is read and checked before the model changes: a bad file leaves the model as it was. An error
+        while applying them (out of memory, say) leaves the base model, with no adapter.
+        """
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        scales = _check_scales(len(paths), scales)
+        files = [read_lora(path, self.model) for path in paths]
+        self.unset()
+        if not files:
+            return
+        try:
+            self._inject(files, scales)
+            if fuse:
+                self._fuse()
+        except BaseException:
+            self.unset()
+            raise
+        self._files, self._scales, self._fused = files, scales, fuse
+        logger.info(self.describe())
+
+    def unset(self) -> None:
+        """Remove every adapter: the base model's outputs come back bit for bit (fused too)."""
+        for name in sorted(self._wrapped):
+            layer = self.model.get_submodule(name)
+            if isinstance(layer, BaseTunerLayer):
+                self._replace(name, layer.get_base_layer())
+        with torch.no_grad():
+            for name, (weight, bias) in self._originals.items():
+                layer = self.model.get_submodule(name)
+                layer.weight.copy_(weight)
+                if bias is not None:
+                    layer.bias.copy_(bias)
+        for name, param in self.model.named_parameters():
+            if name in self._requires_grad:
+                param.requires_grad_(self._requires_grad[name])
+        self._drop_peft_config()
+        self._files, self._scales, self._fused = [], [], False
+        self._wrapped, self._originals, self._requires_grad = set(), {}, {}
+
+    def describe(self) -> str:
+        """One line for the log: files, ranks, scales, fused or not, modules touched."""
+        if not self._files:
+            return "LoRA: none"
+        touched = set().union(*(f.modules for f in self._files))
+        files = "; ".join(f"{f.summary()} x{s:g}" for f, s in zip(self._files, self._scales))
+        mode = "fused" if self._fused else "unfused"
+        return f"LoRA ({mode}, {len(touched)} layers touched): {files}"
+
+    def _inject(self, files: list[LoraFile], scales: list[float]) -> None:
+        self._requires_grad = {name: p.requires_grad for name, p in self.model.named_parameters()}
+        names = [f"lora{i}" for i in range(len(files))]
+        for adapter, file in zip(names, files):
+            self._drop_peft_config()  # else PEFT warns about "multiple adapters": that is what we want
+            inject_adapter_in_model(_peft_config(file), self.model, adapter_name=adapter)
+            self._wrapped.update(file.modules)
+            with torch.no_grad():  # PEFT creates the layers in the base weight's dtype and device
+                for name, lora in file.modules.items():
+                    layer = self.model.get_submodule(name)
+                    layer.lora_A[adapter].weight.copy_(lora.down)
+                    layer.lora_B[adapter].weight.copy_(lora.up)
+                    bias = layer.lora_B[adapter].bias
+                    if bias is not None:  # PEFT scales lora_B's bias by alpha / r: store the delta over that
+                        bias.copy_(lora.bias * (lora.rank / lora.alpha) if lora.bias is not None else 0.0)
+        self._drop_peft_config()
+        for name in self._wrapped:
+            layer = self.model.get_submodule(name)
+            layer.set_adapter([a for a in names if a in layer.lora_A], inference_mode=True)
+            for adapter, scale in zip(names, scales):
+                layer.set_scale(adapter, scale)  # no-op for an adapter this layer does not have
+
+    def _fuse(self) -> None:
+        for name in sorted(self._wrapped):
+            layer = self.model.get_submodule(name)
+            base = layer.get_base_layer()
+            bias = None if base.bias is None else base.bias.detach().to("cpu", copy=True)
+            self._originals[name] = (base.weight.detach().to("cpu", copy=True), bias)
+            # in place (not safe_merge, which swaps in new tensors): the parameters keep their storage, which
+            # offloading or a compiled graph may hold
+            layer.merge(adapter_names=list(layer.active_adapters))
+            if not (torch.isfinite(base.weight).all() and (base.bias is None or torch.isfinite(base.bias).all())):
+                raise CheckpointError(f"fusing the LoRA into {name} gives non-finite weights: check the file, "
+                                      "or use a smaller scale")
+            self._replace(name, base)
+            self._wrapped.discard(name)
+
+    def _replace(self, name: str, module: nn.Module) -> None:
+        parent, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
+
+    def _drop_peft_config(self) -> None:
+        # inject_adapter_in_model leaves its configs on the model; the layers themselves do not need them
+        self.model.__dict__.pop("peft_config", None)
