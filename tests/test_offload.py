@@ -184,6 +184,20 @@ def test_layerwise_offload_of_causal_model_with_kv_cache(wan4_dir):
     assert offload.resident == [] and transfer.resident == set()
 
 
+def test_layerwise_offload_in_the_pipeline_gives_the_same_video(tiny_wan_dir):
+    from composer import VideoGenerator
+
+    gen = VideoGenerator.from_pretrained(tiny_wan_dir, dtype="fp32", progress=False)
+    request = dict(seed=5, num_frames=5, height=64, width=64, num_inference_steps=3, guidance_scale=4.0)
+    expected = gen.generate_video("a blue cube", **request)
+    transfer = RecordingTransfer()
+    offload = LayerwiseOffload(gen.pipeline.modules["transformer"], CPU, transfer=transfer)
+    result = gen.generate_video("a blue cube", **request)
+    assert float((result.latents - expected.latents).abs().max()) <= 1e-5
+    assert (result.frames == expected.frames).all()
+    assert offload.stats.loads >= 3 * 2 and offload.stats.misses == 0 and transfer.resident == set()
+
+
 def test_remove_restores_plain_behaviour(wan4_dir):
     model = load_transformer(wan4_dir)
     reference = run_steps(copy.deepcopy(model))
