@@ -99,6 +99,17 @@ class ComposerModelLoader(ComponentLoader):
     """composer's own model class (found by the model registry), built on meta, filled from safetensors."""
 
     def load(self, folder, spec, device, dtype):
+        model = self.build(folder, spec)
+        cls = type(model)
+        scheme = load_weights(model, folder, device, dtype or torch.float32)
+        leftovers = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+        if leftovers:
+            raise CheckpointError(f"{cls.__name__} still has unloaded tensors after loading: {leftovers[:5]}")
+        logger.debug("loaded %s from %s (%s naming)", cls.__name__, folder, scheme)
+        return model.eval().requires_grad_(False)
+
+    def build(self, folder: Path, spec: ComponentSpec) -> torch.nn.Module:
+        """The model of `folder` from its config.json, on the meta device (no weights read)."""
         _require_folder(folder, spec)
         config_path = folder / "config.json"
         if not config_path.is_file():
@@ -107,13 +118,7 @@ class ComposerModelLoader(ComponentLoader):
         cls = get_model_class(raw.get("_class_name") or spec.class_name)
         config = cls.config_class.from_dict(raw)
         with torch.device("meta"):
-            model = cls(config)
-        scheme = load_weights(model, folder, device, dtype or torch.float32)
-        leftovers = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
-        if leftovers:
-            raise CheckpointError(f"{cls.__name__} still has unloaded tensors after loading: {leftovers[:5]}")
-        logger.debug("loaded %s from %s (%s naming)", cls.__name__, folder, scheme)
-        return model.eval().requires_grad_(False)
+            return cls(config)
 
 
 class DiffusersModelLoader(ComponentLoader):

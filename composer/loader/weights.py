@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,16 +110,33 @@ def _listing(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_weights(
-    model: nn.Module,
-    folder: Path,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> str:
-    """Fill `model` (usually built on the meta device) from the safetensors in `folder`.
+@dataclass
+class WeightPlan:
+    """How a checkpoint fills a model: checked names, where each tensor lives, and which stay fp32."""
 
-    Returns the naming scheme the checkpoint used. Raises CheckpointError naming every missing, unexpected
-    or wrongly shaped tensor before anything is loaded.
+    match: NameMatch
+    where: dict[str, tuple[Path, tuple[int, ...]]]  # checkpoint name -> (file, shape)
+    keep_in_fp32: Sequence[str]
+
+    def dtype_for(self, ours: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a floating tensor named `ours` (composer name) is loaded in."""
+        return torch.float32 if any(re.search(p, ours) for p in self.keep_in_fp32) else dtype
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one composer tensor is stored: file, checkpoint name, and the dtype it is used in."""
+
+    path: Path
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None  # None: not floating, used as stored
+
+
+def plan_weights(model: nn.Module, folder: Path) -> WeightPlan:
+    """Match the checkpoint in `folder` to `model` from the headers only.
+
+    Raises CheckpointError naming every missing, unexpected or wrongly shaped tensor.
     """
     cls = type(model)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -147,11 +164,51 @@ def load_weights(
             f"the checkpoint in {folder} does not fit {cls.__name__} (closest naming: {match.scheme}): "
             + "; ".join(problems)
         )
+    return WeightPlan(match, where, getattr(cls, "keep_in_fp32", ()))
 
-    keep_fp32 = getattr(cls, "keep_in_fp32", ())
+
+def tensor_sources(model: nn.Module, folder: Path, dtype: torch.dtype) -> dict[str, TensorSource]:
+    """Composer tensor name -> where it is stored and the dtype it is used in (the checks of `load_weights`,
+    nothing read but the headers)."""
+    plan = plan_weights(model, folder)
+    sources = {}
+    for path in dict.fromkeys(p for p, _ in plan.where.values()):
+        with _open(path) as f:
+            for name in f.keys():
+                ours = plan.match.mapped.get(name)
+                if ours is None:
+                    continue
+                floating = f.get_slice(name).get_dtype() in _FLOATING
+                sources[ours] = TensorSource(
+                    path, name, plan.where[name][1], plan.dtype_for(ours, dtype) if floating else None
+                )
+    return sources
+
+
+# safetensors' dtype names of floating tensors (the ones loading casts)
+_FLOATING = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4"}
+
+
+def load_weights(
+    model: nn.Module,
+    folder: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    skip: Callable[[str], bool] | None = None,
+) -> str:
+    """Fill `model` (usually built on the meta device) from the safetensors in `folder`.
+
+    Returns the naming scheme the checkpoint used. Raises CheckpointError naming every missing, unexpected
+    or wrongly shaped tensor before anything is loaded. `skip(composer_name)` true: that tensor is not read
+    and keeps what the model holds (the disk offload tier leaves its block weights on disk this way).
+    """
+    plan = plan_weights(model, folder)
+    match, where = plan.match, plan.where
     by_file: dict[Path, list[str]] = {}
     for name in match.mapped:
-        by_file.setdefault(where[name][0], []).append(name)
+        if skip is None or not skip(match.mapped[name]):
+            by_file.setdefault(where[name][0], []).append(name)
     state: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         with _open(path, str(device)) as f:
@@ -159,8 +216,7 @@ def load_weights(
                 ours = match.mapped[name]
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point():
-                    wanted = torch.float32 if any(re.search(p, ours) for p in keep_fp32) else dtype
-                    tensor = tensor.to(wanted)
+                    tensor = tensor.to(plan.dtype_for(ours, dtype))
                 state[ours] = tensor
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=skip is None, assign=True)
     return match.scheme
