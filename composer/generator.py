@@ -21,7 +21,7 @@ import torch
 
 from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.configs.base import SamplingParam
-from composer.errors import InvalidInputError
+from composer.errors import InvalidInputError, UnsupportedError
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
 from composer.logging import get_logger
@@ -92,6 +92,33 @@ class VideoGenerator:
         logger.info("model ready in %.1f s on %s", time.perf_counter() - start, runtime.torch_device)
         defaults = configs.sampling_param().with_folder_defaults(pipeline.sampling_defaults())
         return cls(pipeline, defaults, model_path, configs.family.name)
+
+    def set_lora(self, paths: str | os.PathLike | list, scales: float | list[float] | None = None) -> str:
+        """Replace the transformer's LoRA adapters with `paths` (one or more .safetensors files; scale 1.0 each
+        unless `scales` gives one per file), fused or not as the runtime's `lora_fuse` says. Takes effect from
+        the next video; returns the adapters' description."""
+        paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        scales = [scales] if isinstance(scales, (int, float)) else scales
+        self._check_lora_switch()
+        lines = []
+        for name in self.pipeline.denoiser_names():
+            adapters = self.pipeline.lora_adapters(name)
+            adapters.set(paths, scales, fuse=self.pipeline.runtime.lora_fuse)
+            lines.append(adapters.describe())
+        return "; ".join(lines)
+
+    def unset_lora(self) -> None:
+        """Remove every LoRA adapter: the next video is the base model's, bit for bit."""
+        self._check_lora_switch()
+        for name in self.pipeline.denoiser_names():
+            self.pipeline.lora_adapters(name).unset()
+
+    def _check_lora_switch(self) -> None:
+        if self.pipeline.runtime.offload != "none":
+            raise UnsupportedError(
+                f"switching LoRA adapters with offload = {self.pipeline.runtime.offload} is not supported: the "
+                "offloaded weights were arranged at load; give the files at load (lora_path) instead"
+            )
 
     def sampling_param(self, **overrides: Any) -> SamplingParam:
         """The defaults (family < model folder) with `overrides` applied (raises ConfigError for unknown keys)."""

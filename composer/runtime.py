@@ -6,7 +6,7 @@ Every field has the same name as a `VideoGenerator.from_pretrained` keyword, a `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from composer._fields import coerce, field_types, raise_if_errors, unknown_key_errors
@@ -21,11 +21,27 @@ DTYPES: dict[str, str] = {
     "fp16": "float16",
     "float16": "float16",
 }
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 OFFLOAD_MODES = ("none", "model", "layerwise", "disk")
 COMPILE_MODES = ("none", "regional", "full")
 CFG_MODES = ("batched", "sequential")
 COMPILE_TORCH_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def attention_backend_choices() -> tuple[str, ...]:
+    """`auto` and every backend of the registry (composer/models/attention/backends/, one module each)."""
+    from composer.models.attention.backends import backend_choices
+
+    return backend_choices()
+
+
+def field_choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """Field name -> the values it accepts, for fields whose metadata lists them (a tuple or a function)."""
+    out = {}
+    for f in fields(cls):
+        choices = f.metadata.get("choices")
+        if choices is not None:
+            out[f.name] = tuple(choices() if callable(choices) else choices)
+    return out
 
 
 def to_torch_dtype(name: str):
@@ -47,7 +63,9 @@ class RuntimeArgs:
     )
     vae_dtype: str = field(default="fp32", metadata={"help": "VAE precision (fp32 keeps decode quality)"})
     attention_backend: str = field(
-        default="auto", metadata={"help": "auto (flash-attn when installed and usable, else SDPA), sdpa, flash"}
+        default="auto",
+        metadata={"help": "attention backend; auto: the fastest one usable here (flash-attn when installed, else SDPA)",
+                  "choices": attention_backend_choices},
     )
     progress: bool = field(default=True, metadata={"help": "show progress bars for long steps"})
     kv_cache_offload: bool = field(
@@ -65,7 +83,7 @@ class RuntimeArgs:
     cfg_mode: str = field(
         default="batched",
         metadata={"help": "classifier-free guidance: 'batched' (prompt and negative prompt as one batch-2 model call) "
-                          "or 'sequential' (two calls: less activation memory)"},
+                          "or 'sequential' (two calls: less activation memory)", "choices": CFG_MODES},
     )
     lora_path: list[str] | None = field(
         default=None,
@@ -84,16 +102,16 @@ class RuntimeArgs:
         default="none",
         metadata={"help": "none; model (each component on the device only while its stage runs); layerwise "
                           "(transformer blocks in host memory, streamed to the device one block ahead); disk "
-                          "(layerwise, blocks read from the memory-mapped safetensors files)"},
+                          "(layerwise, blocks read from the memory-mapped safetensors files)", "choices": OFFLOAD_MODES},
     )
     compile: str = field(
         default="none",
         metadata={"help": "torch.compile the transformer: none; regional (each block, compiled once and reused); "
-                          "full (the whole model)"},
+                          "full (the whole model)", "choices": COMPILE_MODES},
     )
     compile_mode: str | None = field(
         default=None,
-        metadata={"help": "torch.compile mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"},
+        metadata={"help": "torch.compile mode", "choices": COMPILE_TORCH_MODES},
     )
 
     @classmethod
@@ -121,13 +139,10 @@ class RuntimeArgs:
                 continue
             if value not in DTYPES:
                 errors.append(f"{name} = {value!r}: expected one of fp32, bf16, fp16")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            errors.append(f"attention_backend = {self.attention_backend!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
-        for name, allowed in (("offload", OFFLOAD_MODES), ("compile", COMPILE_MODES), ("cfg_mode", CFG_MODES)):
-            if getattr(self, name) not in allowed:
-                errors.append(f"{name} = {getattr(self, name)!r}: expected one of {', '.join(allowed)}")
-        if self.compile_mode is not None and self.compile_mode not in COMPILE_TORCH_MODES:
-            errors.append(f"compile_mode = {self.compile_mode!r}: expected one of {', '.join(COMPILE_TORCH_MODES)}")
+        for name, allowed in field_choices(type(self)).items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                errors.append(f"{name} = {value!r}: expected one of {', '.join(allowed)}")
         if self.lora_scale is not None:
             if not self.lora_path:
                 errors.append("lora_scale is set but lora_path is not: give the LoRA file(s) too")

@@ -10,9 +10,11 @@ Order (each hook sees what the ones before it made):
 
 (quantization goes before lora, parallel sharding between attention and offload, as they land.)
 
-A hook is an object with `name`, `enabled(runtime) -> bool` and `apply(pipeline) -> str` (what it did, for
-the log); optionally `load_device(pipeline, module_name, device) -> device` (where a module loads) and
-`configure_engine(engine)` (called for every DenoisingEngine the pipeline makes). Hooks refuse combinations
+A hook is a class with `name`, `enabled(runtime) -> bool` (static) and `apply(pipeline) -> str` (what it did,
+for the log); optionally `from_runtime(runtime)` (its constructor), `load_device(pipeline, module_name,
+device) -> device` (where a module loads), `load_module(pipeline, name, folder, spec, dtype)` (load a module
+itself, or None for the usual loader) and `configure_engine(engine)` (called for every DenoisingEngine the
+pipeline makes). Hooks refuse combinations
 they cannot serve with a ConfigError naming both settings.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from composer.errors import ConfigError
 from composer.logging import get_logger
 
 logger = get_logger(__name__)
@@ -29,13 +32,26 @@ def hook_classes() -> list[type]:
     """Every hook, in application order (imported here, so a hook's heavy imports wait until it is used)."""
     from composer.accel.attention import AttentionBackendHook
     from composer.accel.compile import CompileHook
+    from composer.accel.lora import LoraHook
+    from composer.accel.offload import OffloadHook
 
-    return [AttentionBackendHook, CompileHook]
+    return [LoraHook, AttentionBackendHook, OffloadHook, CompileHook]
 
 
 def enabled_hooks(runtime: Any) -> list[Any]:
     """Instances of the hooks the runtime settings turn on, in order."""
-    return [cls() for cls in hook_classes() if cls.enabled(runtime)]
+    check_combination(runtime)
+    return [cls.from_runtime(runtime) if hasattr(cls, "from_runtime") else cls()
+            for cls in hook_classes() if cls.enabled(runtime)]
+
+
+def check_combination(runtime: Any) -> None:
+    """Refuse settings that do not work together, before anything loads."""
+    if runtime.lora_path and runtime.offload == "disk":
+        raise ConfigError(
+            "lora_path with offload = disk is not supported: the disk tier streams the transformer's blocks "
+            "straight from the checkpoint, so adapters cannot be added to them; use offload = layerwise"
+        )
 
 
 def apply_hooks(pipeline: Any, hooks: list[Any]) -> list[str]:

@@ -182,3 +182,22 @@ class LoraAdapters:
     def _drop_peft_config(self) -> None:
         # inject_adapter_in_model leaves its configs on the model; the layers themselves do not need them
         self.model.__dict__.pop("peft_config", None)
+
+
+class LoraHook:
+    """Hook phase: the runtime's `lora_path` / `lora_scale` / `lora_fuse` on every denoising transformer."""
+
+    name = "lora"
+
+    @staticmethod
+    def enabled(runtime) -> bool:
+        return bool(runtime.lora_path)
+
+    def apply(self, pipeline) -> str:
+        runtime = pipeline.runtime
+        lines = []
+        for name, model in pipeline.denoisers().items():
+            adapters = pipeline.lora_adapters(name)
+            adapters.set(runtime.lora_path, runtime.lora_scale, fuse=runtime.lora_fuse)
+            lines.append(f"{name}: {adapters.describe()}")
+        return "; ".join(lines)

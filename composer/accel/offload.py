@@ -368,3 +368,63 @@ class LayerwiseOffload:
             self._set(index, self.transfer.wait(self.transfer.load(index, self.store.materialize(index))))
         self.store.close()
 
+
+
+class OffloadHook:
+    """Hook phase for `offload = model | layerwise | disk`.
+
+    - model: every component loads on the host; each stage's modules go to the device while it runs.
+    - layerwise: the transformers load on the host; everything but their blocks moves to the device and the
+      blocks stream through it one block ahead.
+    - disk: as layerwise, but a transformer's blocks are never read into memory: they stream from the
+      memory-mapped safetensors files (composer.accel.disk).
+    In the layerwise modes the engine stops precomputing cross-attention k/v (it would touch every block's
+    weights outside its forward); the blocks compute them as they run.
+    """
+
+    name = "offload"
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.done: dict[str, LayerwiseOffload] = {}
+        self.models: ModelOffload | None = None
+
+    @staticmethod
+    def enabled(runtime) -> bool:
+        return runtime.offload != "none"
+
+    @classmethod
+    def from_runtime(cls, runtime) -> OffloadHook:
+        return cls(runtime.offload)
+
+    def load_device(self, pipeline, name: str, device: torch.device) -> torch.device:
+        streamed = self.mode in ("layerwise", "disk") and name in pipeline.denoiser_names()
+        return torch.device("cpu") if self.mode == "model" or streamed else device
+
+    def load_module(self, pipeline, name: str, folder, spec, dtype):
+        """disk: load a composer transformer with only its non-block weights read."""
+        if self.mode != "disk" or name not in pipeline.denoiser_names():
+            return None
+        from composer.accel.disk import load_with_blocks_on_disk
+
+        model, offload = load_with_blocks_on_disk(folder, pipeline.device, dtype, spec=spec)
+        self.done[name] = offload
+        return model
+
+    def configure_engine(self, engine) -> None:
+        if self.mode in ("layerwise", "disk"):
+            engine.precompute_text_kv = False
+
+    def apply(self, pipeline) -> str:
+        if self.mode == "model":
+            modules = [m for m in pipeline.modules.values() if isinstance(m, nn.Module)]
+            self.models = ModelOffload(modules, pipeline.device)
+            pipeline.stage_scopes.append(lambda stage: self.models.on_device(stage.modules()))
+            return f"model: {len(modules)} components on the host, each on {pipeline.device} while its stage runs"
+        lines = []
+        for name, model in pipeline.denoisers().items():
+            if name not in self.done:
+                self.done[name] = LayerwiseOffload(model, pipeline.device)
+            source = "memory-mapped safetensors" if self.mode == "disk" else "host memory"
+            lines.append(f"{name}: {len(self.done[name].blocks)} blocks streamed from {source}, one block ahead")
+        return f"{self.mode}: " + "; ".join(lines)

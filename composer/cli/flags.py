@@ -17,6 +17,7 @@ class Flag:
     name: str
     type: type | None
     help: str
+    choices: Any = None  # a tuple of accepted values, or a function returning it (read when the parser is built)
 
 
 def dataclass_flags(*classes: type) -> list[Flag]:
@@ -26,7 +27,8 @@ def dataclass_flags(*classes: type) -> list[Flag]:
         types = field_types(cls)
         for f in dataclasses.fields(cls):
             if not f.name.startswith("_") and f.name not in flags:
-                flags[f.name] = Flag(f.name, base_type(types[f.name]), f.metadata.get("help", ""))
+                flags[f.name] = Flag(f.name, base_type(types[f.name]), f.metadata.get("help", ""),
+                                     f.metadata.get("choices"))
     return list(flags.values())
 
 
@@ -34,14 +36,18 @@ def add_flags(group: argparse._ArgumentGroup, flags: list[Flag]) -> list[str]:
     """Add the flags (default None, so only what the user typed overrides presets); returns their names."""
     for flag in flags:
         names = [f"--{flag.name.replace('_', '-')}", *ALIASES.get(flag.name, [])]
+        help_text = flag.help
+        if flag.choices is not None:  # listed, not enforced here: the dataclass reports every bad value at once
+            choices = flag.choices() if callable(flag.choices) else flag.choices
+            help_text = f"{help_text} (one of: {', '.join(choices)})"
         if flag.type is bool:
             group.add_argument(*names, dest=flag.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=flag.help)
+                               help=help_text)
         elif flag.type is list:
-            group.add_argument(*names, dest=flag.name, nargs="+", default=None, metavar="VALUE", help=flag.help)
+            group.add_argument(*names, dest=flag.name, nargs="+", default=None, metavar="VALUE", help=help_text)
         else:
             metavar = {int: "INT", float: "FLOAT"}.get(flag.type, "STR")
-            group.add_argument(*names, dest=flag.name, type=str, default=None, metavar=metavar, help=flag.help)
+            group.add_argument(*names, dest=flag.name, type=str, default=None, metavar=metavar, help=help_text)
     return [flag.name for flag in flags]
 
 

@@ -48,6 +48,7 @@ class ComposedPipeline:
         self.hooks = enabled_hooks(runtime)
         self.engines: list[DenoisingEngine] = []
         self.stage_scopes: list[StageScope] = []  # hooks' context managers around each stage run
+        self._lora: dict[str, Any] = {}
         self.modules: dict[str, Any] = self.load_modules()
         self.applied_hooks = apply_hooks(self, self.hooks)
         self.stages: list[Stage] = []
@@ -81,14 +82,32 @@ class ComposedPipeline:
             spec = self.index.component(name)
             folder = self.folder / name
             start = time.perf_counter()
-            loader = ComponentLoader.for_spec(spec, folder)
-            modules[name] = loader.load(folder, spec, self.load_device(name), self.module_dtype(name))
+            module = None
+            for hook in self.hooks:  # a hook may load a module itself (the disk tier of offload)
+                if module is None and hasattr(hook, "load_module"):
+                    module = hook.load_module(self, name, folder, spec, self.module_dtype(name))
+            if module is None:
+                loader = ComponentLoader.for_spec(spec, folder)
+                module = loader.load(folder, spec, self.load_device(name), self.module_dtype(name))
+            modules[name] = module
             logger.info("loaded %s (%s) in %.1f s", name, type(modules[name]).__name__, time.perf_counter() - start)
         return modules
 
+    def denoiser_names(self) -> list[str]:
+        """The components that denoise (`transformer`, `transformer_2`, ...): what LoRA, offload and compile
+        act on."""
+        return [n for n in self.required_modules if n.startswith("transformer")]
+
     def denoisers(self) -> dict[str, torch.nn.Module]:
-        """The denoising models (`transformer`, `transformer_2`, ...): what LoRA, offload and compile act on."""
-        return {n: m for n, m in self.modules.items() if n.startswith("transformer") and isinstance(m, torch.nn.Module)}
+        return {n: self.modules[n] for n in self.denoiser_names() if isinstance(self.modules.get(n), torch.nn.Module)}
+
+    def lora_adapters(self, name: str = "transformer"):
+        """The LoRA adapters of denoiser `name` (created on first use)."""
+        from composer.accel.lora import LoraAdapters
+
+        if name not in self._lora:
+            self._lora[name] = LoraAdapters(self.modules[name])
+        return self._lora[name]
 
     def make_engine(self, transformer: torch.nn.Module) -> DenoisingEngine:
         """The denoising engine over `transformer`, with the runtime's CFG mode and every hook's settings."""

@@ -119,6 +119,12 @@ class CausalDenoisingStage(Stage):
     def transformer(self):
         return self.engine.transformer
 
+    def modules(self) -> list[torch.nn.Module]:
+        """The transformer, and the text encoder this stage encodes each new segment's prompt with."""
+        encoder_stage = getattr(self.encode_prompts, "__self__", None)
+        extra = encoder_stage.modules() if isinstance(encoder_stage, Stage) else []
+        return [*super().modules(), *extra]
+
     @property
     def window(self) -> tuple[int | None, int]:
         local = self.config.local_attn_size

@@ -1,6 +1,23 @@
-"""Attention: the backend registry (one module per backend) and the one module that computes attention."""
+"""Attention: the backend registry (one module per backend) and the one module that computes attention.
 
-from composer.models.attention.backends import backend_choices, backend_names, resolve_backend
-from composer.models.attention.layer import Attention, set_attention_backend
+Exports resolve lazily, so reading the registry's names (settings checks, CLI help) does not import torch.
+"""
 
-__all__ = ["Attention", "backend_choices", "backend_names", "resolve_backend", "set_attention_backend"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Attention": "composer.models.attention.layer",
+    "set_attention_backend": "composer.models.attention.layer",
+    "backend_choices": "composer.models.attention.backends",
+    "backend_names": "composer.models.attention.backends",
+    "resolve_backend": "composer.models.attention.backends",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,206 @@
+"""The hook phase through the runtime: LoRA (lora_path / set_lora), offload (model, layerwise, disk) and
+torch.compile (regional, full), each against the exact path, for text-to-video and causal models; the order
+hooks apply in and the combinations refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import diffusers_frames, max_uint8_diff
+from helpers import write_self_forcing_checkpoint
+from test_lora import lora_weights, write_lora
+
+from composer import VideoGenerator
+from composer.convert.self_forcing import CausalSettings, convert_self_forcing
+from composer.errors import ConfigError, UnsupportedError
+
+REQUEST = dict(negative_prompt="blurry", guidance_scale=4.0, height=32, width=32, num_frames=5,
+               num_inference_steps=3, seed=3)
+PROMPT = "a red ball bouncing"
+
+
+def _gen(folder, **runtime):
+    return VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False, **runtime)
+
+
+@pytest.fixture(scope="module")
+def base_gen(tiny_wan_dir):
+    return _gen(tiny_wan_dir)
+
+
+@pytest.fixture(scope="module")
+def base(base_gen):
+    return base_gen.generate_video(PROMPT, **REQUEST)
+
+
+@pytest.fixture(scope="module")
+def lora_files(base_gen, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    model = base_gen.pipeline.modules["transformer"]
+    return (write_lora(root / "one.safetensors", "kohya", lora_weights(model, seed=1)),
+            write_lora(root / "two.safetensors", "diffusers", lora_weights(model, seed=2)))
+
+
+@pytest.fixture(scope="module")
+def causal_dir(tiny_wan_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hooks-causal")
+    write_self_forcing_checkpoint(tiny_wan_dir, root / "sf.pt")
+    return convert_self_forcing(root / "sf.pt", tiny_wan_dir, root / "causal",
+                                settings=CausalSettings(num_frames_per_block=2, local_attn_size=5, sink_size=1))
+
+
+CAUSAL = dict(height=32, width=48, num_frames=4 * (6 - 1) + 1, seed=4, rollout_blocks=2, overlap_frames=2,
+              guidance_scale=3.0, negative_prompt="")
+
+
+@pytest.fixture(scope="module")
+def causal_base(causal_dir):
+    return _gen(causal_dir).generate_video(PROMPT, **CAUSAL)
+
+
+# -- order and refusals --------------------------------------------------------------------------------
+def test_hooks_apply_in_the_documented_order_and_are_logged(tiny_wan_dir, lora_files):
+    gen = _gen(tiny_wan_dir, lora_path=[str(lora_files[0])], offload="model", attention_backend="sdpa")
+    names = [line.split(":")[0] for line in gen.pipeline.applied_hooks]
+    assert names == ["lora", "attention", "offload"]
+    assert "sdpa" in gen.pipeline.applied_hooks[1]
+    assert _gen(tiny_wan_dir).pipeline.applied_hooks == ["attention: auto -> sdpa (transformer)"]
+
+
+def test_refused_combinations_say_why(tiny_wan_dir, lora_files):
+    with pytest.raises(ConfigError, match="offload = disk"):
+        _gen(tiny_wan_dir, lora_path=[str(lora_files[0])], offload="disk")
+    gen = _gen(tiny_wan_dir, offload="layerwise")
+    with pytest.raises(UnsupportedError, match="switching LoRA adapters with offload = layerwise"):
+        gen.set_lora(lora_files[0])
+    with pytest.raises(ConfigError, match="lora_scale has 2 value"):
+        _gen(tiny_wan_dir, lora_path=[str(lora_files[0])], lora_scale=[1.0, 0.5])
+
+
+# -- LoRA through the runtime --------------------------------------------------------------------------
+def test_lora_path_matches_diffusers_and_set_unset_switch_between_videos(tiny_wan_dir, lora_files, base):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(tiny_wan_dir))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora_files[0]), adapter_name="one")
+    pipe.load_lora_weights(str(lora_files[1]), adapter_name="two")
+    pipe.set_adapters(["one", "two"], [0.8, -0.4])
+    request = {k: v for k, v in REQUEST.items() if k != "seed"}
+    reference = diffusers_frames(pipe, PROMPT, REQUEST["seed"], **request)
+
+    gen = _gen(tiny_wan_dir, lora_path=[str(p) for p in lora_files], lora_scale=[0.8, -0.4])
+    ours = gen.generate_video(PROMPT, **REQUEST)
+    assert max_uint8_diff(ours.frames, reference) <= 1
+    assert max_uint8_diff(ours.frames, base.frames) > 10  # the adapters change the video
+
+    gen.unset_lora()
+    assert torch.equal(gen.generate_video(PROMPT, **REQUEST).latents, base.latents)
+    gen.set_lora(lora_files, [0.8, -0.4])
+    assert torch.equal(gen.generate_video(PROMPT, **REQUEST).latents, ours.latents)
+
+
+def test_fused_lora_through_the_runtime_equals_unfused(tiny_wan_dir, lora_files, base):
+    unfused = _gen(tiny_wan_dir, lora_path=[str(lora_files[0])]).generate_video(PROMPT, **REQUEST)
+    fused_gen = _gen(tiny_wan_dir, lora_path=[str(lora_files[0])], lora_fuse=True)
+    fused = fused_gen.generate_video(PROMPT, **REQUEST)
+    assert (fused.latents - unfused.latents).abs().max().item() <= 1e-5
+    fused_gen.unset_lora()
+    assert torch.equal(fused_gen.generate_video(PROMPT, **REQUEST).latents, base.latents)
+
+
+def test_causal_model_with_a_lora(causal_dir, lora_files, causal_base):
+    gen = _gen(causal_dir, lora_path=[str(lora_files[0])])
+    cached = gen.generate_video(PROMPT, **CAUSAL)
+    recomputed = gen.generate_video(PROMPT, kv_cache=False, **CAUSAL)
+    assert (cached.latents - recomputed.latents).abs().max().item() <= 1e-5
+    assert (cached.latents - causal_base.latents).abs().max().item() > 1e-2
+    gen.unset_lora()
+    assert torch.equal(gen.generate_video(PROMPT, **CAUSAL).latents, causal_base.latents)
+
+
+# -- offload -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["model", "layerwise", "disk"])
+def test_offload_equals_no_offload(tiny_wan_dir, base, mode):
+    ours = _gen(tiny_wan_dir, offload=mode).generate_video(PROMPT, **REQUEST)
+    assert (ours.latents - base.latents).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["model", "layerwise", "disk"])
+def test_offload_of_a_causal_model_equals_no_offload(causal_dir, causal_base, mode):
+    gen = _gen(causal_dir, offload=mode)
+    ours = gen.generate_video(PROMPT, **CAUSAL)
+    assert (ours.latents - causal_base.latents).abs().max().item() <= 1e-5
+    streamed = gen.stream_video(PROMPT, **CAUSAL)
+    chunks = list(streamed)
+    assert len(chunks) == 3 and (streamed.latents.cpu() - causal_base.latents).abs().max().item() <= 1e-5
+
+
+def test_layerwise_offload_with_a_lora_at_load(tiny_wan_dir, lora_files):
+    plain = _gen(tiny_wan_dir, lora_path=[str(lora_files[0])]).generate_video(PROMPT, **REQUEST)
+    for fuse in (False, True):
+        gen = _gen(tiny_wan_dir, lora_path=[str(lora_files[0])], lora_fuse=fuse, offload="layerwise")
+        assert (gen.generate_video(PROMPT, **REQUEST).latents - plain.latents).abs().max().item() <= 1e-5
+
+
+# -- torch.compile ---------------------------------------------------------------------------------------
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _reset_dynamo() -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()  # reset() keeps the counters
+
+
+@pytest.mark.slow
+def test_regional_compile_equals_eager_and_compiles_once(tiny_wan_dir, tmp_path, base):
+    from composer.testing import build_tiny_wan
+
+    _reset_dynamo()
+    gen = _gen(tiny_wan_dir, compile="regional")
+    first = gen.generate_video(PROMPT, **REQUEST)
+    graphs = _graphs()
+    second = gen.generate_video(PROMPT, **{**REQUEST, "seed": 9})  # same size: no new graphs
+    assert _graphs() == graphs, "recompiled between videos of the same size"
+    assert (first.latents - base.latents).abs().max().item() <= 1e-4
+    assert not torch.equal(first.latents, second.latents)
+
+    # compile time does not grow with depth: a 4-layer model compiles as many graphs as the 2-layer one
+    deep = build_tiny_wan(tmp_path / "deep", num_layers=4)
+    _reset_dynamo()
+    _gen(deep, compile="regional").generate_video(PROMPT, **REQUEST)
+    assert _graphs() == graphs
+
+
+@pytest.mark.slow
+def test_full_compile_equals_eager(tiny_wan_dir, base):
+    _reset_dynamo()
+    gen = _gen(tiny_wan_dir, compile="full")
+    assert (gen.generate_video(PROMPT, **REQUEST).latents - base.latents).abs().max().item() <= 1e-4
+    graphs = _graphs()
+    gen.generate_video(PROMPT, **{**REQUEST, "seed": 1})
+    assert _graphs() == graphs
+
+
+@pytest.mark.slow
+def test_compile_composes_with_unfused_lora_and_offload(tiny_wan_dir, lora_files):
+    eager = _gen(tiny_wan_dir, lora_path=[str(lora_files[0])]).generate_video(PROMPT, **REQUEST)
+    _reset_dynamo()
+    gen = _gen(tiny_wan_dir, lora_path=[str(lora_files[0])], compile="regional", offload="layerwise")
+    assert (gen.generate_video(PROMPT, **REQUEST).latents - eager.latents).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_regional_compile_of_a_causal_model(causal_dir, causal_base):
+    _reset_dynamo()
+    gen = _gen(causal_dir, compile="regional")
+    first = gen.generate_video(PROMPT, **CAUSAL)
+    assert (first.latents - causal_base.latents).abs().max().item() <= 1e-4
+    graphs = _graphs()
+    gen.generate_video(PROMPT, **{**CAUSAL, "seed": 8})
+    assert _graphs() == graphs, "recompiled between videos of the same size"
