@@ -6,7 +6,11 @@ What it measures (both engines load the same model folder once, then run the sam
    timestep, a 512-token text embedding), under `torch.inference_mode()`. Reports the median time of each
    engine, the ratio diffusers / composer (> 1 means composer is faster), the peak memory of one forward
    and the max abs difference between the two outputs (a sanity check: same weights, same maths).
-2. End to end: prompt -> uint8 frames with classifier-free guidance (guidance 5.0), same prompt, negative
+2. CFG step: one guided step's prediction on the same inputs. composer's engine runs the prompt and the
+   negative prompt as one batch-2 call with the text's cross-attention k/v computed once per video (as a
+   generation does); `composer-seq` is its sequential mode (two calls); diffusers' WanPipeline makes two
+   transformer calls that each project the text again. Reports all three and the ratios.
+3. End to end: prompt -> uint8 frames with classifier-free guidance (guidance 5.0), same prompt, negative
    prompt, seed, size and steps. Reports the median wall time of each engine, the ratio, the peak memory of
    one generation and the max difference between the two videos' uint8 frames.
 
@@ -317,16 +321,20 @@ def format_time(seconds: float) -> str:
 
 def print_comparison(c: Comparison) -> None:
     print(f"\n{c.title}; median of {len(c.engines['composer'].times_s)}")
-    header = f"  {'engine':<10} {'median':>10} {'min':>10} {'max':>10} {'peak MiB':>10}"
+    header = f"  {'engine':<12} {'median':>10} {'min':>10} {'max':>10} {'peak MiB':>10}"
     has_weights = any(r.weights_mib is not None for r in c.engines.values())
     print(header + (f" {'weights MiB':>12}" if has_weights else ""))
     for engine, r in c.engines.items():
         row = (
-            f"  {engine:<10} {format_time(r.median_s):>10} {format_time(min(r.times_s)):>10} "
+            f"  {engine:<12} {format_time(r.median_s):>10} {format_time(min(r.times_s)):>10} "
             f"{format_time(max(r.times_s)):>10} {r.peak_mib:>10.1f}"
         )
         print(row + (f" {r.weights_mib:>12.1f}" if r.weights_mib is not None else ""))
     print(f"  ratio diffusers/composer: {c.ratio:.2f}x (> 1: composer faster); {c.diff_note}")
+    if "composer-seq" in c.engines:
+        seq = c.engines["composer-seq"].median_s
+        print(f"  composer sequential CFG: {seq / c.engines['composer'].median_s:.2f}x the batched time, "
+              f"diffusers/sequential {c.engines['diffusers'].median_s / seq:.2f}x")
 
 
 def print_summary(results: list[Comparison], context: str, command: str) -> None:
@@ -429,6 +437,65 @@ def dit_benchmark(
         diff=diff,
         weights_mib={"composer": module_mib(ours), "diffusers": module_mib(theirs)},
         details={"latent_shape": list(latent_shape), "tokens": tokens, "text_len": text_len},
+    )
+
+
+def cfg_step_benchmark(
+    gen: VideoGenerator, pipe: WanPipeline, preset: Preset, repeats: int, device: torch.device
+) -> Benchmark:
+    """One guided denoising step's prediction: composer's engine (prompt and negative prompt as one batch-2
+    call, cross-attention k/v computed once per video as a generation does) and its sequential mode, against
+    diffusers' WanPipeline step (two transformer calls, the text projected inside every call)."""
+    from composer.engine import ClassifierFreeGuidance, DenoisingEngine, ModelInputs
+
+    (engine,) = gen.pipeline.engines
+    sequential = DenoisingEngine(engine.transformer, cfg_mode="sequential")
+    theirs = pipe.transformer
+    config, dtype = theirs.config, theirs.dtype
+    temporal, spatial = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
+    latent_shape = (
+        1, config.in_channels, (preset.num_frames - 1) // temporal + 1,
+        preset.height // spatial, preset.width // spatial,
+    )
+    text_len = gen.pipeline.config.text_encoder_max_length
+    generator = torch.Generator("cpu").manual_seed(SEED + 1)
+    latents = torch.randn(latent_shape, generator=generator).to(device, dtype)
+    text = torch.randn(1, text_len, config.text_dim, generator=generator).to(device, dtype)
+    negative = torch.randn(1, text_len, config.text_dim, generator=generator).to(device, dtype)
+    timestep = torch.tensor([500.0], device=device)
+    guidance = ClassifierFreeGuidance(GUIDANCE_SCALE)
+    with torch.inference_mode():
+        cond, uncond = engine.text_inputs(text), engine.text_inputs(negative)
+        merged = ModelInputs.batched([cond, uncond])
+    outputs: dict[str, torch.Tensor] = {}
+
+    def run_composer() -> None:
+        with torch.inference_mode():
+            outputs["composer"] = engine.predict(latents, timestep, cond, uncond, guidance, merged)
+
+    def run_sequential() -> None:
+        with torch.inference_mode():
+            outputs["composer-seq"] = sequential.predict(latents, timestep, cond, uncond, guidance)
+
+    def run_diffusers() -> None:
+        with torch.inference_mode():
+            c = theirs(latents, timestep, text, return_dict=False)[0]
+            u = theirs(latents, timestep, negative, return_dict=False)[0]
+            outputs["diffusers"] = u + GUIDANCE_SCALE * (c - u)
+
+    def diff() -> tuple[float, str]:
+        ref = outputs["diffusers"].float()
+        batched = (outputs["composer"].float() - ref).abs().max().item()
+        seq = (outputs["composer-seq"].float() - ref).abs().max().item()
+        return batched, f"max abs diff batched {batched:.2e}, sequential {seq:.2e} (output max |x| {ref.abs().max():.2f})"
+
+    return Benchmark(
+        name="CFG step",
+        title=f"one CFG step's prediction: latents {list(latent_shape)}, text {text_len} tokens, guidance {GUIDANCE_SCALE}",
+        calls={"composer": run_composer, "composer-seq": run_sequential, "diffusers": run_diffusers},
+        repeats=repeats,
+        diff=diff,
+        details={"latent_shape": list(latent_shape), "text_len": text_len},
     )
 
 
@@ -573,7 +640,8 @@ def run(args: argparse.Namespace, model_path: Path) -> tuple[list[Comparison], d
         f"diffusers {diffusers.__version__}); both engines loaded in {context['load_s']:.1f} s"
     )
 
-    benchmarks = [dit_benchmark(gen, pipe, preset, args.repeats or 5, device)]
+    benchmarks = [dit_benchmark(gen, pipe, preset, args.repeats or 5, device),
+                  cfg_step_benchmark(gen, pipe, preset, args.repeats or 5, device)]
     if not args.skip_e2e:
         benchmarks.append(e2e_benchmark(gen, pipe, preset, steps, args.repeats or 3, args.text_cache))
     results = run_benchmarks(benchmarks, device)
