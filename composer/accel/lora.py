@@ -196,7 +196,7 @@ class LoraHook:
     def apply(self, pipeline) -> str:
         runtime = pipeline.runtime
         lines = []
-        for name, model in pipeline.denoisers().items():
+        for name in pipeline.denoisers():
             adapters = pipeline.lora_adapters(name)
             adapters.set(runtime.lora_path, runtime.lora_scale, fuse=runtime.lora_fuse)
             lines.append(f"{name}: {adapters.describe()}")
