@@ -204,3 +204,36 @@ def test_regional_compile_of_a_causal_model(causal_dir, causal_base):
     graphs = _graphs()
     gen.generate_video(PROMPT, **{**CAUSAL, "seed": 8})
     assert _graphs() == graphs, "recompiled between videos of the same size"
+
+
+# -- one name per knob: flags and YAML ----------------------------------------------------------------------
+def test_hook_flags_and_preset_keys_reach_the_pipeline(tiny_wan_dir, lora_files, tmp_path, capsys):
+    """`--lora-path A B --lora-scale x y --offload layerwise` and the same under `runtime:` in a preset give
+    the video the Python API gives; a bad value is one error line naming the accepted ones."""
+    import numpy as np
+
+    from composer.cli.main import main
+
+    small = ["--height", "32", "--width", "32", "--num-frames", "5", "--steps", "3", "--seed", "3",
+             "--negative-prompt", "blurry", "--guidance-scale", "4.0", "--dtype", "fp32", "--no-progress"]
+    flags_out = tmp_path / "flags"
+    code = main(["generate", "--model-path", str(tiny_wan_dir), "--prompt", PROMPT, *small, "--offload", "layerwise",
+                 "--lora-path", str(lora_files[0]), str(lora_files[1]), "--lora-scale", "0.8", "-0.4",
+                 "--cfg-mode", "sequential", "--output", str(flags_out)])
+    assert code == 0
+    preset = tmp_path / "hooks.yaml"
+    preset.write_text(f"runtime:\n  offload: layerwise\n  lora_path: [{lora_files[0]}, {lora_files[1]}]\n"
+                      "  lora_scale: [0.8, -0.4]\n  cfg_mode: sequential\n")
+    preset_out = tmp_path / "preset"
+    assert main(["generate", "--config", str(preset), "--model-path", str(tiny_wan_dir), "--prompt", PROMPT,
+                 *small, "--output", str(preset_out)]) == 0
+    api = _gen(tiny_wan_dir, lora_path=[str(p) for p in lora_files], lora_scale=[0.8, -0.4]).generate_video(
+        PROMPT, **REQUEST)
+    import imageio.v3 as iio
+
+    for folder in (flags_out, preset_out):
+        frames = np.stack([iio.imread(p) for p in sorted(folder.glob("*.png"))])
+        assert max_uint8_diff(frames, api.frames) <= 1
+    capsys.readouterr()
+    assert main(["generate", "--model-path", str(tiny_wan_dir), "--prompt", PROMPT, "--compile", "max"]) == 1
+    assert "compile = 'max': expected one of none, regional, full" in capsys.readouterr().err

@@ -378,8 +378,9 @@ class OffloadHook:
       blocks stream through it one block ahead.
     - disk: as layerwise, but a transformer's blocks are never read into memory: they stream from the
       memory-mapped safetensors files (composer.accel.disk).
-    In the layerwise modes the engine stops precomputing cross-attention k/v (it would touch every block's
-    weights outside its forward); the blocks compute them as they run.
+    In the layerwise modes the engine's once-per-prompt cross-attention k/v pass reads every block outside
+    its forward: each block is loaded on demand for it (`LayerwiseOffload.stats.faults`), with the same
+    prefetch, so a prompt costs one extra pass over the weights instead of projecting the text in every step.
     """
 
     name = "offload"
@@ -410,10 +411,6 @@ class OffloadHook:
         model, offload = load_with_blocks_on_disk(folder, pipeline.device, dtype, spec=spec)
         self.done[name] = offload
         return model
-
-    def configure_engine(self, engine) -> None:
-        if self.mode in ("layerwise", "disk"):
-            engine.precompute_text_kv = False
 
     def apply(self, pipeline) -> str:
         if self.mode == "model":
