@@ -141,7 +141,9 @@ def parent(args: argparse.Namespace) -> None:
                    args.dtype, "--repeats", str(args.repeats), "--steps", str(args.steps or preset["steps"])]
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+            # a fresh inductor cache per run: 'first' is a true cold start, not a read of an earlier run's kernels
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor-{name}")}
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if out.returncode:
                 print(f"{name}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
                 continue

@@ -37,6 +37,30 @@ def tiny_wan_euler_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_causal_dir(tiny_wan_dir, tmp_path_factory):
+    """A causal folder converted from a Self-Forcing-format checkpoint of the tiny model: blocks of 2 latent
+    frames, a rolling window of 5 frames with a 1-frame sink."""
+    from helpers import write_self_forcing_checkpoint
+
+    from composer.convert.self_forcing import CausalSettings, convert_self_forcing
+
+    root = tmp_path_factory.mktemp("tiny-causal")
+    write_self_forcing_checkpoint(tiny_wan_dir, root / "sf.pt")
+    return convert_self_forcing(root / "sf.pt", tiny_wan_dir, root / "causal",
+                                settings=CausalSettings(num_frames_per_block=2, local_attn_size=5, sink_size=1))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: its models are tiny, and on a busy 2-core machine a second thread
+    made each forward 50-100x slower (spinning workers), not faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
 def composer_gen(tiny_wan_dir):
     from composer import VideoGenerator
 

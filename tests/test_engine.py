@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import write_self_forcing_checkpoint
 
 from composer import VideoGenerator
-from composer.convert.self_forcing import CausalSettings, convert_self_forcing
 from composer.engine import EngineHook
 
 T2V = dict(height=32, width=32, num_frames=5, num_inference_steps=4, seed=3, negative_prompt="gray")
@@ -96,20 +94,12 @@ def test_an_around_model_hook_sees_and_can_change_the_prediction(t2v_pair):
     assert torch.equal(again.latents, base.latents)
 
 
-@pytest.fixture(scope="module")
-def causal_dir(tiny_wan_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine-causal")
-    write_self_forcing_checkpoint(tiny_wan_dir, root / "sf.pt")
-    return convert_self_forcing(root / "sf.pt", tiny_wan_dir, root / "causal",
-                                settings=CausalSettings(num_frames_per_block=2, local_attn_size=5, sink_size=1))
-
-
 CAUSAL = dict(height=32, width=48, num_frames=4 * (6 - 1) + 1, seed=4, rollout_blocks=2, overlap_frames=2)
 
 
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_causal_blocks_run_through_the_engine(causal_dir, guidance):
-    gen = VideoGenerator.from_pretrained(causal_dir, progress=False)
+def test_causal_blocks_run_through_the_engine(tiny_causal_dir, guidance):
+    gen = VideoGenerator.from_pretrained(tiny_causal_dir, progress=False)
     rec = Recorder()
     _hooked(gen, rec)
     count = CountForward(gen.pipeline.modules["transformer"])
@@ -127,11 +117,11 @@ def test_causal_blocks_run_through_the_engine(causal_dir, guidance):
     assert result.stats.rollouts == 2
 
 
-def test_causal_sequential_cfg_equals_batched(causal_dir):
+def test_causal_sequential_cfg_equals_batched(tiny_causal_dir):
     """Sequential CFG keeps one KV cache per branch; batched shares one cache of twice the rows."""
     kwargs = dict(guidance_scale=3.0, negative_prompt="a blue square", **CAUSAL)
-    batched = VideoGenerator.from_pretrained(causal_dir, progress=False).generate_video("a red circle", **kwargs)
-    seq_gen = VideoGenerator.from_pretrained(causal_dir, progress=False, cfg_mode="sequential")
+    batched = VideoGenerator.from_pretrained(tiny_causal_dir, progress=False).generate_video("a red circle", **kwargs)
+    seq_gen = VideoGenerator.from_pretrained(tiny_causal_dir, progress=False, cfg_mode="sequential")
     sequential = seq_gen.generate_video("a red circle", **kwargs)
     recomputed = seq_gen.generate_video("a red circle", kv_cache=False, **kwargs)
     assert (batched.latents - sequential.latents).abs().max().item() <= 1e-5

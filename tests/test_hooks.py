@@ -7,11 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import diffusers_frames, max_uint8_diff
-from helpers import write_self_forcing_checkpoint
 from test_lora import lora_weights, write_lora
 
 from composer import VideoGenerator
-from composer.convert.self_forcing import CausalSettings, convert_self_forcing
 from composer.errors import ConfigError, UnsupportedError
 
 REQUEST = dict(negative_prompt="blurry", guidance_scale=4.0, height=32, width=32, num_frames=5,
@@ -41,21 +39,13 @@ def lora_files(base_gen, tmp_path_factory):
             write_lora(root / "two.safetensors", "diffusers", lora_weights(model, seed=2)))
 
 
-@pytest.fixture(scope="module")
-def causal_dir(tiny_wan_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("hooks-causal")
-    write_self_forcing_checkpoint(tiny_wan_dir, root / "sf.pt")
-    return convert_self_forcing(root / "sf.pt", tiny_wan_dir, root / "causal",
-                                settings=CausalSettings(num_frames_per_block=2, local_attn_size=5, sink_size=1))
-
-
 CAUSAL = dict(height=32, width=48, num_frames=4 * (6 - 1) + 1, seed=4, rollout_blocks=2, overlap_frames=2,
               guidance_scale=3.0, negative_prompt="")
 
 
 @pytest.fixture(scope="module")
-def causal_base(causal_dir):
-    return _gen(causal_dir).generate_video(PROMPT, **CAUSAL)
+def causal_base(tiny_causal_dir):
+    return _gen(tiny_causal_dir).generate_video(PROMPT, **CAUSAL)
 
 
 # -- order and refusals --------------------------------------------------------------------------------
@@ -109,8 +99,8 @@ def test_fused_lora_through_the_runtime_equals_unfused(tiny_wan_dir, lora_files,
     assert torch.equal(fused_gen.generate_video(PROMPT, **REQUEST).latents, base.latents)
 
 
-def test_causal_model_with_a_lora(causal_dir, lora_files, causal_base):
-    gen = _gen(causal_dir, lora_path=[str(lora_files[0])])
+def test_causal_model_with_a_lora(tiny_causal_dir, lora_files, causal_base):
+    gen = _gen(tiny_causal_dir, lora_path=[str(lora_files[0])])
     cached = gen.generate_video(PROMPT, **CAUSAL)
     recomputed = gen.generate_video(PROMPT, kv_cache=False, **CAUSAL)
     assert (cached.latents - recomputed.latents).abs().max().item() <= 1e-5
@@ -127,8 +117,8 @@ def test_offload_equals_no_offload(tiny_wan_dir, base, mode):
 
 
 @pytest.mark.parametrize("mode", ["model", "layerwise", "disk"])
-def test_offload_of_a_causal_model_equals_no_offload(causal_dir, causal_base, mode):
-    gen = _gen(causal_dir, offload=mode)
+def test_offload_of_a_causal_model_equals_no_offload(tiny_causal_dir, causal_base, mode):
+    gen = _gen(tiny_causal_dir, offload=mode)
     ours = gen.generate_video(PROMPT, **CAUSAL)
     assert (ours.latents - causal_base.latents).abs().max().item() <= 1e-5
     streamed = gen.stream_video(PROMPT, **CAUSAL)
@@ -196,9 +186,9 @@ def test_compile_composes_with_unfused_lora_and_offload(tiny_wan_dir, lora_files
 
 
 @pytest.mark.slow
-def test_regional_compile_of_a_causal_model(causal_dir, causal_base):
+def test_regional_compile_of_a_causal_model(tiny_causal_dir, causal_base):
     _reset_dynamo()
-    gen = _gen(causal_dir, compile="regional")
+    gen = _gen(tiny_causal_dir, compile="regional")
     first = gen.generate_video(PROMPT, **CAUSAL)
     assert (first.latents - causal_base.latents).abs().max().item() <= 1e-4
     graphs = _graphs()

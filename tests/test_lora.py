@@ -15,6 +15,8 @@ from composer import VideoGenerator
 from composer.accel.lora import LoraAdapters, read_lora
 from composer.errors import CheckpointError, InvalidInputError, ModelNotFoundError, UnsupportedError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RANK, ALPHA = 4, 6.0  # alpha != rank: the alpha / rank scaling is exercised
 REQUEST = dict(negative_prompt="blurry", guidance_scale=4.0, height=32, width=32, num_frames=5,
                num_inference_steps=3)
@@ -86,16 +88,6 @@ def write_lora(path, naming: str, weights: dict, alpha: float = ALPHA):
         return path / "lora.safetensors"
     save_file(tensors, str(path))
     return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models' ops are too small to gain from threads; on a busy 2-core machine two intra-op threads
-    made a 32x32 generation 50-100x slower (6 s instead of 0.07 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

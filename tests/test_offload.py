@@ -19,19 +19,11 @@ from composer.loader.model_index import ComponentSpec
 from composer.loader.weights import load_weights, tensor_sources
 from composer.models.wan.causal import CausalWanTransformer3DModel
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
 SPEC = ComponentSpec("transformer", "diffusers", "WanTransformer3DModel")
 NUM_LAYERS = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these models are tiny, and on a busy 2-core machine a second thread makes each
-    forward ~100x slower (spinning workers), not faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
