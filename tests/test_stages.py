@@ -129,3 +129,44 @@ def test_text_encoding_cache_gives_identical_embeddings_and_skips_the_encoder(co
 
 def test_prompt_cleaning_matches_the_reference():
     assert clean_prompt("  a &amp;amp; b \n\t c  ") == "a & b c"
+
+
+class _Source(Stage):
+    """Streams three pieces, slowly; fails on the third when asked to."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def stream(self, batch, upstream):
+        import time
+
+        for i in range(3):
+            time.sleep(0.02)
+            if self.fail and i == 2:
+                raise RuntimeError("block failed")
+            yield i
+
+
+class _Double(Stage):
+    streams_from_upstream = True
+
+    def stream(self, batch, upstream):
+        for piece in upstream:
+            yield 2 * piece
+
+
+def test_streaming_stages_chain_and_time_only_their_own_work():
+    batch = _batch()
+    source = _Source()
+    pieces = list(_Double().iter_call(batch, source.iter_call(batch)))
+    assert pieces == [0, 2, 4]
+    assert batch.timings["_Source"] >= 0.05
+    assert batch.timings["_Double"] < 0.02  # the upstream's sleeps are not the doubler's time
+
+
+def test_an_upstream_error_is_named_once_after_the_stage_it_arose_in():
+    batch = _batch()
+    with pytest.raises(RuntimeError, match="block failed") as info:
+        list(_Double().iter_call(batch, _Source(fail=True).iter_call(batch)))
+    notes = [n for n in getattr(info.value, "__notes__", []) if "pipeline stage" in n]
+    assert notes == ["(raised in pipeline stage _Source)"]

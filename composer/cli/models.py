@@ -1,4 +1,4 @@
-"""`composer models`: what this install can serve (families, pipelines, model classes)."""
+"""`composer models`: what this install can serve (families, pipelines, model classes, attention backends)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("models", help="list registered model families, pipelines and model classes")
+    p = sub.add_parser("models", help="list registered model families, pipelines, model classes and attention backends")
     p.set_defaults(run=run)
 
 
@@ -35,4 +35,8 @@ def run(args: argparse.Namespace) -> int:
     print("Model classes (checkpoint _class_name -> class):")
     for name, entry in sorted(model_entry_points().items()):
         print(f"  {name} -> {entry.module}.{entry.class_name}")
+    from composer.models.attention.backends import backend_names
+
+    print("Attention backends (--attention-backend; auto: the usable one with the highest priority):")
+    print(f"  {', '.join(backend_names())}  (composer/models/attention/backends/, one module each)")
     return 0
