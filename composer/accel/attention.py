@@ -13,9 +13,6 @@ from composer.models.attention import set_attention_backend
 class AttentionBackendHook:
     name = "attention"
 
-    @staticmethod
-    def enabled(runtime: Any) -> bool:
-        return True  # every pipeline resolves its backend here, so the log says which one runs
 
     def apply(self, pipeline: Any) -> str:
         wanted = pipeline.runtime.attention_backend

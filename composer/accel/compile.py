@@ -37,9 +37,6 @@ def compile_module(module: torch.nn.Module, mode: str | None) -> None:
 class CompileHook:
     name = "compile"
 
-    @staticmethod
-    def enabled(runtime: Any) -> bool:
-        return runtime.compile != "none"
 
     def apply(self, pipeline: Any) -> str:
         runtime = pipeline.runtime

@@ -10,16 +10,18 @@ Order (each hook sees what the ones before it made):
 
 (quantization goes before lora, parallel sharding between attention and offload, as they land.)
 
-A hook is a class with `name`, `enabled(runtime) -> bool` (static) and `apply(pipeline) -> str` (what it did,
-for the log); optionally `from_runtime(runtime)` (its constructor), `load_device(pipeline, module_name,
+A hook is a class with `name` and `apply(pipeline) -> str` (what it did, for the log), listed in `HOOKS` with
+the condition that turns it on; optionally `from_runtime(runtime)` (its constructor), `load_device(pipeline, module_name,
 device) -> device` (where a module loads), `load_module(pipeline, name, folder, spec, dtype)` (load a module
 itself, or None for the usual loader) and `configure_engine(engine)` (called for every DenoisingEngine the
-pipeline makes). Hooks refuse combinations
-they cannot serve with a ConfigError naming both settings.
+pipeline makes). Combinations the hooks cannot serve are refused up front (`check_combination`) with a
+ConfigError naming both settings.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 from composer.errors import ConfigError
@@ -28,21 +30,25 @@ from composer.logging import get_logger
 logger = get_logger(__name__)
 
 
-def hook_classes() -> list[type]:
-    """Every hook, in application order (imported here, so a hook's heavy imports wait until it is used)."""
-    from composer.accel.attention import AttentionBackendHook
-    from composer.accel.compile import CompileHook
-    from composer.accel.lora import LoraHook
-    from composer.accel.offload import OffloadHook
-
-    return [LoraHook, AttentionBackendHook, OffloadHook, CompileHook]
+# Application order. A hook's module is imported only when the runtime turns it on (LoRA's pulls in peft).
+HOOKS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
+    ("composer.accel.lora", "LoraHook", lambda runtime: bool(runtime.lora_path)),
+    # always on: every pipeline resolves its backend here, so the log says which one runs
+    ("composer.accel.attention", "AttentionBackendHook", lambda runtime: True),
+    ("composer.accel.offload", "OffloadHook", lambda runtime: runtime.offload != "none"),
+    ("composer.accel.compile", "CompileHook", lambda runtime: runtime.compile != "none"),
+)
 
 
 def enabled_hooks(runtime: Any) -> list[Any]:
     """Instances of the hooks the runtime settings turn on, in order."""
     check_combination(runtime)
-    return [cls.from_runtime(runtime) if hasattr(cls, "from_runtime") else cls()
-            for cls in hook_classes() if cls.enabled(runtime)]
+    hooks = []
+    for module, name, enabled in HOOKS:
+        if enabled(runtime):
+            cls = getattr(importlib.import_module(module), name)
+            hooks.append(cls.from_runtime(runtime) if hasattr(cls, "from_runtime") else cls())
+    return hooks
 
 
 def check_combination(runtime: Any) -> None:

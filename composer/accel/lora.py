@@ -189,9 +189,6 @@ class LoraHook:
 
     name = "lora"
 
-    @staticmethod
-    def enabled(runtime) -> bool:
-        return bool(runtime.lora_path)
 
     def apply(self, pipeline) -> str:
         runtime = pipeline.runtime

@@ -390,9 +390,6 @@ class OffloadHook:
         self.done: dict[str, LayerwiseOffload] = {}
         self.models: ModelOffload | None = None
 
-    @staticmethod
-    def enabled(runtime) -> bool:
-        return runtime.offload != "none"
 
     @classmethod
     def from_runtime(cls, runtime) -> OffloadHook:
