@@ -69,7 +69,6 @@ class DenoisingEngine:
         self.transformer = transformer
         self.cfg_mode = cfg_mode
         self.hooks: list[EngineHook] = list(hooks or [])
-        self.precompute_text_kv = True
         self._step: StepInfo | None = None
 
     @property
@@ -103,9 +102,8 @@ class DenoisingEngine:
 
     def text_inputs(self, text: torch.Tensor) -> ModelInputs:
         """Conditioning for a text embedding [B, L, D]: each block's cross-attention k/v computed once here and
-        reused by every step, unless `precompute_text_kv` is off (a hook that cannot serve block weights
-        outside the blocks' forward would turn it off; the blocks then project the text in every call)."""
-        if self.precompute_text_kv and hasattr(self.transformer, "cross_attention_kv"):
+        reused by every step (a model without `cross_attention_kv` gets the embedding in every call)."""
+        if hasattr(self.transformer, "cross_attention_kv"):
             return ModelInputs(cross_kv=self.transformer.cross_attention_kv(text))
         return ModelInputs(text=text)
 
