@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from composer.batch import ForwardBatch, VideoChunk
+from composer.batch import ForwardBatch
 from composer.configs.causal_wan import CausalWanConfig
 from composer.errors import InvalidInputError
 from composer.pipelines.base import ComposedPipeline
@@ -21,8 +21,6 @@ from composer.stages.input_validation import InputValidationStage
 from composer.stages.start_frames import StartFrameEncodingStage, StartFrames
 from composer.stages.text_encoding import TextEncodingStage
 from composer.video import read_frames
-
-__all__ = ["CausalWanPipeline", "VideoChunk"]
 
 
 class CausalWanPipeline(ComposedPipeline):
