@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["GenerationResult", "PipelineConfig", "RuntimeArgs", "SamplingParam", "VideoGenerator"]
+__all__ = ["CancelToken", "Cancelled", "GenerationResult", "PipelineConfig", "RuntimeArgs", "SamplingParam", "VideoGenerator"]
 
 _EXPORTS = {
     "VideoGenerator": "composer.generator",
@@ -18,10 +18,14 @@ _EXPORTS = {
     "SamplingParam": "composer.configs.base",
     "PipelineConfig": "composer.configs.base",
     "RuntimeArgs": "composer.runtime",
+    "CancelToken": "composer.cancel",
+    "Cancelled": "composer.errors",
 }
 
 if TYPE_CHECKING:
+    from composer.cancel import CancelToken
     from composer.configs.base import PipelineConfig, SamplingParam
+    from composer.errors import Cancelled
     from composer.generator import GenerationResult, VideoGenerator
     from composer.runtime import RuntimeArgs
 

@@ -55,3 +55,11 @@ class StageVerificationError(InvalidInputError):
         else:
             msg = f"{stage} {phase} checks failed:\n  " + "\n  ".join(lines)
         super().__init__(msg)
+
+
+class Cancelled(ComposerError):
+    """The request was cancelled (`CancelToken.cancel()`, Ctrl-C in the CLI) before it finished.
+
+    An ordinary exception, not a KeyboardInterrupt: a server catches it for the one request it cancelled and
+    goes on, and cleanup written as `except Exception` (offload's block eviction, the KV cache's aborted
+    pass) runs. The CLI exits 130 on it, as on Ctrl-C."""

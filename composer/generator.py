@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from composer.batch import ForwardBatch, RequestStats, VideoChunk
+from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
 from composer.errors import InvalidInputError, UnsupportedError
 from composer.loader.model_index import read_model_index
@@ -130,13 +131,16 @@ class VideoGenerator:
         *,
         sampling_param: SamplingParam | None = None,
         segments: Iterable[tuple[str, int]] | None = None,
+        cancel: CancelToken | None = None,
         **overrides: Any,
     ) -> GenerationResult:
         """Generate one video. Keyword arguments are SamplingParam fields (negative_prompt, height, width,
         num_frames, num_inference_steps, guidance_scale, flow_shift, seed, fps, output_path, and a family's
-        own). Causal models also take `segments`: (prompt, num_blocks) pairs with a prompt switch between."""
+        own). Causal models also take `segments`: (prompt, num_blocks) pairs with a prompt switch between.
+        `cancel`: a CancelToken; `cancel.cancel()` (from another thread or a signal handler) makes this call
+        raise `Cancelled` within one transformer block, and the generator stays ready for the next video."""
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
-        batch = self._new_batch(sp)
+        batch = self._new_batch(sp, cancel)
         start = time.perf_counter()
         self.pipeline.prepare(batch, sp, list(segments) if segments is not None else None)
         batch = self.pipeline.forward(batch)
@@ -165,6 +169,7 @@ class VideoGenerator:
         *,
         sampling_param: SamplingParam | None = None,
         keep_video: bool = True,
+        cancel: CancelToken | None = None,
         **overrides: Any,
     ) -> VideoStream:
         """Generate block by block (causal models), yielding frames as each block is decoded.
@@ -174,6 +179,7 @@ class VideoGenerator:
         while earlier blocks stream (interactive use). Iterate the returned VideoStream for VideoChunk objects;
         afterwards it holds the whole video (`frames`, `latents`) and the profile (`stats`). For endless streams
         consumed as they go (written to disk), `keep_video=False` keeps neither frames nor old latents.
+        `cancel`: a CancelToken; once cancelled, iteration raises `Cancelled` within one transformer block.
         """
         segments = None
         prompt = None
@@ -188,11 +194,11 @@ class VideoGenerator:
             prompt = first[0] if isinstance(first, (tuple, list)) and first else None
             segments = [first, *iterator] if isinstance(prompts, (list, tuple)) else itertools.chain([first], iterator)
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
-        batch = self._new_batch(sp)
+        batch = self._new_batch(sp, cancel)
         self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
         return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)
 
-    def _new_batch(self, sp: SamplingParam) -> ForwardBatch:
+    def _new_batch(self, sp: SamplingParam, cancel: CancelToken | None = None) -> ForwardBatch:
         seed = sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**32)
         batch = ForwardBatch(
             prompt=[sp.prompt] if isinstance(sp.prompt, str) else sp.prompt,  # None fails input validation
@@ -207,6 +213,8 @@ class VideoGenerator:
         )
         if isinstance(seed, int) and 0 <= seed < 2**63:
             batch.generator = torch.Generator("cpu").manual_seed(seed)
+        if cancel is not None:
+            batch.attach(cancel)
         return batch
 
 

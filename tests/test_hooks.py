@@ -52,9 +52,11 @@ def causal_base(tiny_causal_dir):
 def test_hooks_apply_in_the_documented_order_and_are_logged(tiny_wan_dir, lora_files):
     gen = _gen(tiny_wan_dir, lora_path=[str(lora_files[0])], offload="model", attention_backend="sdpa")
     names = [line.split(":")[0] for line in gen.pipeline.applied_hooks]
-    assert names == ["lora", "attention", "offload"]
+    assert names == ["lora", "attention", "offload", "cancel"]
     assert "sdpa" in gen.pipeline.applied_hooks[1]
-    assert _gen(tiny_wan_dir).pipeline.applied_hooks == ["attention: auto -> sdpa (transformer)"]
+    assert _gen(tiny_wan_dir).pipeline.applied_hooks == [
+        "attention: auto -> sdpa (transformer)", "cancel: transformer: before each of 2 blocks and each step",
+    ]
 
 
 def test_refused_combinations_say_why(tiny_wan_dir, lora_files):

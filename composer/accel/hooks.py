@@ -7,6 +7,7 @@ Order (each hook sees what the ones before it made):
     offload    model: components on the device only while their stage runs; layerwise / disk: transformer
                blocks streamed to the device one block ahead
     compile    torch.compile of the transformer(s): each repeated block (regional) or the whole model
+    cancel     the running request's CancelToken checked before each repeated block and each step
 
 (quantization goes before lora, parallel sharding between attention and offload, as they land.)
 
@@ -37,6 +38,8 @@ HOOKS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     ("composer.accel.attention", "AttentionBackendHook", lambda runtime: True),
     ("composer.accel.offload", "OffloadHook", lambda runtime: runtime.offload != "none"),
     ("composer.accel.compile", "CompileHook", lambda runtime: runtime.compile != "none"),
+    # always on: a request's CancelToken is checked before each block; last, so offload's block hooks run first
+    ("composer.accel.cancel", "CancelHook", lambda runtime: True),
 )
 
 

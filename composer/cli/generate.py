@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from composer._fields import coerce, raise_if_errors
+from composer.cancel import CancelToken
 from composer.cli.flags import Flag, add_flags, collect, dataclass_flags
+from composer.cli.interrupt import cancel_on_sigint
 from composer.errors import ConfigError
 from composer.runtime import RuntimeArgs
 
@@ -128,16 +130,17 @@ def run(args: argparse.Namespace) -> int:
     if (args.stream or args.interactive) and not first_prompt:
         raise ConfigError("streaming needs a first prompt: give --prompt or --segment (then --interactive reads more)")
     start = time.perf_counter()
-    if args.stream or args.interactive:
-        if args.interactive:
-            first = segments or ([(sp.prompt, args.blocks_per_prompt)] if sp.prompt else [])
-            source = itertools.chain(first, stdin_segments(args.blocks_per_prompt))
+    with cancel_on_sigint(CancelToken()) as cancel:  # Ctrl-C: Cancelled within one block; main() exits 130
+        if args.stream or args.interactive:
+            if args.interactive:
+                first = segments or ([(sp.prompt, args.blocks_per_prompt)] if sp.prompt else [])
+                source = itertools.chain(first, stdin_segments(args.blocks_per_prompt))
+            else:
+                source = segments
+            frames, path, stats = _stream(generator, sp, source, cancel)
         else:
-            source = segments
-        frames, path, stats = _stream(generator, sp, source)
-    else:
-        result = generator.generate_video(sampling_param=sp, segments=segments)
-        frames, path, stats = result.frames.shape[0], result.output_path, result.stats
+            result = generator.generate_video(sampling_param=sp, segments=segments, cancel=cancel)
+            frames, path, stats = result.frames.shape[0], result.output_path, result.stats
     elapsed = time.perf_counter() - start
     print(
         f"wrote {path} ({frames} frames, {sp.width}x{sp.height}, {sp.fps} fps, seed {sp.seed}) "
@@ -148,12 +151,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stream(generator, sp, segments):
+def _stream(generator, sp, segments, cancel=None):
     """Write chunks as they arrive; print one line per block."""
     from composer.video import VideoWriter
 
     stream = generator.stream_video(
-        segments if segments is not None else sp.prompt, sampling_param=sp, keep_video=False  # frames go to disk
+        segments if segments is not None else sp.prompt, sampling_param=sp, keep_video=False,  # frames go to disk
+        cancel=cancel,
     )
     writer = VideoWriter(sp.output_path, fps=sp.fps)
     try:

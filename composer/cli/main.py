@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from composer.errors import ComposerError
+from composer.errors import Cancelled, ComposerError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
+    except Cancelled as exc:  # Ctrl-C during generation (cli/interrupt.py): the shell's 128 + SIGINT
+        print(f"composer: {exc}", file=sys.stderr)
+        return 130
     except ComposerError as exc:
         print(f"composer: error: {exc}", file=sys.stderr)
         return 1

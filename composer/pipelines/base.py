@@ -13,6 +13,7 @@ import torch
 
 from composer.accel.hooks import apply_hooks, enabled_hooks
 from composer.batch import ForwardBatch
+from composer.cancel import CancelToken
 from composer.configs.base import PipelineConfig
 from composer.engine import DenoisingEngine
 from composer.errors import UnsupportedError
@@ -49,6 +50,7 @@ class ComposedPipeline:
         self.engines: list[DenoisingEngine] = []
         self.stage_scopes: list[StageScope] = []  # hooks' context managers around each stage run
         self._lora: dict[str, Any] = {}
+        self._cancel: CancelToken | None = None  # the running request's token (one request at a time)
         self.modules: dict[str, Any] = self.load_modules()
         self.applied_hooks = apply_hooks(self, self.hooks)
         self.stages: list[Stage] = []
@@ -129,6 +131,23 @@ class ComposedPipeline:
         if segments is not None:
             raise UnsupportedError(f"{type(self).__name__} does not take prompt segments (a causal model does)")
 
+    # -- cancellation --------------------------------------------------------------------------------
+    def check_cancelled(self) -> None:
+        """Raise `Cancelled` if the running request's CancelToken was cancelled (called before each stage, step
+        and transformer block: composer/accel/cancel.py)."""
+        token = self._cancel
+        if token is not None:
+            token.check()
+
+    @contextmanager
+    def _running(self, batch: ForwardBatch) -> Iterator[None]:
+        """Make `batch`'s CancelToken (attached by the generator) the one the cancel points check."""
+        previous, self._cancel = self._cancel, batch.get(CancelToken, None)
+        try:
+            yield
+        finally:
+            self._cancel = previous
+
     # -- stages --------------------------------------------------------------------------------------
     def create_stages(self) -> None:
         raise NotImplementedError
@@ -158,9 +177,11 @@ class ComposedPipeline:
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         """Run every stage over the whole video."""
-        for stage in self.stages:
-            with self._scope(stage):
-                batch = stage(batch)
+        with self._running(batch):
+            for stage in self.stages:
+                self.check_cancelled()
+                with self._scope(stage):
+                    batch = stage(batch)
         return batch
 
     def stream(self, batch: ForwardBatch) -> Iterator[Any]:
@@ -176,16 +197,22 @@ class ComposedPipeline:
 
     def _stream(self, batch: ForwardBatch) -> Iterator[Any]:
         batch.started = time.perf_counter()  # the request starts when its stream is first read
-        pieces: Iterator[Any] | None = None
-        for stage in self.stages:
-            if stage.streams:
-                pieces = self._stream_stage(stage, batch, pieces)
-            elif pieces is None:
-                with self._scope(stage):
-                    batch = stage(batch)
-            else:
-                raise UnsupportedError(f"{stage.name} comes after a streaming stage but cannot take its pieces")
-        yield from pieces
+        # The token stays the running one while the consumer holds the stream between pieces; closing the
+        # stream (or its garbage collection) restores the previous one.
+        with self._running(batch):
+            pieces: Iterator[Any] | None = None
+            for stage in self.stages:
+                self.check_cancelled()
+                if stage.streams:
+                    pieces = self._stream_stage(stage, batch, pieces)
+                elif pieces is None:
+                    with self._scope(stage):
+                        batch = stage(batch)
+                else:
+                    raise UnsupportedError(f"{stage.name} comes after a streaming stage but cannot take its pieces")
+            for piece in pieces:
+                yield piece
+                self.check_cancelled()  # a cancel while the consumer held the piece stops before the next
 
     def _stream_stage(self, stage: Stage, batch: ForwardBatch, upstream: Iterator[Any] | None) -> Iterator[Any]:
         with self._scope(stage):
