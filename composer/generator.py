@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
 import time
@@ -25,7 +26,7 @@ from composer.configs.base import SamplingParam
 from composer.errors import InvalidInputError, UnsupportedError
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
-from composer.logging import get_logger
+from composer.logging import get_logger, log_once
 from composer.pipelines.base import ComposedPipeline
 from composer.registry.configs import resolve_configs
 from composer.registry.pipelines import get_pipeline_class
@@ -199,6 +200,7 @@ class VideoGenerator:
         return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)
 
     def _new_batch(self, sp: SamplingParam, cancel: CancelToken | None = None) -> ForwardBatch:
+        self._warn_ignored_settings(sp)
         seed = sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**32)
         batch = ForwardBatch(
             prompt=[sp.prompt] if isinstance(sp.prompt, str) else sp.prompt,  # None fails input validation
@@ -216,6 +218,15 @@ class VideoGenerator:
         if cancel is not None:
             batch.attach(cancel)
         return batch
+
+
+    def _warn_ignored_settings(self, sp: SamplingParam) -> None:
+        # Only a negative prompt the user chose: a family's default one (Wan's) is not worth a warning.
+        given = sp.negative_prompt and sp.negative_prompt != self.default_sampling.negative_prompt
+        if given and sp.guidance_scale is not None and sp.guidance_scale <= 1:
+            log_once(logger, "negative-prompt-ignored", f"negative_prompt is ignored: guidance_scale = "
+                     f"{sp.guidance_scale} (<= 1) turns classifier-free guidance off; set guidance_scale > 1 to "
+                     "use it", logging.WARNING)
 
 
 class VideoStream:

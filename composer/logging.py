@@ -1,14 +1,31 @@
-"""Logging helpers: one logger namespace (`composer.*`) and messages said once per process."""
+"""Logging helpers: one logger namespace (`composer.*`), messages said once per process, and progress bars
+that neither mix with log lines nor show when progress is off."""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _configured = False
 _said: set[str] = set()
 _lock = threading.Lock()
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """A stderr handler that writes through `tqdm.write`: a live progress bar is cleared for the log line and
+    redrawn under it, so a bar and the next log line never run together on one terminal line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:  # as logging.StreamHandler does: a broken log stream must not break generation
+            self.handleError(record)
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -18,7 +35,7 @@ def get_logger(name: str) -> logging.Logger:
         _configured = True
         root = logging.getLogger("composer")
         if not root.handlers:
-            handler = logging.StreamHandler()
+            handler = _TqdmHandler()
             handler.setFormatter(logging.Formatter("[composer] %(levelname)s %(message)s"))
             root.addHandler(handler)
             root.setLevel(os.environ.get("COMPOSER_LOG_LEVEL", "INFO").upper())
@@ -33,3 +50,59 @@ def log_once(logger: logging.Logger, key: str, message: str, level: int = loggin
             return
         _said.add(key)
     logger.log(level, message)
+
+
+def silence_library_progress_bars() -> None:
+    """Turn off the loading / download / saving bars of transformers ("Loading weights", "Writing model
+    shards"), diffusers and huggingface_hub for the rest of the process (the CLI's --no-progress)."""
+    for enabled in _library_bars():
+        enabled(False)
+
+
+@contextmanager
+def library_progress_bars(enabled: bool) -> Iterator[None]:
+    """Within the block, the libraries' bars are off unless `enabled`; afterwards as they were."""
+    if enabled:
+        yield
+        return
+    switches = _library_bars()
+    before = [switch(None) for switch in switches]
+    for switch in switches:
+        switch(False)
+    try:
+        yield
+    finally:
+        for switch, was in reversed(list(zip(switches, before))):
+            switch(was)
+
+
+def _library_bars() -> list:
+    """A switch per installed library: `switch(None)` reads whether its bars are on, `switch(bool)` sets it.
+    huggingface_hub's comes first: transformers' switch flips the hub's too, so the hub is restored last."""
+    import importlib
+
+    switches = []
+    try:
+        hub = importlib.import_module("huggingface_hub.utils")
+    except ImportError:
+        pass
+    else:
+        switches.append(_switch(lambda: not hub.are_progress_bars_disabled(), hub.enable_progress_bars,
+                                hub.disable_progress_bars))
+    for name in ("transformers", "diffusers"):
+        try:
+            lib = importlib.import_module(f"{name}.utils.logging")
+        except ImportError:
+            continue
+        switches.append(_switch(lib.is_progress_bar_enabled, lib.enable_progress_bar, lib.disable_progress_bar))
+    return switches
+
+
+def _switch(is_on, turn_on, turn_off):
+    def switch(value: bool | None):
+        if value is None:
+            return is_on()
+        (turn_on if value else turn_off)()
+        return value
+
+    return switch

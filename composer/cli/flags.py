@@ -18,18 +18,46 @@ class Flag:
     type: type | None
     help: str
     choices: Any = None  # a tuple of accepted values, or a function returning it (read when the parser is built)
+    default: str | None = None  # the dataclass default as --help shows it (the flag's own default stays None)
 
 
 def dataclass_flags(*classes: type) -> list[Flag]:
-    """One flag per field name across `classes` (the first class declaring a name gives its type and help)."""
+    """One flag per field name across `classes` (the first class declaring a name gives its type and help; the
+    default shown is the field's, or "the model family's" where the classes' defaults differ)."""
     flags: dict[str, Flag] = {}
+    defaults: dict[str, list[Any]] = {}
     for cls in classes:
         types = field_types(cls)
         for f in dataclasses.fields(cls):
-            if not f.name.startswith("_") and f.name not in flags:
+            if f.name.startswith("_"):
+                continue
+            defaults.setdefault(f.name, []).append(_field_default(f))
+            if f.name not in flags:
                 flags[f.name] = Flag(f.name, base_type(types[f.name]), f.metadata.get("help", ""),
                                      f.metadata.get("choices"))
-    return list(flags.values())
+    return [dataclasses.replace(flag, default=_shown_default(defaults[name])) for name, flag in flags.items()]
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _shown_default(values: list[Any]) -> str | None:
+    """How --help states a default: None shows nothing (the help text says what happens without the flag)."""
+    first = values[0]
+    if any(v != first for v in values[1:]):
+        return "the model family's"
+    if first is None or first == "" or first == [] or first == ():
+        return None
+    if isinstance(first, bool):
+        return "on" if first else "off"
+    if isinstance(first, (list, tuple)):
+        return " ".join(map(str, first))
+    return str(first)
 
 
 def add_flags(group: argparse._ArgumentGroup, flags: list[Flag]) -> list[str]:
@@ -40,6 +68,8 @@ def add_flags(group: argparse._ArgumentGroup, flags: list[Flag]) -> list[str]:
         if flag.choices is not None:  # listed, not enforced here: the dataclass reports every bad value at once
             choices = flag.choices() if callable(flag.choices) else flag.choices
             help_text = f"{help_text} (one of: {', '.join(choices)})"
+        if flag.default is not None and "default" not in help_text:  # a help text that states its own wins
+            help_text = f"{help_text} (default: {flag.default})"
         if flag.type is bool:
             group.add_argument(*names, dest=flag.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)

@@ -23,6 +23,7 @@ from composer.cancel import CancelToken
 from composer.cli.flags import Flag, add_flags, collect, dataclass_flags
 from composer.cli.interrupt import cancel_on_sigint
 from composer.errors import ConfigError
+from composer.logging import silence_library_progress_bars
 from composer.runtime import RuntimeArgs
 
 DEFAULT_BLOCKS_PER_PROMPT = 3
@@ -115,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     preset = load_preset(args.config) if args.config else Preset()
     runtime = {**preset.runtime, **collect(args, args._runtime_names)}
     sampling_overrides = {**preset.sampling, **collect(args, args._sampling_names)}
-    RuntimeArgs.from_kwargs(**runtime)  # report bad runtime flags before loading anything
+    if not RuntimeArgs.from_kwargs(**runtime).progress:  # bad runtime flags are reported before loading anything
+        silence_library_progress_bars()  # --no-progress: downloads and loading too, not only composer's bars
     _check_flag_types(args._sampling_flags, sampling_overrides)  # and badly typed sampling flags
     segments = [parse_segment(s, args.blocks_per_prompt) for s in args.segment] if args.segment else None
 

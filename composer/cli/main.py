@@ -8,12 +8,23 @@ import sys
 from composer.errors import Cancelled, ComposerError
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with composer's exit code: a usage error exits 1, as every other bad input does (argparse's
+    own is 2). Subcommand parsers are made of the same class."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(1, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from composer import __version__
     from composer.cli import convert, generate, models
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="composer", description="Inference engine for video diffusion models.", allow_abbrev=False
     )
+    parser.add_argument("--version", action="version", version=f"composer {__version__}")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="{generate,models,convert}")
     generate.add_parser(sub)
     models.add_parser(sub)

@@ -3,6 +3,7 @@ stages over a ForwardBatch, as a whole video (`forward`) or as pieces streamed w
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -19,7 +20,7 @@ from composer.engine import DenoisingEngine
 from composer.errors import UnsupportedError
 from composer.loader.components import ComponentLoader
 from composer.loader.model_index import ModelIndex
-from composer.logging import get_logger
+from composer.logging import get_logger, library_progress_bars, log_once
 from composer.runtime import RuntimeArgs
 from composer.stages.base import Stage
 
@@ -46,12 +47,14 @@ class ComposedPipeline:
         self.runtime = runtime
         self.device = runtime.torch_device
         self.check_supported()
+        self._warn_slow_dtype()
         self.hooks = enabled_hooks(runtime)
         self.engines: list[DenoisingEngine] = []
         self.stage_scopes: list[StageScope] = []  # hooks' context managers around each stage run
         self._lora: dict[str, Any] = {}
         self._cancel: CancelToken | None = None  # the running request's token (one request at a time)
-        self.modules: dict[str, Any] = self.load_modules()
+        with library_progress_bars(runtime.progress):  # transformers' "Loading weights" and the like
+            self.modules: dict[str, Any] = self.load_modules()
         self.applied_hooks = apply_hooks(self, self.hooks)
         self.stages: list[Stage] = []
         self.create_stages()
@@ -59,6 +62,12 @@ class ComposedPipeline:
     # -- loading -------------------------------------------------------------------------------------
     def check_supported(self) -> None:
         """Refuse folders this pipeline class recognises but cannot run (raise UnsupportedError)."""
+
+    def _warn_slow_dtype(self) -> None:
+        if self.device.type == "cpu" and self.runtime.torch_dtype in (torch.float16, torch.bfloat16):
+            log_once(logger, "half-on-cpu", f"dtype = {self.runtime.dtype} on the CPU is much slower than fp32 there "
+                     "(most CPU kernels have no fast half-precision path); use --dtype fp32, the CPU default",
+                     logging.WARNING)
 
     def module_dtype(self, name: str) -> torch.dtype | None:
         """The dtype a module loads in: the text encoder and VAE have their own runtime knobs."""

@@ -14,6 +14,7 @@ A backend module defines `Backend`, a class with:
 from __future__ import annotations
 
 import importlib
+import logging
 import pkgutil
 from pathlib import Path
 
@@ -24,6 +25,7 @@ logger = get_logger(__name__)
 AUTO = "auto"
 FALLBACK = "sdpa"  # always usable; takes every input the others cannot
 _loaded: dict[str, object | None] = {}  # name -> instance, or None when its library is missing
+_missing: dict[str, str] = {}  # name -> why it could not load
 
 
 def backend_names() -> tuple[str, ...]:
@@ -43,6 +45,7 @@ def _load(name: str):
             _loaded[name] = module.Backend.load()
         except ImportError as exc:
             _loaded[name] = None
+            _missing[name] = str(exc)
             log_once(logger, f"missing:{name}", f"attention backend {name} is not usable here ({exc})")
     return _loaded[name]
 
@@ -59,7 +62,9 @@ def resolve_backend(name: str):
         raise ValueError(f"unknown attention backend {name!r} (expected one of {', '.join(backend_choices())})")
     backend = _load(name)
     if backend is None:
-        log_once(logger, f"fallback:{name}", f"attention_backend={name} is not usable here: using {FALLBACK}")
+        # a warning: the user asked for this backend by name, and the fallback is usually much slower
+        log_once(logger, f"fallback:{name}", f"attention_backend = {name} is not usable here ({_missing[name]}): "
+                 f"using {FALLBACK}; install it or choose another --attention-backend", logging.WARNING)
         return _load(FALLBACK)
     return backend
 
