@@ -147,21 +147,23 @@ class DenoisingEngine:
         merged = ModelInputs.batched([cond, uncond]) if guidance is not None and self.batched_cfg else None
         timesteps = steps.timesteps
         num_steps = len(timesteps)
-        for index, t in enumerate(tqdm(timesteps, desc="denoising", unit="step", disable=not progress, leave=False)):
-            info = StepInfo(index, num_steps, float(t), run, latents)
-            for hook in self.hooks:
-                if hasattr(hook, "before_step"):
-                    hook.before_step(info)
-            self._step = info
-            try:
-                pred = self.predict(latents, steps.model_timestep(t, latents), cond, uncond, guidance, merged)
-            finally:
-                self._step = None
-            latents = steps.step(index, t, pred, latents)
-            info.latents = latents
-            for hook in self.hooks:
-                if hasattr(hook, "after_step"):
-                    hook.after_step(info)
+        # closed (and cleared) even when a step raises, e.g. a cancelled request: no stale bar before its message
+        with tqdm(timesteps, desc="denoising", unit="step", disable=not progress, leave=False) as bar:
+            for index, t in enumerate(bar):
+                info = StepInfo(index, num_steps, float(t), run, latents)
+                for hook in self.hooks:
+                    if hasattr(hook, "before_step"):
+                        hook.before_step(info)
+                self._step = info
+                try:
+                    pred = self.predict(latents, steps.model_timestep(t, latents), cond, uncond, guidance, merged)
+                finally:
+                    self._step = None
+                latents = steps.step(index, t, pred, latents)
+                info.latents = latents
+                for hook in self.hooks:
+                    if hasattr(hook, "after_step"):
+                        hook.after_step(info)
         return latents
 
 
