@@ -78,10 +78,13 @@ def test_library_progress_bars_are_off_within_the_block_and_restored():
     from huggingface_hub.utils import are_progress_bars_disabled
     from transformers.utils import logging as tlog
 
+    def state():
+        return tlog.is_progress_bar_enabled(), dlog.is_progress_bar_enabled(), are_progress_bars_disabled()
+
+    before = state()  # an in-process CLI run with --no-progress earlier in the session turns them off for good
     with clog.library_progress_bars(False):
-        assert not tlog.is_progress_bar_enabled() and not dlog.is_progress_bar_enabled()
-        assert are_progress_bars_disabled()
-    assert tlog.is_progress_bar_enabled() and dlog.is_progress_bar_enabled() and not are_progress_bars_disabled()
+        assert state() == (False, False, True)
+    assert state() == before
 
 
 def test_usage_errors_exit_1_and_version_prints():

@@ -19,11 +19,7 @@ from typing import Any
 
 import torch
 
-
-def _blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    name = getattr(type(model), "repeated_blocks", None)
-    blocks = getattr(model, name, None) if name else None
-    return blocks if isinstance(blocks, torch.nn.ModuleList) else None
+from composer.accel.hooks import repeated_blocks
 
 
 class _CheckBeforeStep:
@@ -53,11 +49,12 @@ class CancelHook:
 
         done = []
         for name, model in pipeline.denoisers().items():
-            blocks = _blocks(model)
-            if blocks is None or pipeline.runtime.compile == "full":
+            found = repeated_blocks(model)
+            if found is None or pipeline.runtime.compile == "full":
                 self.handles.append(model.register_forward_pre_hook(check))
                 done.append(f"{name}: before each call")
             else:
+                blocks = found[1]
                 self.handles += [block.register_forward_pre_hook(check) for block in blocks]
                 done.append(f"{name}: before each of {len(blocks)} blocks")
         return "; ".join(done) + " and each step"

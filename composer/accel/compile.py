@@ -17,15 +17,10 @@ from typing import Any
 
 import torch
 
+from composer.accel.hooks import repeated_blocks
 from composer.logging import get_logger
 
 logger = get_logger(__name__)
-
-
-def repeated_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    name = getattr(type(model), "repeated_blocks", None)
-    blocks = getattr(model, name, None) if name else None
-    return blocks if isinstance(blocks, torch.nn.ModuleList) else None
 
 
 def compile_module(module: torch.nn.Module, mode: str | None) -> None:
@@ -43,11 +38,12 @@ class CompileHook:
         done = []
         for name, model in pipeline.denoisers().items():
             if runtime.compile == "regional":
-                blocks = repeated_blocks(model)
-                if blocks is None:
+                found = repeated_blocks(model)
+                if found is None:
                     compile_module(model, runtime.compile_mode)
                     done.append(f"{name} whole (no repeated blocks declared)")
                     continue
+                blocks = found[1]
                 for block in blocks:
                     compile_module(block, runtime.compile_mode)
                 done.append(f"{name}: {len(blocks)} blocks, one compiled graph reused")

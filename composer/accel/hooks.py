@@ -25,6 +25,8 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
 from composer.errors import ConfigError
 from composer.logging import get_logger
 
@@ -41,6 +43,15 @@ HOOKS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     # always on: a request's CancelToken is checked before each block; last, so offload's block hooks run first
     ("composer.accel.cancel", "CancelHook", lambda runtime: True),
 )
+
+
+def repeated_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """(attribute, blocks): the model's repeated transformer blocks, the non-empty nn.ModuleList named by the
+    class attribute `repeated_blocks` (default "blocks"); None when it has none. What regional compile,
+    layerwise offload and the cancel points act on."""
+    name = getattr(type(model), "repeated_blocks", "blocks")
+    blocks = getattr(model, name, None) if name else None
+    return (name, blocks) if isinstance(blocks, nn.ModuleList) and len(blocks) else None
 
 
 def enabled_hooks(runtime: Any) -> list[Any]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from composer.accel.hooks import repeated_blocks as find_repeated_blocks
 from composer.accel.transfer import Pending, Transfer, transfer_for
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 
@@ -75,17 +76,17 @@ def collect_slots(root: nn.Module, prefix: str = "", skip: frozenset[int] = froz
 
 
 def repeated_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The model's repeated blocks: the nn.ModuleList named by the class attribute `repeated_blocks`
-    (default "blocks")."""
-    name = getattr(type(model), "repeated_blocks", "blocks")
-    blocks = getattr(model, name, None)
-    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+    """The model's repeated blocks (`accel.hooks.repeated_blocks`); UnsupportedError when it has none."""
+    found = find_repeated_blocks(model)
+    if found is None:
+        name = getattr(type(model), "repeated_blocks", "blocks")
+        blocks = getattr(model, name, None) if name else None
         raise UnsupportedError(
             f"layerwise offloading needs the model's repeated blocks as a non-empty nn.ModuleList attribute "
             f"'{name}' (named by the class attribute `repeated_blocks`); {type(model).__name__} has "
             f"{type(blocks).__name__ if blocks is not None else 'none'}. Use offload='model' for this component"
         )
-    return name, blocks
+    return found
 
 
 # -- offload = model ----------------------------------------------------------------------------------------
