@@ -28,6 +28,7 @@ from composer.logging import get_logger
 from composer.pipelines.base import ComposedPipeline
 from composer.registry.configs import resolve_configs
 from composer.registry.pipelines import get_pipeline_class
+from composer.request_check import ModelLimits, check_request
 from composer.runtime import RuntimeArgs
 from composer.video import save_video
 
@@ -51,6 +52,24 @@ class GenerationResult:
         return int(self.frames.shape[0])
 
 
+def resolve_model(model_path: str | os.PathLike | None, model_family: str | None = None) -> tuple:
+    """What `from_pretrained` would load, without loading it: (model path as given, ModelIndex, pipeline
+    class, resolved configs). None: the embedded default model."""
+    if model_path is None:
+        from composer.default_model import default_model_path
+
+        model_path = default_model_path()
+    model_path = str(model_path)
+    folder = resolve_model_path(model_path)
+    index = read_model_index(folder)
+    pipeline_cls = get_pipeline_class(index.class_name)
+    configs = resolve_configs(
+        model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,
+        family=model_family,
+    )
+    return model_path, index, pipeline_cls, configs
+
+
 class VideoGenerator:
     """A loaded pipeline plus its sampling defaults: the family's, with what the model folder states over them."""
 
@@ -68,18 +87,7 @@ class VideoGenerator:
         reported in a single ConfigError before anything loads.
         """
         runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
-        if model_path is None:
-            from composer.default_model import default_model_path
-
-            model_path = default_model_path()
-        model_path = str(model_path)
-        folder = resolve_model_path(model_path)
-        index = read_model_index(folder)
-        pipeline_cls = get_pipeline_class(index.class_name)
-        configs = resolve_configs(
-            model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,
-            family=runtime.model_family,
-        )
+        model_path, index, pipeline_cls, configs = resolve_model(model_path, runtime.model_family)
         logger.info(
             "loading %s as family %s (matched by %s) with %s",
             model_path, configs.family.name, configs.matched_by, pipeline_cls.__name__,
@@ -136,6 +144,7 @@ class VideoGenerator:
         num_frames, num_inference_steps, guidance_scale, flow_shift, seed, fps, output_path, and a family's
         own). Causal models also take `segments`: (prompt, num_blocks) pairs with a prompt switch between."""
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
+        check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
         batch = self._new_batch(sp)
         start = time.perf_counter()
         self.pipeline.prepare(batch, sp, list(segments) if segments is not None else None)
@@ -188,6 +197,7 @@ class VideoGenerator:
             prompt = first[0] if isinstance(first, (tuple, list)) and first else None
             segments = [first, *iterator] if isinstance(prompts, (list, tuple)) else itertools.chain([first], iterator)
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
+        check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
         batch = self._new_batch(sp)
         self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
         return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)

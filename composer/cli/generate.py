@@ -18,9 +18,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from composer._fields import coerce, raise_if_errors
 from composer.cli.flags import Flag, add_flags, collect, dataclass_flags
 from composer.errors import ConfigError
+from composer.request_check import check_cli_request
 from composer.runtime import RuntimeArgs
 
 DEFAULT_BLOCKS_PER_PROMPT = 3
@@ -79,8 +79,8 @@ def parse_segment(text: str, default_blocks: int) -> tuple[str, int]:
         count = int(blocks)
     except ValueError:
         raise ConfigError(f"segment {text!r}: expected PROMPT::BLOCKS with an integer BLOCKS") from None
-    if count < 0 or not prompt.strip():
-        raise ConfigError(f"segment {text!r}: expected a non-empty prompt and BLOCKS >= 0")
+    if count < 1 or not prompt.strip():  # a segment makes at least one block (as generate_video requires)
+        raise ConfigError(f"--segment {text!r}: expected a non-empty PROMPT and BLOCKS >= 1")
     return prompt.strip(), count
 
 
@@ -97,15 +97,6 @@ def stdin_segments(default_blocks: int) -> Iterator[tuple[str, int]]:
             print(f"composer: {exc}", file=sys.stderr)
 
 
-def _check_flag_types(flags: list[Flag], values: dict) -> None:
-    errors: list[str] = []
-    types = {f.name: f.type for f in flags}
-    for name, value in values.items():
-        if name in types:
-            coerce(value, types[name], name, errors)
-    raise_if_errors(errors, "sampling parameters")
-
-
 def run(args: argparse.Namespace) -> int:
     from composer.generator import VideoGenerator
     from composer.presets import Preset, load_preset
@@ -113,9 +104,11 @@ def run(args: argparse.Namespace) -> int:
     preset = load_preset(args.config) if args.config else Preset()
     runtime = {**preset.runtime, **collect(args, args._runtime_names)}
     sampling_overrides = {**preset.sampling, **collect(args, args._sampling_names)}
-    RuntimeArgs.from_kwargs(**runtime)  # report bad runtime flags before loading anything
-    _check_flag_types(args._sampling_flags, sampling_overrides)  # and badly typed sampling flags
+    runtime_args = RuntimeArgs.from_kwargs(**runtime)  # report bad runtime flags before loading anything
     segments = [parse_segment(s, args.blocks_per_prompt) for s in args.segment] if args.segment else None
+    # and the whole request (types, values, output path) against what the folder's configs state
+    check_cli_request(args.model_path or preset.model_path, runtime_args.model_family, sampling_overrides, segments,
+                      stream=args.stream or args.interactive)
 
     generator = VideoGenerator.from_pretrained(args.model_path or preset.model_path, **runtime)
     sp = generator.sampling_param(**sampling_overrides)  # the family's own fields and defaults
@@ -155,8 +148,7 @@ def _stream(generator, sp, segments):
     stream = generator.stream_video(
         segments if segments is not None else sp.prompt, sampling_param=sp, keep_video=False  # frames go to disk
     )
-    writer = VideoWriter(sp.output_path, fps=sp.fps)
-    try:
+    with VideoWriter(sp.output_path, fps=sp.fps) as writer:  # renamed into place when done, deleted on failure
         for chunk in stream:
             writer.append(chunk.frames)
             what = "start frames" if chunk.block_index is None else f"block {chunk.block_index}"
@@ -165,6 +157,4 @@ def _stream(generator, sp, segments):
                 f" decode {chunk.decode_seconds * 1000:.0f} ms, at {chunk.since_start:.2f} s",
                 flush=True,
             )
-    finally:
-        path = writer.close()
-    return writer.count, path, stream.stats
+    return writer.count, writer.path, stream.stats
