@@ -70,17 +70,18 @@ def default_output_path(prompt: str, seed: int) -> Path:
     return Path("outputs") / f"{slug}-{seed}.mp4"
 
 
-def parse_segment(text: str, default_blocks: int) -> tuple[str, int]:
-    """'a red circle::4' -> ('a red circle', 4); without '::' the default block count."""
+def parse_segment(text: str, default_blocks: int, what: str = "--segment") -> tuple[str, int]:
+    """'a red circle::4' -> ('a red circle', 4); without '::' the default block count. `what` names the
+    input in errors (the flag, or a prompt typed on stdin)."""
     prompt, sep, blocks = text.rpartition("::")
     if not sep:
         return text.strip(), default_blocks
     try:
         count = int(blocks)
     except ValueError:
-        raise ConfigError(f"segment {text!r}: expected PROMPT::BLOCKS with an integer BLOCKS") from None
+        raise ConfigError(f"{what} {text!r}: expected PROMPT::BLOCKS with an integer BLOCKS") from None
     if count < 1 or not prompt.strip():  # a segment makes at least one block (as generate_video requires)
-        raise ConfigError(f"--segment {text!r}: expected a non-empty PROMPT and BLOCKS >= 1")
+        raise ConfigError(f"{what} {text!r}: expected a non-empty PROMPT and BLOCKS >= 1")
     return prompt.strip(), count
 
 
@@ -92,7 +93,7 @@ def stdin_segments(default_blocks: int) -> Iterator[tuple[str, int]]:
         if not line.strip():
             return
         try:
-            yield parse_segment(line.strip(), default_blocks)
+            yield parse_segment(line.strip(), default_blocks, what="prompt")
         except ConfigError as exc:
             print(f"composer: {exc}", file=sys.stderr)
 
