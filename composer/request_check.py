@@ -143,9 +143,11 @@ def check_cli_request(
     segments: list | None = None,
     *,
     stream: bool = False,
+    interactive_blocks: int | None = None,
 ) -> None:
     """`composer generate`'s check before loading: the flags' types, then the whole request against the
-    constraints the model folder's JSON configs state (no weights are read)."""
+    constraints the model folder's JSON configs state (no weights are read). `interactive_blocks`: with
+    --interactive, the first prompt runs for that many blocks (num_frames does not apply)."""
     from composer.generator import resolve_model  # the generator imports this module
 
     _, index, _, configs = resolve_model(model_path, model_family)
@@ -165,6 +167,8 @@ def check_cli_request(
             failures.append(_as_written(key, repr(value), kind, cli=True))
             del typed[key]
     sp = defaults.updated(**typed)  # unknown keys (another family's field): ConfigError
+    if interactive_blocks is not None and segments is None and isinstance(sp.prompt, str) and sp.prompt.strip():
+        segments = [(sp.prompt, interactive_blocks)]
     try:
         check_request(sp, limits, segments, cli=True, stream=stream)
     except RequestError as exc:

@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     segments = [parse_segment(s, args.blocks_per_prompt) for s in args.segment] if args.segment else None
     # and the whole request (types, values, output path) against what the folder's configs state
     check_cli_request(args.model_path or preset.model_path, runtime_args.model_family, sampling_overrides, segments,
-                      stream=args.stream or args.interactive)
+                      stream=args.stream or args.interactive,
+                      interactive_blocks=args.blocks_per_prompt if args.interactive else None)
 
     generator = VideoGenerator.from_pretrained(args.model_path or preset.model_path, **runtime)
     sp = generator.sampling_param(**sampling_overrides)  # the family's own fields and defaults
