@@ -19,6 +19,10 @@ class InvalidInputError(ComposerError, ValueError):
     """A generation request cannot be run as given (bad size, frame count, step count, prompt...)."""
 
 
+class OutputError(ComposerError, OSError):
+    """The video could not be written (the disk filled up, the folder went away...); the target is untouched."""
+
+
 class ModelNotFoundError(ComposerError, FileNotFoundError):
     """A model folder or hub id could not be found (locally or in the Hugging Face cache)."""
 

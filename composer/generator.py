@@ -30,6 +30,7 @@ from composer.logging import get_logger, log_once
 from composer.pipelines.base import ComposedPipeline
 from composer.registry.configs import resolve_configs
 from composer.registry.pipelines import get_pipeline_class
+from composer.request_check import ModelLimits, check_request
 from composer.runtime import RuntimeArgs
 from composer.video import save_video
 
@@ -53,6 +54,24 @@ class GenerationResult:
         return int(self.frames.shape[0])
 
 
+def resolve_model(model_path: str | os.PathLike | None, model_family: str | None = None) -> tuple:
+    """What `from_pretrained` would load, without loading it: (model path as given, ModelIndex, pipeline
+    class, resolved configs). None: the embedded default model."""
+    if model_path is None:
+        from composer.default_model import default_model_path
+
+        model_path = default_model_path()
+    model_path = str(model_path)
+    folder = resolve_model_path(model_path)
+    index = read_model_index(folder)
+    pipeline_cls = get_pipeline_class(index.class_name)
+    configs = resolve_configs(
+        model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,
+        family=model_family,
+    )
+    return model_path, index, pipeline_cls, configs
+
+
 class VideoGenerator:
     """A loaded pipeline plus its sampling defaults: the family's, with what the model folder states over them."""
 
@@ -70,18 +89,7 @@ class VideoGenerator:
         reported in a single ConfigError before anything loads.
         """
         runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
-        if model_path is None:
-            from composer.default_model import default_model_path
-
-            model_path = default_model_path()
-        model_path = str(model_path)
-        folder = resolve_model_path(model_path)
-        index = read_model_index(folder)
-        pipeline_cls = get_pipeline_class(index.class_name)
-        configs = resolve_configs(
-            model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,
-            family=runtime.model_family,
-        )
+        model_path, index, pipeline_cls, configs = resolve_model(model_path, runtime.model_family)
         logger.info(
             "loading %s as family %s (matched by %s) with %s",
             model_path, configs.family.name, configs.matched_by, pipeline_cls.__name__,
@@ -141,6 +149,7 @@ class VideoGenerator:
         `cancel`: a CancelToken; `cancel.cancel()` (from another thread or a signal handler) makes this call
         raise `Cancelled` within one transformer block, and the generator stays ready for the next video."""
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
+        check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
         batch = self._new_batch(sp, cancel)
         start = time.perf_counter()
         self.pipeline.prepare(batch, sp, list(segments) if segments is not None else None)
@@ -195,6 +204,7 @@ class VideoGenerator:
             prompt = first[0] if isinstance(first, (tuple, list)) and first else None
             segments = [first, *iterator] if isinstance(prompts, (list, tuple)) else itertools.chain([first], iterator)
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
+        check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
         batch = self._new_batch(sp, cancel)
         self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
         return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)

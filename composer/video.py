@@ -1,38 +1,70 @@
-"""Writing frames to disk: mp4 / webm / mov / mkv (ffmpeg), gif, or a folder of PNGs."""
+"""Writing frames to disk: mp4 / webm / mov / mkv / avi (ffmpeg), gif, or a folder of PNGs.
+
+Writing is atomic: frames go to a hidden temporary file (or folder) next to the target, renamed over it
+only when the video is complete, so a failure or Ctrl-C leaves the target as it was and no half-written file.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
 from pathlib import Path
 
 import numpy as np
 
-from composer.errors import InvalidInputError
+from composer.errors import InvalidInputError, OutputError
 
-VIDEO_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi"}
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi")
+FRAME_FILE_PATTERN = "frame_*.png"
+SUPPORTED_OUTPUTS = (
+    f"{', '.join(VIDEO_SUFFIXES)}, .gif, or a folder of PNG frames (a path without a suffix, or ending in '/')"
+)
+
+
+def output_kind(path: str | os.PathLike) -> str:
+    """'video', 'gif' or 'frames' (a folder of PNGs: a path ending in '/' or without a suffix); an
+    InvalidInputError naming the supported outputs for anything else (`x.png`, `x.jpg`: not a folder)."""
+    text = os.fspath(path)
+    if text.endswith(("/", os.sep)):
+        return "frames"
+    suffix = Path(text).suffix.lower()
+    if suffix in VIDEO_SUFFIXES:
+        return "video"
+    if suffix == ".gif":
+        return "gif"
+    if not suffix:
+        return "frames"
+    raise InvalidInputError(f"cannot write a video to {text}: unknown suffix '{suffix}' (use {SUPPORTED_OUTPUTS})")
 
 
 class VideoWriter:
-    """Writes uint8 frames [t, H, W, 3] as they come. The format follows the suffix: .mp4/.webm/.mov/.mkv/.avi
-    are encoded progressively by ffmpeg, a path without suffix (or .png) becomes a folder of PNGs written frame
-    by frame, and .gif is written on close."""
+    """Writes uint8 frames [t, H, W, 3] as they come, in the format `output_kind` reads from the path: video
+    suffixes are encoded progressively by ffmpeg, a folder gets one PNG per frame, a .gif is written on close.
 
-    def __init__(self, path: str | Path, fps: int = 16):
+    Frames go to a temporary name next to the target; `close()` renames it over the target (replacing an
+    existing file, or a folder of earlier frames), `abort()` deletes it. As a context manager it closes on
+    success and aborts on any exception, Ctrl-C included.
+    """
+
+    def __init__(self, path: str | os.PathLike, fps: int = 16):
+        self.kind = output_kind(path)
         self.path = Path(path)
+        if isinstance(fps, bool) or not isinstance(fps, int) or fps <= 0:
+            raise InvalidInputError(f"fps = {fps!r}: expected a positive integer")
         self.fps = fps
         self.count = 0
-        self._suffix = self.path.suffix.lower()
         self._writer = None
         self._gif_frames: list[np.ndarray] = []
-        if self._suffix not in VIDEO_SUFFIXES | {".gif", ".png", ""}:
-            raise InvalidInputError(
-                f"cannot write video to {self.path}: unknown suffix '{self._suffix}' "
-                "(use .mp4, .webm, .mov, .mkv, .avi, .gif, or a folder)"
-            )
-        if self._suffix in ("", ".png"):
-            self.path = self.path.with_suffix("")
-            self.path.mkdir(parents=True, exist_ok=True)
-        else:
+        # hidden, unique, with the target's suffix last (ffmpeg picks the container from it)
+        self._temp = self.path.parent / f".{self.path.stem}.{uuid.uuid4().hex[:8]}.partial{self.path.suffix}"
+        self._done = False
+        try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.kind == "frames":
+                self._temp.mkdir()
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
 
     def append(self, frames: np.ndarray) -> None:
         import imageio.v2 as imageio
@@ -40,42 +72,86 @@ class VideoWriter:
         frames = np.asarray(frames)
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
             raise InvalidInputError(f"expected uint8 frames [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
-        if self._suffix in VIDEO_SUFFIXES:
-            if self._writer is None:
-                codec = "libvpx-vp9" if self._suffix == ".webm" else "libx264"
-                # macro_block_size=1: never resize; composer's sizes are multiples of 16 already.
-                self._writer = imageio.get_writer(
-                    self.path, fps=self.fps, codec=codec, quality=8, macro_block_size=1, pixelformat="yuv420p",
-                    ffmpeg_log_level="error",
-                )
-            for frame in frames:
-                self._writer.append_data(frame)
-        elif self._suffix == ".gif":
-            self._gif_frames.extend(frames)
-        else:
-            for i, frame in enumerate(frames):
-                imageio.imwrite(self.path / f"frame_{self.count + i:05d}.png", frame)
+        try:
+            if self.kind == "video":
+                if self._writer is None:
+                    codec = "libvpx-vp9" if self.path.suffix.lower() == ".webm" else "libx264"
+                    # macro_block_size=1: never resize; composer's sizes are multiples of 16 already.
+                    self._writer = imageio.get_writer(
+                        self._temp, fps=self.fps, codec=codec, quality=8, macro_block_size=1,
+                        pixelformat="yuv420p", ffmpeg_log_level="error",
+                    )
+                for frame in frames:
+                    self._writer.append_data(frame)
+            elif self.kind == "gif":
+                self._gif_frames.extend(frames)
+            else:
+                for i, frame in enumerate(frames):
+                    imageio.imwrite(self._temp / f"frame_{self.count + i:05d}.png", frame)
+        except OSError as exc:  # disk full, the folder removed underneath us, ffmpeg gone (BrokenPipe)
+            self.abort()
+            raise OutputError(f"writing {self.path} failed after {self.count} frames: {exc}") from exc
         self.count += len(frames)
 
     def close(self) -> Path:
+        """Finish the file and rename it over the target; returns the target. Nothing is written for a
+        video that got no frames."""
         import imageio.v2 as imageio
 
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._suffix == ".gif" and self._gif_frames:
-            imageio.mimsave(self.path, self._gif_frames, duration=1000 / self.fps, loop=0)
+        if self._done:
+            return self.path
+        try:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            if self.kind == "gif" and self._gif_frames:
+                imageio.mimsave(self._temp, self._gif_frames, duration=1000 / self.fps, loop=0)
+            if self.count:
+                _replace(self._temp, self.path)
+        except OSError as exc:
+            self.abort()
+            raise OutputError(f"writing {self.path} failed: {exc}") from exc
+        self.abort()  # removes the temporary name when nothing was written
         return self.path
+
+    def abort(self) -> None:
+        """Drop what was written: the target is left as it was."""
+        self._done = True
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001 - ffmpeg may already be gone; the file is deleted anyway
+                pass
+        if self._temp.is_dir():
+            shutil.rmtree(self._temp, ignore_errors=True)
+        elif self._temp.exists():
+            self._temp.unlink(missing_ok=True)
 
     def __enter__(self) -> VideoWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
 
 
-def save_video(frames: np.ndarray, path: str | Path, fps: int = 16) -> Path:
-    """Write uint8 frames [T, H, W, 3]. The format follows the suffix; no suffix means a folder of PNGs."""
+def _replace(temp: Path, target: Path) -> None:
+    """Rename `temp` over `target`. A folder target (earlier frames; the request check allows only those or
+    an empty folder) is moved aside first, then deleted, since a rename cannot replace a non-empty folder."""
+    if target.is_dir() and not target.is_symlink():
+        aside = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.old"
+        target.rename(aside)
+        temp.rename(target)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(temp, target)
+
+
+def save_video(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path:
+    """Write uint8 frames [T, H, W, 3] atomically. The format follows the path (see `output_kind`)."""
     with VideoWriter(path, fps) as writer:
         writer.append(frames)
     return writer.path

@@ -69,7 +69,7 @@ def test_interactive_reads_prompts_from_stdin(causal_dir, tmp_path):
 def test_causal_errors_are_one_line(causal_dir, tiny_wan_dir, tmp_path):
     run = cli("generate", "--model-path", causal_dir, "--prompt", "x", *SIZE, "--num-frames", "9",
               "--output", tmp_path / "y.mp4")
-    assert run.returncode == 1 and "not a positive multiple of the model's 2-frame blocks" in run.stderr
+    assert run.returncode == 1 and "--num-frames 9: expected a length whose latent frames fill whole 2-frame blocks" in run.stderr
     assert "Traceback" not in run.stderr
     run = cli("generate", "--model-path", tiny_wan_dir, "--prompt", "x", "--height", "32", "--width", "32",
               "--num-frames", "5", "--stream", "--output", tmp_path / "x.mp4")

@@ -18,12 +18,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from composer._fields import coerce, raise_if_errors
 from composer.cancel import CancelToken
 from composer.cli.flags import Flag, add_flags, collect, dataclass_flags
 from composer.cli.interrupt import cancel_on_sigint
 from composer.errors import ConfigError
 from composer.logging import silence_library_progress_bars
+from composer.request_check import check_cli_request
 from composer.runtime import RuntimeArgs
 
 DEFAULT_BLOCKS_PER_PROMPT = 3
@@ -62,7 +62,6 @@ def add_parser(sub) -> None:
     sampling_flags, runtime_flags = _sampling_flags(), dataclass_flags(RuntimeArgs)
     p.set_defaults(
         run=run,
-        _sampling_flags=sampling_flags,
         _sampling_names=add_flags(p.add_argument_group("sampling (SamplingParam fields)"), sampling_flags),
         _runtime_names=add_flags(p.add_argument_group("runtime (RuntimeArgs fields)"), runtime_flags),
     )
@@ -73,17 +72,18 @@ def default_output_path(prompt: str, seed: int) -> Path:
     return Path("outputs") / f"{slug}-{seed}.mp4"
 
 
-def parse_segment(text: str, default_blocks: int) -> tuple[str, int]:
-    """'a red circle::4' -> ('a red circle', 4); without '::' the default block count."""
+def parse_segment(text: str, default_blocks: int, what: str = "--segment") -> tuple[str, int]:
+    """'a red circle::4' -> ('a red circle', 4); without '::' the default block count. `what` names the
+    input in errors (the flag, or a prompt typed on stdin)."""
     prompt, sep, blocks = text.rpartition("::")
     if not sep:
         return text.strip(), default_blocks
     try:
         count = int(blocks)
     except ValueError:
-        raise ConfigError(f"segment {text!r}: expected PROMPT::BLOCKS with an integer BLOCKS") from None
-    if count < 0 or not prompt.strip():
-        raise ConfigError(f"segment {text!r}: expected a non-empty prompt and BLOCKS >= 0")
+        raise ConfigError(f"{what} {text!r}: expected PROMPT::BLOCKS with an integer BLOCKS") from None
+    if count < 1 or not prompt.strip():  # a segment makes at least one block (as generate_video requires)
+        raise ConfigError(f"{what} {text!r}: expected a non-empty PROMPT and BLOCKS >= 1")
     return prompt.strip(), count
 
 
@@ -95,18 +95,9 @@ def stdin_segments(default_blocks: int) -> Iterator[tuple[str, int]]:
         if not line.strip():
             return
         try:
-            yield parse_segment(line.strip(), default_blocks)
+            yield parse_segment(line.strip(), default_blocks, what="prompt")
         except ConfigError as exc:
             print(f"composer: {exc}", file=sys.stderr)
-
-
-def _check_flag_types(flags: list[Flag], values: dict) -> None:
-    errors: list[str] = []
-    types = {f.name: f.type for f in flags}
-    for name, value in values.items():
-        if name in types:
-            coerce(value, types[name], name, errors)
-    raise_if_errors(errors, "sampling parameters")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,10 +107,14 @@ def run(args: argparse.Namespace) -> int:
     preset = load_preset(args.config) if args.config else Preset()
     runtime = {**preset.runtime, **collect(args, args._runtime_names)}
     sampling_overrides = {**preset.sampling, **collect(args, args._sampling_names)}
-    if not RuntimeArgs.from_kwargs(**runtime).progress:  # bad runtime flags are reported before loading anything
+    runtime_args = RuntimeArgs.from_kwargs(**runtime)  # report bad runtime flags before loading anything
+    if not runtime_args.progress:
         silence_library_progress_bars()  # --no-progress: downloads and loading too, not only composer's bars
-    _check_flag_types(args._sampling_flags, sampling_overrides)  # and badly typed sampling flags
     segments = [parse_segment(s, args.blocks_per_prompt) for s in args.segment] if args.segment else None
+    # and the whole request (types, values, output path) against what the folder's configs state
+    check_cli_request(args.model_path or preset.model_path, runtime_args.model_family, sampling_overrides, segments,
+                      stream=args.stream or args.interactive,
+                      interactive_blocks=args.blocks_per_prompt if args.interactive else None)
 
     generator = VideoGenerator.from_pretrained(args.model_path or preset.model_path, **runtime)
     sp = generator.sampling_param(**sampling_overrides)  # the family's own fields and defaults
@@ -161,8 +156,7 @@ def _stream(generator, sp, segments, cancel=None):
         segments if segments is not None else sp.prompt, sampling_param=sp, keep_video=False,  # frames go to disk
         cancel=cancel,
     )
-    writer = VideoWriter(sp.output_path, fps=sp.fps)
-    try:
+    with VideoWriter(sp.output_path, fps=sp.fps) as writer:  # renamed into place when done, deleted on failure
         for chunk in stream:
             writer.append(chunk.frames)
             what = "start frames" if chunk.block_index is None else f"block {chunk.block_index}"
@@ -171,6 +165,4 @@ def _stream(generator, sp, segments, cancel=None):
                 f" decode {chunk.decode_seconds * 1000:.0f} ms, at {chunk.since_start:.2f} s",
                 flush=True,
             )
-    finally:
-        path = writer.close()
-    return writer.count, path, stream.stats
+    return writer.count, writer.path, stream.stats

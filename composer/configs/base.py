@@ -57,7 +57,14 @@ class SamplingParam:
     )
     seed: int | None = field(default=None, metadata={"help": "random seed (same meaning as in diffusers); default: random"})
     fps: int = field(default=16, metadata={"help": "frames per second of the written video"})
-    output_path: str | None = field(default=None, metadata={"help": "where to write the video (.mp4, .gif, or a folder of PNGs)"})
+    output_path: str | None = field(
+        default=None,
+        metadata={"help": "where to write the video: .mp4 / .webm / .mov / .mkv / .avi, .gif, or a folder of PNG "
+                  "frames (a path without a suffix, or ending in /)"},
+    )
+    overwrite: bool = field(
+        default=False, metadata={"help": "replace an existing output file (or a folder of earlier frames)"}
+    )
 
     def updated(self, **overrides: Any) -> SamplingParam:
         """A copy with `overrides` applied (None values ignored); one ConfigError lists every bad key/value."""

@@ -131,6 +131,9 @@ def convert_self_forcing(
     settings = settings or CausalSettings()
     settings.check()
     checkpoint, out = Path(checkpoint), Path(out)
+    if not checkpoint.is_file():  # before the base is resolved (maybe downloaded) or anything is built
+        what = "is a folder" if checkpoint.is_dir() else "does not exist"
+        raise CheckpointError(f"checkpoint {checkpoint} {what}: expected the generator's .pt file (--checkpoint)")
     base_folder = resolve_model_path(base)
     index = read_model_index(base_folder)
     for name in (*COPIED_COMPONENTS, "transformer"):

@@ -83,14 +83,14 @@ class CausalWanPipeline(ComposedPipeline):
         if start_frames is not None:
             batch.attach(StartFrames(start_frames))
 
-        if isinstance(segments, (list, tuple)):
-            segments = list(checked_segments(segments))  # an explicit list is checked up front
-        elif segments is None:  # the prompt (checked by the input validation stage) for num_frames' blocks
+        if segments is None:  # the prompt (checked by the input validation stage) for num_frames' blocks
             prompt = batch.prompt[0] if isinstance(batch.prompt, list) and batch.prompt else None
+            # num_frames stays as given: an invalid one is reported by the input validation stage as typed
             segments = [(prompt, self._blocks_for(batch.num_frames, start_latent_frames))]
-        if isinstance(segments, list):
+        elif isinstance(segments, (list, tuple)):
+            segments = list(checked_segments(segments))  # an explicit list is checked up front
             total_blocks = sum(b for _, b in segments if isinstance(b, int))
-            batch.num_frames = (start_latent_frames + total_blocks * n - 1) * temporal + 1
+            batch.num_frames = (start_latent_frames + total_blocks * n - 1) * temporal + 1  # they set the length
             if segments and isinstance(segments[0][0], str):
                 batch.prompt = [segments[0][0]] * batch.batch_size
         if sampling.rollout_blocks is not None and sampling.rollout_blocks < 1:

@@ -300,6 +300,6 @@ def checked_segments(segments: Iterable[tuple[str, int]]) -> Iterator[tuple[str,
         prompt, num_blocks = item
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidInputError(f"segment prompt must be a non-empty string, got {prompt!r}")
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
-            raise InvalidInputError(f"segment '{prompt}': num_blocks must be an integer >= 0, got {num_blocks!r}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise InvalidInputError(f"segment '{prompt}': num_blocks must be an integer >= 1, got {num_blocks!r}")
         yield prompt, num_blocks

@@ -1,0 +1,304 @@
+"""The up-front check of a whole request: sampling values, output path, fps, segments, start frames.
+
+It runs before any work: in the CLI before the model loads (the model's constraints read from the folder's
+JSON configs, `ModelLimits.from_folder`), in the API before `generate_video` / `stream_video` do anything
+(`ModelLimits.from_pipeline`). Every problem is reported at once, named as the user wrote it (`--height`
+in the CLI, `height` in Python), with the value given, what is valid and the nearest valid value. The
+pipeline's InputValidationStage stays as the second line of defence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from composer._fields import base_type, coerce, field_types
+from composer.errors import InvalidInputError
+from composer.stages.validators import V, VerificationResult
+from composer.video import FRAME_FILE_PATTERN, SUPPORTED_OUTPUTS, output_kind, read_frames
+
+SEED_MAX = 2**63 - 1
+CLI_FLAG_NAMES = {"num_inference_steps": "--steps", "output_path": "--output", "segments": "--segment"}
+
+
+class RequestError(InvalidInputError):
+    """A request that cannot run, found before any work: every failing field with its value and rule."""
+
+    def __init__(self, failures: list[tuple[str, str, str]], cli: bool = False):
+        self.failures = failures
+        lines = [f"{field}: expected {rule}" if not value else
+                 f"{field} {value}: expected {rule}" if cli else f"{field} = {value}: expected {rule}"
+                 for field, value, rule in failures]
+        head = "invalid request (nothing was loaded or generated)" if cli else "invalid request"
+        super().__init__(f"{head}: {lines[0]}" if len(lines) == 1 else f"{head}:\n  " + "\n  ".join(lines))
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a model allows of a request. None: not known (nothing is checked for it)."""
+
+    spatial_multiple: int | None = None  # height and width: VAE spatial factor x DiT patch size
+    temporal_factor: int | None = None  # num_frames = temporal_factor * k + 1
+    frames_per_block: int | None = None  # causal models: latent frames per block (None: takes no segments)
+    fixed_steps: int | None = None  # a distilled model's own step count
+    supports_flow_shift: bool = True
+
+    @classmethod
+    def from_folder(cls, folder: Path, config: Any) -> ModelLimits:
+        """From the folder's JSON configs and its family's PipelineConfig (with the folder's settings), without
+        loading weights. Causal configs carry `num_frames_per_block` and `denoising_step_list`."""
+        vae = _read_json(folder / "vae" / "config.json")
+        transformer = _read_json(folder / "transformer" / "config.json")
+        downsample = vae.get("temperal_downsample") or [False, True, True]  # diffusers' AutoencoderKLWan default
+        spatial = vae.get("scale_factor_spatial") or 2 ** len(downsample)
+        temporal = vae.get("scale_factor_temporal") or 2 ** sum(bool(d) for d in downsample)
+        patch = transformer.get("patch_size") or [1, 2, 2]
+        block = getattr(config, "num_frames_per_block", None)
+        steps = getattr(config, "denoising_step_list", None)
+        return cls(
+            spatial_multiple=int(spatial) * max(int(patch[1]), int(patch[2])), temporal_factor=int(temporal),
+            frames_per_block=block, fixed_steps=len(steps) if steps else None, supports_flow_shift=block is None,
+        )
+
+    @classmethod
+    def from_pipeline(cls, pipeline: Any) -> ModelLimits:
+        """From a loaded pipeline: its input validation stage's numbers and its config."""
+        stage = next((s for s in pipeline.stages if s.name == "InputValidationStage"), None)
+        block = getattr(pipeline.config, "num_frames_per_block", None)
+        if stage is None:
+            return cls(frames_per_block=block)
+        return cls(stage.spatial_multiple, stage.temporal_factor, block, stage.fixed_steps, stage.supports_flow_shift)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # the loader reports a missing or broken config, with its own message
+
+
+def check_request(
+    sp: Any,
+    limits: ModelLimits,
+    segments: Iterable | None = None,
+    *,
+    cli: bool = False,
+    stream: bool = False,
+) -> None:
+    """Raise one RequestError listing every problem of the request `sp` (a SamplingParam) for this model.
+
+    `segments`: (prompt, num_blocks) pairs (a list is checked here; a lazy source is checked as it is read).
+    """
+    result = VerificationResult()
+    start_latent_frames = _check_start_frames(result, sp, limits.temporal_factor or 4)
+    explicit = list(segments) if isinstance(segments, (list, tuple)) else None
+    if segments is not None and limits.frames_per_block is None:
+        result.add_failure("segments", segments, "none: this model makes the whole video at once (a causal model "
+                           "takes prompt segments)")
+    elif explicit is not None:
+        _check_segments(result, explicit, cli)
+    if stream and limits.frames_per_block is None:
+        result.add_failure("stream", True, "off: this model makes the whole video at once and cannot stream; "
+                           "causal (block-autoregressive) models can")
+    if segments is None:
+        _check_prompt(result, sp.prompt, stream)
+    if sp.negative_prompt is not None and not isinstance(sp.negative_prompt, (str, list)):
+        result.add_failure("negative_prompt", sp.negative_prompt, "a string")
+    _check_size(result, "height", sp.height, limits.spatial_multiple)
+    _check_size(result, "width", sp.width, limits.spatial_multiple)
+    if segments is None:  # with segments, the video's length follows them
+        _check_num_frames(result, sp.num_frames, limits, start_latent_frames)
+    if limits.fixed_steps is None:
+        result.add_check("num_inference_steps", sp.num_inference_steps, V.positive_int)
+    elif sp.num_inference_steps != limits.fixed_steps:
+        result.add_failure("num_inference_steps", sp.num_inference_steps, f"{limits.fixed_steps} (this model is "
+                           f"distilled for its own {limits.fixed_steps}-step schedule)")
+    result.add_check("guidance_scale", sp.guidance_scale, V.non_negative_number)
+    if sp.flow_shift is not None:
+        if limits.supports_flow_shift:
+            result.add_check("flow_shift", sp.flow_shift, V.positive_number)
+        else:
+            result.add_failure("flow_shift", sp.flow_shift, "unset (the model folder fixes the schedule's shift)")
+    if sp.seed is not None:
+        result.add_check("seed", sp.seed, V.int_in_range(0, SEED_MAX))
+    for name, rule in (("rollout_blocks", V.positive_int), ("overlap_frames", V.int_in_range(0, 10**6))):
+        if getattr(sp, name, None) is not None:
+            result.add_check(name, getattr(sp, name), rule)
+    result.add_check("fps", sp.fps, V.positive_int)
+    if sp.output_path:
+        _check_output(result, sp.output_path, bool(getattr(sp, "overwrite", False)), cli)
+    if result.failures:
+        raise RequestError([_as_written(f, v, r, cli) for f, v, r in result.failures], cli)
+
+
+def check_cli_request(
+    model_path: str | None,
+    model_family: str | None,
+    overrides: dict[str, Any],
+    segments: list | None = None,
+    *,
+    stream: bool = False,
+    interactive_blocks: int | None = None,
+) -> None:
+    """`composer generate`'s check before loading: the flags' types, then the whole request against the
+    constraints the model folder's JSON configs state (no weights are read). `interactive_blocks`: with
+    --interactive, the first prompt runs for that many blocks (num_frames does not apply)."""
+    from composer.generator import resolve_model  # the generator imports this module
+
+    _, index, _, configs = resolve_model(model_path, model_family)
+    config = configs.pipeline_config().updated_from_folder(index.extra)
+    limits = ModelLimits.from_folder(index.folder, config)
+    defaults = configs.sampling_param()
+    if limits.fixed_steps is not None:  # as the pipeline's sampling_defaults() will say
+        defaults = defaults.with_folder_defaults({"num_inference_steps": limits.fixed_steps})
+    hints = field_types(type(defaults))
+    failures: list[tuple[str, str, str]] = []
+    typed = {}
+    for key, value in overrides.items():
+        errors: list[str] = []
+        typed[key] = coerce(value, hints[key], key, errors) if key in hints else value
+        if errors:
+            kind = {int: "an integer", float: "a number", bool: "true or false"}.get(base_type(hints[key]), "text")
+            failures.append(_as_written(key, repr(value), kind, cli=True))
+            del typed[key]
+    sp = defaults.updated(**typed)  # unknown keys (another family's field): ConfigError
+    if interactive_blocks is not None and segments is None and isinstance(sp.prompt, str) and sp.prompt.strip():
+        segments = [(sp.prompt, interactive_blocks)]
+    try:
+        check_request(sp, limits, segments, cli=True, stream=stream)
+    except RequestError as exc:
+        failures += exc.failures
+    if failures:
+        raise RequestError(failures, cli=True)
+
+
+def _as_written(field: str, value: str, rule: str, cli: bool) -> tuple[str, str, str]:
+    """A failure in the user's words: `--height 30` in the CLI (the value as typed), `height = 30` in Python."""
+    if field == "stream":
+        value = ""  # a switch: its name says it all
+    if not cli:
+        return field, value, rule
+    flag = CLI_FLAG_NAMES.get(field) or "--" + field.split("[")[0].replace("_", "-")
+    if value.startswith("'") and value.endswith("'") and len(value) > 1:
+        value = value[1:-1]
+    return flag, value, rule.replace("overwrite=True", "--overwrite")
+
+
+def _check_prompt(result: VerificationResult, prompt: Any, stream: bool) -> None:
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+        rule = ("a prompt: streaming needs a first prompt (give --prompt or --segment; then --interactive reads more)"
+                if stream else "a non-empty prompt")
+        result.add_failure("prompt", prompt, rule)
+
+
+def _check_segments(result: VerificationResult, segments: list, cli: bool) -> None:
+    if not segments:
+        result.add_failure("segments", segments, "at least one (prompt, num_blocks) segment")
+    for i, item in enumerate(segments):
+        name = "segments" if cli else f"segments[{i}]"
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            result.add_failure(name, item, "a (prompt, num_blocks) pair")
+            continue
+        prompt, blocks = item
+        shown = f"{prompt}::{blocks}" if cli else item
+        if not isinstance(prompt, str) or not prompt.strip():
+            result.add_failure(name, shown, "a non-empty prompt")
+        if not V.positive_int(blocks):
+            result.add_failure(name, shown, "a number of blocks >= 1 (each segment makes at least one block)")
+
+
+def _check_size(result: VerificationResult, name: str, value: Any, multiple: int | None) -> None:
+    if multiple is None:
+        result.add_check(name, value, V.positive_int)
+    else:
+        hint = f"nearest valid: {max(multiple, round(value / multiple) * multiple)}" if V.positive_int(value) else ""
+        result.add_check(name, value, V.divisible_by(multiple), hint=hint)
+
+
+def _check_num_frames(result: VerificationResult, frames: Any, limits: ModelLimits, start: int) -> None:
+    t, n = limits.temporal_factor, limits.frames_per_block
+    if t is None:
+        result.add_check("num_frames", frames, V.positive_int)
+        return
+    if n is None:  # a whole-video model: any 4k+1 length
+        hint = f"nearest valid: {max(1, round((frames - 1) / t) * t + 1)}" if V.positive_int(frames) else ""
+        result.add_check("num_frames", frames, V.congruent(t, 1), hint=hint)
+        return
+    # a causal model: the latent frames after the start frames fill whole blocks
+    generated = (frames - 1) // t + 1 - start if V.congruent(t, 1)(frames) else 0
+    if generated > 0 and generated % n == 0:
+        return
+    count = frames // (n * t) + 3 if V.positive_int(frames) else 3
+    valid = [(start + k * n - 1) * t + 1 for k in range(1, count + 1)]
+    near = min(valid, key=lambda v: abs(v - frames)) if V.positive_int(frames) else valid[0]
+    after = f" after {start} start latent frame(s)" if start else ""
+    result.add_failure("num_frames", frames, f"a length whose latent frames fill whole {n}-frame blocks{after}: "
+                       f"{valid[0]}, {valid[1]}, {valid[2]}, ... (nearest valid: {near})")
+
+
+def _check_start_frames(result: VerificationResult, sp: Any, temporal: int) -> int:
+    """Check start_image / start_video can be read; returns the latent frames they give."""
+    image, video = getattr(sp, "start_image", None), getattr(sp, "start_video", None)
+    if image and video:
+        result.add_failure("start_video", video, "unset when start_image is given (give one of them)")
+        return 0
+    name, path = ("start_image", image) if image else ("start_video", video)
+    if not path:
+        return 0
+    if not Path(path).is_file():
+        result.add_failure(name, path, "an existing file" + (" (it is a folder)" if Path(path).is_dir() else ""))
+        return 0
+    try:
+        frames = read_frames(path)
+    except InvalidInputError as exc:
+        reason = str(exc).split(": ", 1)[-1].splitlines()[0]
+        result.add_failure(name, path, f"a readable {'image' if image else 'video'} file ({reason})")
+        return 0
+    if image:
+        return 1
+    return (len(frames) - 1) // temporal + 1
+
+
+def _check_output(result: VerificationResult, path_text: str, overwrite: bool, cli: bool) -> None:
+    """The writer supports the path, its folder exists or can be made, it is writable, nothing is replaced
+    unless `overwrite` (and never a folder holding anything but earlier frames)."""
+    again = "--overwrite" if cli else "overwrite=True"
+    try:
+        kind = output_kind(path_text)
+    except InvalidInputError:
+        stem = Path(path_text).with_suffix("")
+        result.add_failure("output_path", path_text, f"{SUPPORTED_OUTPUTS}; the suffix '{Path(path_text).suffix}' is "
+                           f"none of them (nearest valid: {stem}.mp4, or {stem} for PNG frames)")
+        return
+    path = Path(path_text).expanduser()
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        result.add_failure("output_path", path_text, f"a path in a folder ({ancestor} is a file)")
+        return
+    try:
+        fd, probe = tempfile.mkstemp(dir=ancestor, prefix=".composer-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        result.add_failure("output_path", path_text, f"a writable location ({ancestor}: {exc.strerror or exc})")
+        return
+    if path.is_dir():
+        entries = list(path.iterdir())
+        if kind != "frames":
+            result.add_failure("output_path", path_text, f"a file path ({path} is a folder)")
+        elif entries and not all(e.is_file() and e.match(FRAME_FILE_PATTERN) for e in entries):
+            result.add_failure("output_path", path_text, f"a new or empty folder ({path} holds other files, e.g. "
+                               f"{sorted(e.name for e in entries)[0]}; it is never replaced)")
+        elif entries and not overwrite:
+            result.add_failure("output_path", path_text, f"a new path ({path} holds frames; pass {again} to "
+                               "replace them)")
+    elif path.exists() and not overwrite:
+        result.add_failure("output_path", path_text, f"a new path ({path} exists; pass {again} to replace it)")
