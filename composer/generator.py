@@ -26,6 +26,7 @@ from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
 from composer.logging import get_logger
 from composer.pipelines.base import ComposedPipeline
+from composer.prompt_lists import VideoRequests, numbered_path, video_requests
 from composer.registry.configs import resolve_configs
 from composer.registry.pipelines import get_pipeline_class
 from composer.runtime import RuntimeArgs
@@ -126,17 +127,25 @@ class VideoGenerator:
 
     def generate_video(
         self,
-        prompt: str | None = None,
+        prompt: str | list[str] | None = None,
         *,
         sampling_param: SamplingParam | None = None,
         segments: Iterable[tuple[str, int]] | None = None,
         **overrides: Any,
-    ) -> GenerationResult:
-        """Generate one video. Keyword arguments are SamplingParam fields (negative_prompt, height, width,
-        num_frames, num_inference_steps, guidance_scale, flow_shift, seed, fps, output_path, and a family's
-        own). Causal models also take `segments`: (prompt, num_blocks) pairs with a prompt switch between."""
-        sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
-        batch = self._new_batch(sp)
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate one video, or one per prompt of a list. Keyword arguments are SamplingParam fields
+        (negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale, flow_shift, seed,
+        num_videos_per_prompt, fps, output_path, and a family's own). Causal models also take `segments`:
+        (prompt, num_blocks) pairs with a prompt switch between.
+
+        A string prompt returns one GenerationResult. A list of prompts, or num_videos_per_prompt > 1, makes
+        the videos in one batch and returns a list of GenerationResult in order (each prompt's copies
+        together): video i has seed `seed + i` (so it is the video a single call with that seed makes) and,
+        when output_path is set, is written to a numbered path (`clip.mp4` -> `clip-0.mp4`, `clip-1.mp4`).
+        `negative_prompt` is then one string for all, or a list with one per prompt.
+        """
+        sp, videos = self._request(prompt, sampling_param, segments, overrides)
+        batch = self._new_batch(sp, videos)
         start = time.perf_counter()
         self.pipeline.prepare(batch, sp, list(segments) if segments is not None else None)
         batch = self.pipeline.forward(batch)
@@ -146,18 +155,66 @@ class VideoGenerator:
         if stats is not None:
             stats.total_seconds, stats.frames = timings["total"], int(batch.frames.shape[1])
             stats.time_to_first_frame = timings["total"]  # nothing is shown before the whole video is decoded
-        result = GenerationResult(
-            frames=batch.frames[0], seed=batch.seed, sampling=sp.updated(seed=batch.seed), timings=timings,
-            stats=stats, latents=batch.latents.detach().cpu(),
+        results = self._results(batch, sp, videos, timings, stats)
+        return results if videos is not None and not videos.single else results[0]
+
+    def _request(
+        self, prompt: Any, sampling_param: SamplingParam | None, segments: Any, overrides: dict[str, Any]
+    ) -> tuple[SamplingParam, VideoRequests | None]:
+        """The request's SamplingParam and its videos (None: causal segments without a prompt name them).
+        Prompt types are checked here, before any work; lists never enter the SamplingParam, whose
+        prompt fields hold one string."""
+        overrides = dict(overrides)
+        negative = overrides.pop("negative_prompt", None)
+        sp = (sampling_param or self.default_sampling).updated(
+            prompt=prompt if isinstance(prompt, str) else None,
+            negative_prompt=negative if isinstance(negative, str) else None,
+            **overrides,
         )
-        if sp.output_path:
-            result.output_path = save_video(result.frames, sp.output_path, fps=sp.fps)
-        logger.info(
-            "generated %dx%dx%d (seed %d) in %.2f s%s",
-            result.num_frames, sp.height, sp.width, batch.seed, timings["total"],
-            f" -> {result.output_path}" if result.output_path else "",
-        )
-        return result
+        if prompt is None:
+            prompt = sp.prompt
+        if prompt is None and segments is not None:  # the segments name the prompts: one video
+            if sp.num_videos_per_prompt != 1:
+                raise UnsupportedError("prompt segments make one video; leave num_videos_per_prompt at 1")
+            return sp, None
+        videos = video_requests(prompt, sp.negative_prompt if negative is None else negative, sp.num_videos_per_prompt)
+        if videos.count > 1 and not self.pipeline.batches_videos:
+            raise UnsupportedError(
+                f"{type(self.pipeline).__name__} makes one video per request; got {videos.count} (a prompt list or "
+                "num_videos_per_prompt > 1). Call generate_video once per prompt instead"
+            )
+        return sp, videos
+
+    def _results(
+        self, batch: ForwardBatch, sp: SamplingParam, videos: VideoRequests | None, timings: dict[str, float],
+        stats: RequestStats | None,
+    ) -> list[GenerationResult]:
+        """One GenerationResult per batch row, each written to its own file when output_path is set."""
+        several = videos is not None and videos.count > 1
+        results = []
+        for i, seed in enumerate(batch.seeds):
+            sampling = sp.updated(seed=seed)
+            if several:  # the row's own request: what a single call making this video would be given
+                sampling = sampling.updated(
+                    prompt=videos.prompts[i],
+                    negative_prompt=videos.negative_prompts[i] if videos.negative_prompts else None,
+                    num_videos_per_prompt=1,
+                    output_path=numbered_path(sp.output_path, i) if sp.output_path else None,
+                )
+            result = GenerationResult(
+                frames=batch.frames[i], seed=seed, sampling=sampling, timings=timings, stats=stats,
+                latents=batch.latents[i:i + 1].detach().cpu(),
+            )
+            if sampling.output_path:
+                result.output_path = save_video(result.frames, sampling.output_path, fps=sp.fps)
+            logger.info(
+                "generated %dx%dx%d (seed %d) in %.2f s%s%s",
+                result.num_frames, sp.height, sp.width, seed, timings["total"],
+                f" (video {i + 1} of {len(batch.seeds)}, one batch)" if several else "",
+                f" -> {result.output_path}" if result.output_path else "",
+            )
+            results.append(result)
+        return results
 
     def stream_video(
         self,
@@ -188,15 +245,22 @@ class VideoGenerator:
             prompt = first[0] if isinstance(first, (tuple, list)) and first else None
             segments = [first, *iterator] if isinstance(prompts, (list, tuple)) else itertools.chain([first], iterator)
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
+        if sp.num_videos_per_prompt != 1:
+            raise UnsupportedError("stream_video makes one video; leave num_videos_per_prompt at 1")
         batch = self._new_batch(sp)
         self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
         return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)
 
-    def _new_batch(self, sp: SamplingParam) -> ForwardBatch:
+    def _new_batch(self, sp: SamplingParam, videos: VideoRequests | None = None) -> ForwardBatch:
         seed = sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**32)
+        if videos is not None:  # one row per video
+            prompt, negative = videos.prompts, videos.negative_prompts
+        else:
+            prompt = [sp.prompt] if isinstance(sp.prompt, str) else sp.prompt  # None fails input validation
+            negative = [sp.negative_prompt] if isinstance(sp.negative_prompt, str) else sp.negative_prompt
         batch = ForwardBatch(
-            prompt=[sp.prompt] if isinstance(sp.prompt, str) else sp.prompt,  # None fails input validation
-            negative_prompt=[sp.negative_prompt] if isinstance(sp.negative_prompt, str) else sp.negative_prompt,
+            prompt=prompt,
+            negative_prompt=negative,
             height=sp.height,
             width=sp.width,
             num_frames=sp.num_frames,

@@ -38,7 +38,10 @@ class PipelineConfig:
 class SamplingParam:
     """One generation request. Same field names as `generate_video` kwargs, CLI flags, YAML and HTTP."""
 
-    prompt: str | None = field(default=None, metadata={"help": "what the video shows"})
+    prompt: str | None = field(
+        default=None,
+        metadata={"help": "what the video shows (generate_video also takes a list: one video per prompt)"},
+    )
     negative_prompt: str | None = field(
         default=None, metadata={"help": "what to steer away from (used with guidance_scale > 1)"}
     )
@@ -54,6 +57,9 @@ class SamplingParam:
             "`shift` / `flow_shift` in scheduler/scheduler_config.json; the family's value where the folder "
             "states none)"
         },
+    )
+    num_videos_per_prompt: int = field(
+        default=1, metadata={"help": "videos per prompt, with seeds seed, seed + 1, ... (one batch)"}
     )
     seed: int | None = field(default=None, metadata={"help": "random seed (same meaning as in diffusers); default: random"})
     fps: int = field(default=16, metadata={"help": "frames per second of the written video"})
