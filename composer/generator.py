@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -22,6 +23,7 @@ import torch
 from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.configs.base import SamplingParam
 from composer.errors import InvalidInputError, UnsupportedError
+from composer.loader.folder_settings import FolderSettings, read_folder_settings
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
 from composer.logging import get_logger
@@ -52,6 +54,14 @@ class GenerationResult:
         return int(self.frames.shape[0])
 
 
+def _folder_sampling(family_defaults: SamplingParam, settings: FolderSettings) -> SamplingParam:
+    """The family's defaults with the composer.json `sampling` values over them (ConfigError naming the file
+    for a key the family's SamplingParam lacks or a value of the wrong type)."""
+    if not settings.sampling:
+        return family_defaults
+    return family_defaults.with_folder_defaults(settings.sampling, source=str(settings.path))
+
+
 class VideoGenerator:
     """A loaded pipeline plus its sampling defaults: the family's, with what the model folder states over them."""
 
@@ -77,21 +87,27 @@ class VideoGenerator:
         folder = resolve_model_path(model_path)
         index = read_model_index(folder)
         pipeline_cls = get_pipeline_class(index.class_name)
+        settings = read_folder_settings(folder)
         configs = resolve_configs(
             model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,
             family=runtime.model_family,
+            folder_family=(settings.family, str(settings.path)) if settings.family else None,
         )
+        stated = _folder_sampling(configs.sampling_param(), settings)  # a bad composer.json fails before loading
         logger.info(
             "loading %s as family %s (matched by %s) with %s",
             model_path, configs.family.name, configs.matched_by, pipeline_cls.__name__,
         )
         if configs.matched_by == "detector":
             logger.info("sampling defaults are %s's; if this folder is another family's model, name it with "
-                        "model_family (--model-family)", configs.family.name)
+                        "model_family (--model-family) or in a composer.json next to its model_index.json "
+                        "(docs/adding-a-model-family.md)", configs.family.name)
         start = time.perf_counter()
         pipeline = pipeline_cls(index, configs.pipeline_config(), runtime)
         logger.info("model ready in %.1f s on %s", time.perf_counter() - start, runtime.torch_device)
         defaults = configs.sampling_param().with_folder_defaults(pipeline.sampling_defaults())
+        if settings.sampling:  # the folder's composer.json over what its scheduler implies
+            defaults = dataclasses.replace(defaults, **{k: getattr(stated, k) for k in settings.sampling})
         return cls(pipeline, defaults, model_path, configs.family.name)
 
     def set_lora(self, paths: str | os.PathLike | list, scales: float | list[float] | None = None) -> str:

@@ -76,13 +76,14 @@ class SamplingParam:
         raise_if_errors(errors, "sampling parameters")
         return dataclasses.replace(self, **values)
 
-    def with_folder_defaults(self, values: dict[str, Any]) -> SamplingParam:
-        """A copy with the defaults a model folder states (`ComposedPipeline.sampling_defaults()`), over the
-        family's. Unlike `updated`, None is applied: the folder fixes that setting, so no family value fits."""
+    def with_folder_defaults(self, values: dict[str, Any], source: str = "the model folder") -> SamplingParam:
+        """A copy with the defaults a model folder states (`ComposedPipeline.sampling_defaults()`, or its
+        composer.json's `sampling`, named by `source` in errors), over the family's. Unlike `updated`, None is
+        applied: the folder fixes that setting, so no family value fits."""
         errors = unknown_key_errors(type(self), values, "sampling default")
         hints = field_types(type(self))
         changes = {key: coerce(value, hints[key], key, errors) for key, value in values.items() if key in hints}
-        raise_if_errors(errors, "sampling defaults of the model folder")
+        raise_if_errors(errors, f"sampling defaults of {source}")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
