@@ -97,6 +97,8 @@ def coerce(value: Any, annotation: Any, name: str, errors: list[str]) -> Any:
                 raise ValueError(value)
             return float(value)
         if typ is str:
+            if isinstance(value, (list, tuple, dict, set)):  # str() would turn ['a', 'b'] into one string
+                raise TypeError(value)
             return str(value)
     except (TypeError, ValueError):
         errors.append(f"{name} = {value!r}: expected {typ.__name__}")

@@ -94,7 +94,7 @@ class ForwardBatch:
     latents: torch.Tensor | None = None
     # Latents of given frames to continue from (an image or video the request starts with).
     start_latents: torch.Tensor | None = None
-    # The request's CPU generator, seeded with `seed`, for samplers that draw noise as they go.
+    # The request's CPU generator, seeded with `seed`, for samplers that draw noise as they go (one-row requests).
     generator: torch.Generator | None = None
 
     # Output: uint8 frames [B, T, H, W, 3] on the CPU.
@@ -112,6 +112,12 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.prompt) if isinstance(self.prompt, list) else 1
+
+    @property
+    def seeds(self) -> list[int]:
+        """Each row's seed: `seed + i` for row i, so a row of a batched request is the same video as a
+        single request with that seed (each row draws its noise from its own generator)."""
+        return [self.seed + i for i in range(self.batch_size)]
 
     @property
     def do_classifier_free_guidance(self) -> bool:

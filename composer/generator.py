@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -24,10 +25,12 @@ from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
 from composer.errors import InvalidInputError, UnsupportedError
+from composer.loader.folder_settings import FolderSettings, read_folder_settings
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
 from composer.logging import get_logger, log_once
 from composer.pipelines.base import ComposedPipeline
+from composer.prompt_lists import VideoRequests, numbered_path, video_requests
 from composer.registry.configs import resolve_configs
 from composer.registry.pipelines import get_pipeline_class
 from composer.request_check import ModelLimits, check_request
@@ -54,9 +57,29 @@ class GenerationResult:
         return int(self.frames.shape[0])
 
 
-def resolve_model(model_path: str | os.PathLike | None, model_family: str | None = None) -> tuple:
-    """What `from_pretrained` would load, without loading it: (model path as given, ModelIndex, pipeline
-    class, resolved configs). None: the embedded default model."""
+def _folder_sampling(family_defaults: SamplingParam, settings: FolderSettings) -> SamplingParam:
+    """The family's defaults with the composer.json `sampling` values over them (ConfigError naming the file
+    for a key the family's SamplingParam lacks or a value of the wrong type)."""
+    if not settings.sampling:
+        return family_defaults
+    return family_defaults.with_folder_defaults(settings.sampling, source=str(settings.path))
+
+
+@dataclasses.dataclass
+class ResolvedModel:
+    """What `from_pretrained` would load, found without loading it."""
+
+    model_path: str  # as given (None: the embedded default model's folder)
+    index: Any  # ModelIndex
+    pipeline_cls: type
+    configs: Any  # ResolvedConfigs: the family and its config classes
+    settings: FolderSettings  # the folder's composer.json (empty when it has none)
+    stated: SamplingParam  # the family's sampling defaults with the composer.json values over them
+
+
+def resolve_model(model_path: str | os.PathLike | None, model_family: str | None = None) -> ResolvedModel:
+    """Resolve a path or hub id to its folder, pipeline class, family and stated defaults (no weights read;
+    a bad composer.json fails here, before loading)."""
     if model_path is None:
         from composer.default_model import default_model_path
 
@@ -65,11 +88,14 @@ def resolve_model(model_path: str | os.PathLike | None, model_family: str | None
     folder = resolve_model_path(model_path)
     index = read_model_index(folder)
     pipeline_cls = get_pipeline_class(index.class_name)
+    settings = read_folder_settings(folder)
     configs = resolve_configs(
         model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,
         family=model_family,
+        folder_family=(settings.family, str(settings.path)) if settings.family else None,
     )
-    return model_path, index, pipeline_cls, configs
+    stated = _folder_sampling(configs.sampling_param(), settings)
+    return ResolvedModel(model_path, index, pipeline_cls, configs, settings, stated)
 
 
 class VideoGenerator:
@@ -89,18 +115,25 @@ class VideoGenerator:
         reported in a single ConfigError before anything loads.
         """
         runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
-        model_path, index, pipeline_cls, configs = resolve_model(model_path, runtime.model_family)
+        resolved = resolve_model(model_path, runtime.model_family)
+        model_path, index, pipeline_cls, configs = (
+            resolved.model_path, resolved.index, resolved.pipeline_cls, resolved.configs
+        )
+        settings, stated = resolved.settings, resolved.stated
         logger.info(
             "loading %s as family %s (matched by %s) with %s",
             model_path, configs.family.name, configs.matched_by, pipeline_cls.__name__,
         )
         if configs.matched_by == "detector":
             logger.info("sampling defaults are %s's; if this folder is another family's model, name it with "
-                        "model_family (--model-family)", configs.family.name)
+                        "model_family (--model-family) or in a composer.json next to its model_index.json "
+                        "(docs/adding-a-model-family.md)", configs.family.name)
         start = time.perf_counter()
         pipeline = pipeline_cls(index, configs.pipeline_config(), runtime)
         logger.info("model ready in %.1f s on %s", time.perf_counter() - start, runtime.torch_device)
         defaults = configs.sampling_param().with_folder_defaults(pipeline.sampling_defaults())
+        if settings.sampling:  # the folder's composer.json over what its scheduler implies
+            defaults = dataclasses.replace(defaults, **{k: getattr(stated, k) for k in settings.sampling})
         return cls(pipeline, defaults, model_path, configs.family.name)
 
     def set_lora(self, paths: str | os.PathLike | list, scales: float | list[float] | None = None) -> str:
@@ -136,21 +169,30 @@ class VideoGenerator:
 
     def generate_video(
         self,
-        prompt: str | None = None,
+        prompt: str | list[str] | None = None,
         *,
         sampling_param: SamplingParam | None = None,
         segments: Iterable[tuple[str, int]] | None = None,
         cancel: CancelToken | None = None,
         **overrides: Any,
-    ) -> GenerationResult:
-        """Generate one video. Keyword arguments are SamplingParam fields (negative_prompt, height, width,
-        num_frames, num_inference_steps, guidance_scale, flow_shift, seed, fps, output_path, and a family's
-        own). Causal models also take `segments`: (prompt, num_blocks) pairs with a prompt switch between.
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate one video, or one per prompt of a list. Keyword arguments are SamplingParam fields
+        (negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale, flow_shift, seed,
+        num_videos_per_prompt, fps, output_path, and a family's own). Causal models also take `segments`:
+        (prompt, num_blocks) pairs with a prompt switch between.
+
+        A string prompt returns one GenerationResult. A list of prompts, or num_videos_per_prompt > 1, makes
+        the videos in one batch and returns a list of GenerationResult in order (each prompt's copies
+        together): video i has seed `seed + i` (so it is the video a single call with that seed makes) and,
+        when output_path is set, is written to a numbered path (`clip.mp4` -> `clip-0.mp4`, `clip-1.mp4`).
+        `negative_prompt` is then one string for all, or a list with one per prompt.
         `cancel`: a CancelToken; `cancel.cancel()` (from another thread or a signal handler) makes this call
-        raise `Cancelled` within one transformer block, and the generator stays ready for the next video."""
-        sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
-        check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
-        batch = self._new_batch(sp, cancel)
+        raise `Cancelled` within one transformer block, and the generator stays ready for the next video.
+        """
+        sp, videos = self._request(prompt, sampling_param, segments, overrides)
+        checked = sp if videos is None else dataclasses.replace(sp, prompt=videos.prompts)
+        check_request(checked, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
+        batch = self._new_batch(sp, videos, cancel)
         start = time.perf_counter()
         self.pipeline.prepare(batch, sp, list(segments) if segments is not None else None)
         batch = self.pipeline.forward(batch)
@@ -160,18 +202,66 @@ class VideoGenerator:
         if stats is not None:
             stats.total_seconds, stats.frames = timings["total"], int(batch.frames.shape[1])
             stats.time_to_first_frame = timings["total"]  # nothing is shown before the whole video is decoded
-        result = GenerationResult(
-            frames=batch.frames[0], seed=batch.seed, sampling=sp.updated(seed=batch.seed), timings=timings,
-            stats=stats, latents=batch.latents.detach().cpu(),
+        results = self._results(batch, sp, videos, timings, stats)
+        return results if videos is not None and not videos.single else results[0]
+
+    def _request(
+        self, prompt: Any, sampling_param: SamplingParam | None, segments: Any, overrides: dict[str, Any]
+    ) -> tuple[SamplingParam, VideoRequests | None]:
+        """The request's SamplingParam and its videos (None: causal segments without a prompt name them).
+        Prompt types are checked here, before any work; lists never enter the SamplingParam, whose
+        prompt fields hold one string."""
+        overrides = dict(overrides)
+        negative = overrides.pop("negative_prompt", None)
+        sp = (sampling_param or self.default_sampling).updated(
+            prompt=prompt if isinstance(prompt, str) else None,
+            negative_prompt=negative if isinstance(negative, str) else None,
+            **overrides,
         )
-        if sp.output_path:
-            result.output_path = save_video(result.frames, sp.output_path, fps=sp.fps)
-        logger.info(
-            "generated %dx%dx%d (seed %d) in %.2f s%s",
-            result.num_frames, sp.height, sp.width, batch.seed, timings["total"],
-            f" -> {result.output_path}" if result.output_path else "",
-        )
-        return result
+        if prompt is None:
+            prompt = sp.prompt
+        if prompt is None and segments is not None:  # the segments name the prompts: one video
+            if sp.num_videos_per_prompt != 1:
+                raise UnsupportedError("prompt segments make one video; leave num_videos_per_prompt at 1")
+            return sp, None
+        videos = video_requests(prompt, sp.negative_prompt if negative is None else negative, sp.num_videos_per_prompt)
+        if videos.count > 1 and not self.pipeline.batches_videos:
+            raise UnsupportedError(
+                f"{type(self.pipeline).__name__} makes one video per request; got {videos.count} (a prompt list or "
+                "num_videos_per_prompt > 1). Call generate_video once per prompt instead"
+            )
+        return sp, videos
+
+    def _results(
+        self, batch: ForwardBatch, sp: SamplingParam, videos: VideoRequests | None, timings: dict[str, float],
+        stats: RequestStats | None,
+    ) -> list[GenerationResult]:
+        """One GenerationResult per batch row, each written to its own file when output_path is set."""
+        several = videos is not None and videos.count > 1
+        results = []
+        for i, seed in enumerate(batch.seeds):
+            sampling = sp.updated(seed=seed)
+            if several:  # the row's own request: what a single call making this video would be given
+                sampling = sampling.updated(
+                    prompt=videos.prompts[i],
+                    negative_prompt=videos.negative_prompts[i] if videos.negative_prompts else None,
+                    num_videos_per_prompt=1,
+                    output_path=numbered_path(sp.output_path, i) if sp.output_path else None,
+                )
+            result = GenerationResult(
+                frames=batch.frames[i], seed=seed, sampling=sampling, timings=timings, stats=stats,
+                latents=batch.latents[i:i + 1].detach().cpu(),
+            )
+            if sampling.output_path:
+                result.output_path = save_video(result.frames, sampling.output_path, fps=sp.fps)
+            logger.info(
+                "generated %dx%dx%d (seed %d) in %.2f s%s%s",
+                result.num_frames, sp.height, sp.width, seed, timings["total"],
+                f" (video {i + 1} of {len(batch.seeds)}, one batch)" if several else "",
+                f" -> {result.output_path}" if result.output_path else "",
+            )
+            results.append(result)
+        return results
 
     def stream_video(
         self,
@@ -204,17 +294,25 @@ class VideoGenerator:
             prompt = first[0] if isinstance(first, (tuple, list)) and first else None
             segments = [first, *iterator] if isinstance(prompts, (list, tuple)) else itertools.chain([first], iterator)
         sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
+        if sp.num_videos_per_prompt != 1:
+            raise UnsupportedError("stream_video makes one video; leave num_videos_per_prompt at 1")
         check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
-        batch = self._new_batch(sp, cancel)
+        batch = self._new_batch(sp, None, cancel)
         self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
         return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)
 
-    def _new_batch(self, sp: SamplingParam, cancel: CancelToken | None = None) -> ForwardBatch:
+    def _new_batch(self, sp: SamplingParam, videos: VideoRequests | None = None,
+                   cancel: CancelToken | None = None) -> ForwardBatch:
         self._warn_ignored_settings(sp)
         seed = sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**32)
+        if videos is not None:  # one row per video
+            prompt, negative = videos.prompts, videos.negative_prompts
+        else:
+            prompt = [sp.prompt] if isinstance(sp.prompt, str) else sp.prompt  # None fails input validation
+            negative = [sp.negative_prompt] if isinstance(sp.negative_prompt, str) else sp.negative_prompt
         batch = ForwardBatch(
-            prompt=[sp.prompt] if isinstance(sp.prompt, str) else sp.prompt,  # None fails input validation
-            negative_prompt=[sp.negative_prompt] if isinstance(sp.negative_prompt, str) else sp.negative_prompt,
+            prompt=prompt,
+            negative_prompt=negative,
             height=sp.height,
             width=sp.width,
             num_frames=sp.num_frames,
@@ -228,7 +326,6 @@ class VideoGenerator:
         if cancel is not None:
             batch.attach(cancel)
         return batch
-
 
     def _warn_ignored_settings(self, sp: SamplingParam) -> None:
         # Only a negative prompt the user chose: a family's default one (Wan's) is not worth a warning.

@@ -150,10 +150,11 @@ def check_cli_request(
     --interactive, the first prompt runs for that many blocks (num_frames does not apply)."""
     from composer.generator import resolve_model  # the generator imports this module
 
-    _, index, _, configs = resolve_model(model_path, model_family)
-    config = configs.pipeline_config().updated_from_folder(index.extra)
+    resolved = resolve_model(model_path, model_family)
+    index = resolved.index
+    config = resolved.configs.pipeline_config().updated_from_folder(index.extra)
     limits = ModelLimits.from_folder(index.folder, config)
-    defaults = configs.sampling_param()
+    defaults = resolved.stated  # the family's defaults with the folder's composer.json over them
     if limits.fixed_steps is not None:  # as the pipeline's sampling_defaults() will say
         defaults = defaults.with_folder_defaults({"num_inference_steps": limits.fixed_steps})
     hints = field_types(type(defaults))

@@ -15,7 +15,7 @@ import torch
 
 from composer.convert.self_forcing import CausalSettings, convert_self_forcing
 
-__all__ = ["save_causal_folder", "save_t2v_folder", "strip_local_paths"]
+__all__ = ["save_causal_folder", "save_t2v_folder", "strip_local_paths", "write_folder_settings"]
 
 
 def save_t2v_folder(path: Path, tokenizer, text_encoder, vae, transformer, text_max_length: int,
@@ -48,6 +48,16 @@ def save_causal_folder(path: Path, causal_model, base: Path, settings: CausalSet
         torch.save({"generator": state}, checkpoint)
         convert_self_forcing(checkpoint, base, path, settings=settings, overwrite=True)
     strip_local_paths(path)
+    return path
+
+
+def write_folder_settings(folder: Path, family: str, sampling_cls: type) -> Path:
+    """composer.json: the family's name and the sampling defaults its SamplingParam class declares, so a renamed
+    copy of the folder still samples as trained (docs/adding-a-model-family.md)."""
+    defaults = sampling_cls()
+    sampling = {name: getattr(defaults, name) for name in sampling_cls.__annotations__}
+    path = folder / "composer.json"
+    path.write_text(json.dumps({"family": family, "sampling": sampling}, indent=2) + "\n")
     return path
 
 

@@ -150,10 +150,11 @@ def main() -> int:
         log(f"causal trained in {time.perf_counter() - t:.0f} s")
 
     if "save" in stages:
+        from composer.configs.demo import ShapesCausalSamplingParam, ShapesT2VSamplingParam
         from composer.convert.self_forcing import CausalSettings
         from composer.models.wan.causal import CausalWanTransformer3DModel
         from composer.models.wan.config import WanTransformerConfig
-        from demo.folders import save_causal_folder, save_t2v_folder
+        from demo.folders import save_causal_folder, save_t2v_folder, write_folder_settings
 
         vae = AutoencoderKLWan.from_pretrained(work / "vae")
         t2v_dir = save_t2v_folder(args.out / T2V_NAME, tokenizer, encoder, vae, dit, cfg.text_max_length,
@@ -164,6 +165,8 @@ def main() -> int:
                                   denoising_step_list=list(cfg.causal_sampling_steps),
                                   timestep_shift=cfg.train_shift)
         save_causal_folder(args.out / CAUSAL_NAME, causal, t2v_dir, settings)
+        write_folder_settings(t2v_dir, T2V_NAME, ShapesT2VSamplingParam)
+        write_folder_settings(args.out / CAUSAL_NAME, CAUSAL_NAME, ShapesCausalSamplingParam)
         size = sum(f.stat().st_size for d in (t2v_dir, args.out / CAUSAL_NAME) for f in d.rglob("*") if f.is_file())
         log(f"wrote {t2v_dir} and {args.out / CAUSAL_NAME} ({size / 2**20:.1f} MiB)")
         if args.eval_prompts:

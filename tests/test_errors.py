@@ -11,6 +11,7 @@ from composer import VideoGenerator
 from composer.errors import (
     CheckpointError,
     ConfigError,
+    InvalidInputError,
     ModelFormatError,
     ModelNotFoundError,
     UnknownModelError,
@@ -118,8 +119,8 @@ def test_bad_sampling_values_are_typed_errors_naming_the_field(composer_gen, kwa
 
 
 def test_missing_or_empty_prompt(composer_gen):
-    for prompt in (None, "   "):
-        with pytest.raises(RequestError, match="prompt"):
+    for prompt in (None, "   "):  # refused up front, before the stages run
+        with pytest.raises(InvalidInputError, match="prompt"):
             composer_gen.generate_video(prompt, **SMALL)
 
 

@@ -1,4 +1,4 @@
-"""`composer generate`: one video from a prompt.
+"""`composer generate`: one video from a prompt, or one per line of a --prompt-file (one batch, numbered files).
 
 Sampling precedence: family defaults < what the model folder states (its scheduler's flow shift, a causal
 folder's step list) < --config preset < flags.
@@ -44,6 +44,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--model-path", default=None, help="diffusers model folder or hub id (default: embedded model)")
     p.add_argument("--config", default=None, help="YAML preset with model_path / runtime / sampling sections")
+    p.add_argument(
+        "--prompt-file", default=None, metavar="PATH",
+        help="one prompt per line (blank lines and '#' comments skipped): one video each, made as one batch, "
+        "written to numbered files (clip.mp4 -> clip-0.mp4, clip-1.mp4, ...); not with --prompt",
+    )
     causal = p.add_argument_group("causal models (streaming, prompt switching)")
     causal.add_argument("--stream", action="store_true", help="write the video block by block as it is made")
     causal.add_argument(
@@ -111,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
     if not runtime_args.progress:
         silence_library_progress_bars()  # --no-progress: downloads and loading too, not only composer's bars
     segments = [parse_segment(s, args.blocks_per_prompt) for s in args.segment] if args.segment else None
+    prompts = _prompt_file_prompts(args, sampling_overrides)  # before loading anything
     # and the whole request (types, values, output path) against what the folder's configs state
-    check_cli_request(args.model_path or preset.model_path, runtime_args.model_family, sampling_overrides, segments,
+    checked = {**sampling_overrides, "prompt": prompts[0]} if prompts else sampling_overrides
+    check_cli_request(args.model_path or preset.model_path, runtime_args.model_family, checked, segments,
                       stream=args.stream or args.interactive,
                       interactive_blocks=args.blocks_per_prompt if args.interactive else None)
 
@@ -121,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
     if sp.seed is None:
         sp = sp.updated(seed=random.SystemRandom().randrange(2**32))
     first_prompt = segments[0][0] if segments else sp.prompt
+    if prompts is not None or (sp.num_videos_per_prompt > 1 and sp.prompt
+                               and not (segments or args.stream or args.interactive)):
+        name = Path(args.prompt_file).stem if prompts is not None else sp.prompt
+        with cancel_on_sigint(CancelToken()) as cancel:  # Ctrl-C: Cancelled within one block; main() exits 130
+            return _generate_prompt_list(generator, sp, prompts or [sp.prompt], name, cancel)
     if sp.output_path is None and first_prompt:
         sp = sp.updated(output_path=str(default_output_path(first_prompt, sp.seed)))
 
@@ -145,6 +157,37 @@ def run(args: argparse.Namespace) -> int:
     )
     if stats is not None:
         print(f"profile: {stats.summary()}")
+    return 0
+
+
+def _prompt_file_prompts(args: argparse.Namespace, sampling: dict) -> list[str] | None:
+    """The prompts of --prompt-file (None without it), refusing the flags it cannot go with."""
+    if args.prompt_file is None:
+        return None
+    from composer.prompt_lists import read_prompt_file
+
+    if sampling.get("prompt") is not None:
+        raise ConfigError("give --prompt or --prompt-file, not both (a preset's sampling.prompt counts as --prompt)")
+    if args.segment or args.stream or args.interactive:
+        raise ConfigError("--prompt-file makes whole videos in one batch; it does not go with --segment, --stream "
+                          "or --interactive")
+    return read_prompt_file(args.prompt_file)
+
+
+def _generate_prompt_list(generator, sp, prompts: list[str], name: str, cancel=None) -> int:
+    """One batch, one video per prompt (and copy), each written to its numbered file (by default
+    outputs/<name>-<seed>-<i>.mp4, `name` being the prompt file's stem or the one prompt)."""
+    if sp.output_path is None:
+        sp = sp.updated(output_path=str(default_output_path(name, sp.seed)))
+    start = time.perf_counter()
+    results = generator.generate_video(prompts, sampling_param=sp, cancel=cancel)
+    elapsed = time.perf_counter() - start
+    for result in results:
+        print(f"wrote {result.output_path} ({result.num_frames} frames, seed {result.seed}): {result.sampling.prompt}")
+    print(
+        f"{len(results)} videos ({sp.width}x{sp.height}, {sp.fps} fps) in {elapsed:.1f} s as one batch "
+        f"with {generator.family}"
+    )
     return 0
 
 

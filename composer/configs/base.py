@@ -38,7 +38,10 @@ class PipelineConfig:
 class SamplingParam:
     """One generation request. Same field names as `generate_video` kwargs, CLI flags, YAML and HTTP."""
 
-    prompt: str | None = field(default=None, metadata={"help": "what the video shows"})
+    prompt: str | None = field(
+        default=None,
+        metadata={"help": "what the video shows (generate_video also takes a list: one video per prompt)"},
+    )
     negative_prompt: str | None = field(
         default=None, metadata={"help": "what to steer away from (used with guidance_scale > 1)"}
     )
@@ -54,6 +57,9 @@ class SamplingParam:
             "`shift` / `flow_shift` in scheduler/scheduler_config.json; the family's value where the folder "
             "states none)"
         },
+    )
+    num_videos_per_prompt: int = field(
+        default=1, metadata={"help": "videos per prompt, with seeds seed, seed + 1, ... (one batch)"}
     )
     seed: int | None = field(default=None, metadata={"help": "random seed (same meaning as in diffusers); default: random"})
     fps: int = field(default=16, metadata={"help": "frames per second of the written video"})
@@ -77,13 +83,14 @@ class SamplingParam:
         raise_if_errors(errors, "sampling parameters")
         return dataclasses.replace(self, **values)
 
-    def with_folder_defaults(self, values: dict[str, Any]) -> SamplingParam:
-        """A copy with the defaults a model folder states (`ComposedPipeline.sampling_defaults()`), over the
-        family's. Unlike `updated`, None is applied: the folder fixes that setting, so no family value fits."""
+    def with_folder_defaults(self, values: dict[str, Any], source: str = "the model folder") -> SamplingParam:
+        """A copy with the defaults a model folder states (`ComposedPipeline.sampling_defaults()`, or its
+        composer.json's `sampling`, named by `source` in errors), over the family's. Unlike `updated`, None is
+        applied: the folder fixes that setting, so no family value fits."""
         errors = unknown_key_errors(type(self), values, "sampling default")
         hints = field_types(type(self))
         changes = {key: coerce(value, hints[key], key, errors) for key, value in values.items() if key in hints}
-        raise_if_errors(errors, "sampling defaults of the model folder")
+        raise_if_errors(errors, f"sampling defaults of {source}")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

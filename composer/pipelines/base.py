@@ -39,6 +39,8 @@ class ComposedPipeline:
     class_names: tuple[str, ...] = ()
     required_modules: tuple[str, ...] = ()
     config_class: type[PipelineConfig] = PipelineConfig  # families whose config is not one are never picked
+    # Whether one request may make several videos as rows of one batch (prompt lists, num_videos_per_prompt).
+    batches_videos: bool = True
 
     def __init__(self, index: ModelIndex, config: PipelineConfig, runtime: RuntimeArgs):
         self.index = index

@@ -30,6 +30,9 @@ class CausalWanPipeline(ComposedPipeline):
     required_modules = ("text_encoder", "tokenizer", "vae", "transformer")
     config_class = CausalWanConfig
     config: CausalWanConfig
+    # Its sampler draws every row's noise, block after block, from the request's one generator (Self-Forcing's
+    # order), so rows of a batch would not be the videos single requests with their seeds make: one per request.
+    batches_videos = False
 
     def sampling_defaults(self) -> dict[str, Any]:
         return {"num_inference_steps": len(self.config.denoising_step_list)}

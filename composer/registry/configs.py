@@ -1,8 +1,9 @@
 """Config registry: which (PipelineConfig, SamplingParam) pair a model folder or hub id gets.
 
 Resolution order: exact hub id > short name (the id's last part, case-insensitive, also matched against a
-local folder's name) > detectors (called with the path and model_index `_class_name`) > an error listing
-the known families. The runtime option `model_family` names the family outright (a renamed copy of a model).
+local folder's name) > the family the folder's composer.json names > detectors (called with the path and
+model_index `_class_name`) > an error listing the known families. The runtime option `model_family` names the
+family outright (a renamed copy of a model).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class ModelFamily:
 @dataclass(frozen=True)
 class ResolvedConfigs:
     family: ModelFamily
-    matched_by: str  # "hub id", "short name", "detector" or "model_family option"
+    matched_by: str  # "hub id", "short name", "composer.json", "detector" or "model_family option"
 
     def pipeline_config(self) -> PipelineConfig:
         return self.family.pipeline_config_cls()
@@ -107,9 +108,11 @@ def resolve_configs(
     class_name: str | None = None,
     config_class: type[PipelineConfig] = PipelineConfig,
     family: str | None = None,
+    folder_family: tuple[str, str] | None = None,
 ) -> ResolvedConfigs:
     """Find the family for a hub id or local path (`class_name`: model_index.json's `_class_name`), or take
-    the one named by `family` (a family name or one of its hub ids, case-insensitive).
+    the one named by `family` (a family name or one of its hub ids, case-insensitive). `folder_family`:
+    (name, file) the folder's composer.json states, used when neither the id nor the name identifies one.
 
     Only families whose PipelineConfig is a `config_class` (what the folder's pipeline needs) are candidates,
     so a causal folder named like a released bidirectional model still gets a causal family.
@@ -125,6 +128,9 @@ def resolve_configs(
     for family in families:
         if any(_short_name(p) == short for p in family.hf_model_paths):
             return ResolvedConfigs(family, "short name")
+    if folder_family is not None:
+        name, source = folder_family
+        return ResolvedConfigs(_named_family(name, config_class, f"{source}: family"), "composer.json")
     for family in families:
         if any(detector(model, class_name) for detector in family.model_detectors):
             return ResolvedConfigs(family, "detector")
@@ -143,19 +149,20 @@ def _families_for(config_class: type[PipelineConfig]) -> list[ModelFamily]:
     return [f for f in registered_families() if issubclass(f.pipeline_config_cls, config_class)]
 
 
-def _named_family(name: str, config_class: type[PipelineConfig]) -> ModelFamily:
+def _named_family(name: str, config_class: type[PipelineConfig], what: str = "model_family") -> ModelFamily:
+    """The family `what` (the option, or a composer.json) names; errors say which said it."""
     wanted = name.lower()
     for family in registered_families():
         if wanted == family.name.lower() or wanted in (p.lower() for p in family.hf_model_paths):
             if not issubclass(family.pipeline_config_cls, config_class):
                 raise ConfigError(
-                    f"model_family = {name!r}: that family's {family.pipeline_config_cls.__name__} does not fit this "
+                    f"{what} = {name!r}: that family's {family.pipeline_config_cls.__name__} does not fit this "
                     f"folder's pipeline, which needs a {config_class.__name__}"
                 )
             return family
     fitting = [f.name for f in _families_for(config_class)]
     raise UnknownModelError(
-        f"model_family = {name!r}: no registered family has that name or hub id. Families for this pipeline: "
+        f"{what} = {name!r}: no registered family has that name or hub id. Families for this pipeline: "
         f"{', '.join(fitting) or '(none)'}; `composer models` lists them all"
     )
 

@@ -69,7 +69,8 @@ class InputValidationStage(Stage):
                 result.add_check("flow_shift", batch.flow_shift, V.positive_number)
             else:
                 result.add_failure("flow_shift", batch.flow_shift, "unset (the model folder fixes the schedule's shift)")
-        result.add_check("seed", batch.seed, V.int_in_range(0, 2**63 - 1))
+        # every row's seed (seed + i) must be a valid generator seed
+        result.add_check("seed", batch.seed, V.int_in_range(0, 2**63 - max(1, batch.batch_size)))
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         return batch

@@ -17,9 +17,10 @@ def latent_shape(
 
 
 class LatentPreparationStage(Stage):
-    """Draws [B, C, F', H', W'] fp32 noise from a CPU `torch.Generator` seeded with `batch.seed`, then
-    moves it to the device: the same seed gives the same noise on every device, rank and engine
-    (diffusers' WanPipeline with `generator=torch.Generator("cpu").manual_seed(seed)`)."""
+    """Draws [B, C, F', H', W'] fp32 noise, row i from its own CPU `torch.Generator` seeded with
+    `batch.seeds[i]`, then moves it to the device: the same seed gives the same noise on every device, rank,
+    engine and batch size (diffusers' WanPipeline with `generator=[torch.Generator("cpu").manual_seed(s) for s
+    in seeds]`, or one generator for one video)."""
 
     def __init__(self, num_channels: int, temporal_factor: int, spatial_factor: int, device: torch.device):
         self.num_channels = num_channels
@@ -37,7 +38,10 @@ class LatentPreparationStage(Stage):
         result.add_check("latents", batch.latents, V.shape(self.shape(batch)), V.dtype_in(torch.float32))
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
-        generator = torch.Generator("cpu").manual_seed(batch.seed)
-        noise = torch.randn(self.shape(batch), generator=generator, dtype=torch.float32)
+        row_shape = (1, *self.shape(batch)[1:])
+        noise = torch.cat([
+            torch.randn(row_shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+            for seed in batch.seeds
+        ])
         batch.latents = noise.to(self.device)
         return batch
