@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 # The demo package is a folder of the checkout, not of the installed package: find it from any directory.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from composer.demo.packaged import CAUSAL_NAME, T2V_NAME, packaged_model  # noqa: E402
-from composer.errors import ComposerError, ModelNotFoundError  # noqa: E402
+from composer.errors import ComposerError, ConfigError, ModelNotFoundError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,9 +54,34 @@ def folder(path: str | None, name: str) -> Path | str:
     return found
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """Every bad option in one ConfigError before any model loads (a wrong --json path would otherwise surface
+    only after the whole evaluation)."""
+    errors = []
+    for name, low in (("num_prompts", 1), ("drift_prompts", 0), ("drift_frames", 1)):
+        if getattr(args, name) < low:
+            errors.append(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= {low}")
+    if args.json:
+        parent = Path(args.json).resolve().parent
+        if not parent.is_dir():
+            errors.append(f"--json {args.json}: the folder {parent} does not exist")
+        elif Path(args.json).is_dir():
+            errors.append(f"--json {args.json}: is a folder; give a file path")
+        else:
+            try:  # probe: the results must be writable after minutes of scoring
+                with tempfile.NamedTemporaryFile(dir=parent, prefix=".eval-probe-"):
+                    pass
+            except OSError as exc:
+                errors.append(f"--json {args.json}: cannot write in {parent} ({exc.strerror})")
+    if errors:
+        raise ConfigError("invalid options:\n  " + "\n  ".join(errors))
+
+
 def run(args: argparse.Namespace) -> int:
     """Score, print the reports, and write the JSON when asked."""
     from composer.generator import VideoGenerator
+
+    check_options(args)
     from demo.evaluate import demo_prompts, measure_drift, score_prompts
 
     prompts = demo_prompts(args.num_prompts, args.seed)

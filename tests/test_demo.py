@@ -261,12 +261,24 @@ def test_eval_script_scores_a_renamed_copy_as_a_shapes_model(tmp_path):
     assert json.loads((tmp_path / "scores.json").read_text())["t2v"]["color"] == 1.0
 
 
-
 def test_eval_script_names_a_missing_model_without_a_traceback(tmp_path):
     run = subprocess.run(EVAL_SCRIPT + ["--model-path", str(tmp_path / "nothing"), "--num-prompts", "1"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert "eval_demo_model.py: error:" in run.stderr and "does not exist" in run.stderr
+
+
+def test_eval_script_refuses_bad_options_before_any_work(tmp_path):
+    """--num-prompts 0 used to print 0.0% scores, a bad --json path to fail after the whole evaluation."""
+    run = subprocess.run(EVAL_SCRIPT + ["--num-prompts", "0", "--drift-prompts", "-1", "--json",
+                                        str(tmp_path / "missing" / "scores.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    for text in ("--num-prompts 0: expected an integer >= 1", "--drift-prompts -1: expected an integer >= 0",
+                 "does not exist"):
+        assert text in run.stderr
+    assert "loading" not in run.stderr  # nothing was loaded
+
 
 def test_training_script_runs_end_to_end_in_two_parts(tmp_path):
     """Every stage, run as the docs reproduce the shipped models: the VAE and latents first, then the rest from

@@ -135,7 +135,7 @@ def test_prompt_file_makes_one_numbered_video_per_line(capsys, composer_gen, tin
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"# shapes\n{PROMPTS[0]}\n\n   \n{PROMPTS[1]}\n")
     code, out, err = run_cli(capsys, "generate", "--model-path", tiny_wan_dir, "--prompt-file", prompts,
-                             *CLI_SMALL, "--output", tmp_path / "clip.png")
+                             *CLI_SMALL, "--output", tmp_path / "clip")  # a folder of PNG frames per video
     assert code == 0, err
     assert f"wrote {tmp_path / 'clip-0'} (5 frames, seed 3): {PROMPTS[0]}" in out
     assert f"wrote {tmp_path / 'clip-1'} (5 frames, seed 4): {PROMPTS[1]}" in out
