@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(ENV_DIR)/bin/composer generate --prompt "$(PROMPT)" --seed $(SEED) --output $(OUTPUT)
+	$(ENV_DIR)/bin/composer generate --prompt "$(PROMPT)" --seed $(SEED) --output $(OUTPUT) --overwrite
 
 test: install
 	$(PY) -m pytest -q tests

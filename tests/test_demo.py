@@ -338,6 +338,8 @@ def test_make_demo_video_follows_its_prompt(shapes_t2v):
     makefile = (REPO / "Makefile").read_text()
     prompt = re.search(r"^PROMPT \?= (.+)$", makefile, re.M).group(1).strip()
     seed = int(re.search(r"^SEED \?= (\d+)$", makefile, re.M).group(1))
+    recipe = re.search(r"^demo:.*\n\t(.+)$", makefile, re.M).group(1)
+    assert "--overwrite" in recipe  # a second `make demo` replaces outputs/demo.mp4 instead of refusing
     frames = shapes_t2v.generate_video(prompt, seed=seed).frames
     assert analyze(frames).matches(Target.from_prompt(prompt)) == {"color": True, "shape": True, "direction": True}
 
