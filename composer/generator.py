@@ -192,6 +192,25 @@ class VideoGenerator:
         sp, videos = self._request(prompt, sampling_param, segments, overrides)
         checked = sp if videos is None else dataclasses.replace(sp, prompt=videos.prompts)
         check_request(checked, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
+        limit = self.pipeline.runtime.max_batch_size
+        if videos is None or not limit or videos.count <= limit:
+            results = self._generate_batch(sp, videos, segments, cancel)
+            return results if videos is not None and not videos.single else results[0]
+        # More videos than one batch may hold: consecutive batches, each row keeping its seed and number.
+        seed = sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**32)
+        results = []
+        for first in range(0, videos.count, limit):
+            rows = slice(first, first + limit)
+            part = dataclasses.replace(videos, prompts=videos.prompts[rows], single=False,
+                                       negative_prompts=videos.negative_prompts[rows] if videos.negative_prompts else None)
+            results += self._generate_batch(sp.updated(seed=seed + first), part, segments, cancel, row_offset=first,
+                                            several=True)
+        return results
+
+    def _generate_batch(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any,
+                        cancel: CancelToken | None, row_offset: int = 0, several: bool | None = None,
+                        ) -> list[GenerationResult]:
+        """One batch through the pipeline; a result per row (rows numbered from `row_offset`)."""
         batch = self._new_batch(sp, videos, cancel)
         start = time.perf_counter()
         self.pipeline.prepare(batch, sp, list(segments) if segments is not None else None)
@@ -202,8 +221,7 @@ class VideoGenerator:
         if stats is not None:
             stats.total_seconds, stats.frames = timings["total"], int(batch.frames.shape[1])
             stats.time_to_first_frame = timings["total"]  # nothing is shown before the whole video is decoded
-        results = self._results(batch, sp, videos, timings, stats)
-        return results if videos is not None and not videos.single else results[0]
+        return self._results(batch, sp, videos, timings, stats, row_offset, several)
 
     def _request(
         self, prompt: Any, sampling_param: SamplingParam | None, segments: Any, overrides: dict[str, Any]
@@ -234,10 +252,11 @@ class VideoGenerator:
 
     def _results(
         self, batch: ForwardBatch, sp: SamplingParam, videos: VideoRequests | None, timings: dict[str, float],
-        stats: RequestStats | None,
+        stats: RequestStats | None, row_offset: int = 0, several: bool | None = None,
     ) -> list[GenerationResult]:
         """One GenerationResult per batch row, each written to its own file when output_path is set."""
-        several = videos is not None and videos.count > 1
+        if several is None:
+            several = videos is not None and videos.count > 1
         results = []
         for i, seed in enumerate(batch.seeds):
             sampling = sp.updated(seed=seed)
@@ -246,7 +265,7 @@ class VideoGenerator:
                     prompt=videos.prompts[i],
                     negative_prompt=videos.negative_prompts[i] if videos.negative_prompts else None,
                     num_videos_per_prompt=1,
-                    output_path=numbered_path(sp.output_path, i) if sp.output_path else None,
+                    output_path=numbered_path(sp.output_path, row_offset + i) if sp.output_path else None,
                 )
             result = GenerationResult(
                 frames=batch.frames[i], seed=seed, sampling=sampling, timings=timings, stats=stats,
@@ -257,7 +276,7 @@ class VideoGenerator:
             logger.info(
                 "generated %dx%dx%d (seed %d) in %.2f s%s%s",
                 result.num_frames, sp.height, sp.width, seed, timings["total"],
-                f" (video {i + 1} of {len(batch.seeds)}, one batch)" if several else "",
+                f" (video {row_offset + i + 1}, batch of {len(batch.seeds)})" if several else "",
                 f" -> {result.output_path}" if result.output_path else "",
             )
             results.append(result)

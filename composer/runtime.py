@@ -80,6 +80,11 @@ class RuntimeArgs:
     verify_values: bool = field(
         default=False, metadata={"help": "let stage checks read tensor values (NaN/inf; synchronises the device)"}
     )
+    max_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "most videos in one transformer batch: a longer prompt list runs as consecutive batches "
+                          "(same seeds, same videos; less memory); default: all of a call's videos at once"},
+    )
     cfg_mode: str = field(
         default="batched",
         metadata={"help": "classifier-free guidance: 'batched' (prompt and negative prompt as one batch-2 model call) "
@@ -143,6 +148,8 @@ class RuntimeArgs:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 errors.append(f"{name} = {value!r}: expected one of {', '.join(allowed)}")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            errors.append(f"max_batch_size = {self.max_batch_size}: expected a positive integer (or unset: no limit)")
         if self.lora_scale is not None:
             if not self.lora_path:
                 errors.append("lora_scale is set but lora_path is not: give the LoRA file(s) too")

@@ -81,6 +81,25 @@ def test_several_videos_go_to_numbered_paths(composer_gen, tmp_path):
     assert numbered_path("out/frames", 3) == "out/frames-3"  # a folder of PNGs
 
 
+def test_max_batch_size_splits_a_list_into_batches_of_the_same_videos(composer_gen, tiny_wan_dir, tmp_path):
+    """Three videos in batches of at most 2: the same seeds, videos and numbered paths as one batch of 3."""
+    from composer import VideoGenerator
+
+    prompts = [*PROMPTS, "a green triangle moving right"]
+    whole = composer_gen.generate_video(prompts, seed=5, **SMALL)
+    limited = VideoGenerator.from_pretrained(tiny_wan_dir, dtype="fp32", progress=False, max_batch_size=2)
+    parts = limited.generate_video(prompts, seed=5, output_path=str(tmp_path / "clip.gif"), **SMALL)
+    assert [r.seed for r in parts] == [5, 6, 7] and [r.sampling.prompt for r in parts] == prompts
+    assert [r.output_path for r in parts] == [tmp_path / f"clip-{i}.gif" for i in range(3)]
+    for a, b in zip(parts, whole):
+        assert_same_video(a, b)
+    # one prompt with copies across batches: still a list, numbered across the batches
+    copies = limited.generate_video(PROMPTS[0], seed=5, num_videos_per_prompt=3, **SMALL)
+    assert [r.seed for r in copies] == [5, 6, 7]
+    with pytest.raises(ConfigError, match="max_batch_size = 0"):
+        VideoGenerator.from_pretrained(tiny_wan_dir, max_batch_size=0)
+
+
 @pytest.mark.parametrize(
     "prompt, extra, message",
     [
