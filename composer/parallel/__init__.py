@@ -1,0 +1,5 @@
+"""Parallel primitives: building blocks that spread one model's work over several devices.
+
+`ulysses`: sequence parallelism around attention (all-to-all from sequence shards to head shards and back).
+Model code does not import this package; the pipeline wraps its attention modules with these primitives.
+"""
