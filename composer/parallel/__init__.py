@@ -1,0 +1,1 @@
+"""Parallel primitives (sequence-parallel attention and the like) that wrap composer's single `Attention`."""
