@@ -1,5 +1,6 @@
 """Parallel primitives: building blocks that spread one model's work over several devices.
 
-`ulysses`: sequence parallelism around attention (all-to-all from sequence shards to head shards and back).
+`ulysses`: sequence parallelism around attention (all-to-all from sequence shards to head shards and back);
+`ring`: ring attention (K/V shards passed around the ranks, partial outputs merged in fp32 by log-sum-exp).
 Model code does not import this package; the pipeline wraps its attention modules with these primitives.
 """
