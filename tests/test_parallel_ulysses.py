@@ -5,9 +5,7 @@ clear error; shard_sequence / gather_sequence round-trip."""
 from __future__ import annotations
 
 import functools
-import socket
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -17,39 +15,14 @@ import torch.multiprocessing as mp
 from composer.errors import ConfigError, InvalidInputError
 from composer.models.attention.backends import resolve_backend, run_attention
 from composer.parallel.ulysses import UlyssesAttention, gather_sequence, shard_sequence
-
-JOIN_TIMEOUT_S = 90  # a whole worker run takes a few seconds; past this a rank is stuck in a collective
-COLLECTIVE_TIMEOUT = timedelta(seconds=30)  # a rank whose peer died fails its collective instead of waiting
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from composer.testing.distributed import SpawnTimeout, spawn
 
 
 def _spawn(worker, world_size: int, *args) -> None:
-    """Run `worker(rank, world_size, port, *args)` in `world_size` gloo processes; a rank's exception fails the
-    test (the others are terminated), and a run past JOIN_TIMEOUT_S is killed rather than left hanging."""
-    ctx = mp.spawn(_init_and_run, args=(world_size, _free_port(), worker, *args), nprocs=world_size, join=False)
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"{world_size} gloo ranks did not finish within {JOIN_TIMEOUT_S} s")
-
-
-def _init_and_run(rank: int, world_size: int, port: int, worker, *args) -> None:
-    torch.set_num_threads(1)  # 2 shared cores: P processes with one thread each
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
-    )
     try:
-        worker(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+        spawn(worker, world_size, *args, timeout_s=90)
+    except SpawnTimeout as exc:
+        pytest.fail(str(exc))
 
 
 def _sdpa():
@@ -155,4 +128,4 @@ def test_failing_rank_fails_the_test_without_hanging():
     start = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException):
         _spawn(_failing_worker, 2)
-    assert time.monotonic() - start < COLLECTIVE_TIMEOUT.total_seconds()
+    assert time.monotonic() - start < 30

@@ -1,0 +1,59 @@
+"""Run a function on N gloo processes on 127.0.0.1 (tests and benchmarks of the parallel code on CPU).
+
+    spawn(worker, 4, arg)          # worker(rank, world_size, arg) on 4 ranks, torch.distributed initialised
+
+A rank's exception fails the whole run (the others are terminated); a run past `timeout_s` is killed rather
+than left hanging, and a collective whose peer died fails after `collective_timeout_s` instead of waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class SpawnTimeout(RuntimeError):
+    """The ranks did not finish in time (some rank is stuck in a collective)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(worker, world_size: int, *args, timeout_s: float = 120, collective_timeout_s: float = 30,
+          threads: int = 1) -> None:
+    """Run `worker(rank, world_size, *args)` in `world_size` processes with a gloo process group; raises the
+    first failing rank's error (mp.ProcessRaisedException) or SpawnTimeout. `worker` must be importable
+    (a module-level function)."""
+    port = free_port()
+    ctx = mp.spawn(_init_and_run, args=(world_size, port, worker, args, collective_timeout_s, threads),
+                   nprocs=world_size, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                if process.is_alive():
+                    process.kill()
+            raise SpawnTimeout(f"{world_size} gloo ranks did not finish within {timeout_s} s")
+
+
+def _init_and_run(rank: int, world_size: int, port: int, worker, args, collective_timeout_s: float,
+                  threads: int) -> None:
+    torch.set_num_threads(threads)  # shared cores: P processes with few threads each
+    # what torchrun sets: composer's own initialisation (composer.parallel.state) reads the same variables
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=collective_timeout_s))
+    try:
+        worker(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
