@@ -119,6 +119,38 @@ class RuntimeArgs:
         metadata={"help": "torch.compile mode", "choices": COMPILE_TORCH_MODES},
     )
 
+    ulysses_degree: int = field(
+        default=1,
+        metadata={"help": "sequence parallel: split attention heads over this many ranks (all-to-all around "
+                          "attention); the heads must divide by it"},
+    )
+    ring_degree: int = field(
+        default=1,
+        metadata={"help": "sequence parallel: pass keys/values round a ring of this many ranks (any head count); "
+                          "with ulysses_degree too: USP, Ulysses inside groups of neighbouring ranks, the ring "
+                          "across them"},
+    )
+    tp_size: int = field(
+        default=1,
+        metadata={"help": "tensor parallel: split the transformer's weights (heads and FFN) over this many ranks; "
+                          "each rank reads only its slices of the checkpoint"},
+    )
+    cfg_parallel: bool = field(
+        default=False,
+        metadata={"help": "run the prompt and the negative prompt on two halves of the ranks (doubles the ranks)"},
+    )
+    num_gpus: int | None = field(
+        default=None,
+        metadata={"help": "start this many worker processes (one per GPU) and run every request on all of them; "
+                          "the degrees must multiply to it (default layout: ulysses_degree = num_gpus). Not for "
+                          "torchrun launches, which start the processes themselves"},
+    )
+    dist_timeout: float = field(
+        default=600.0,
+        metadata={"help": "seconds a rank waits in a collective for its peers before failing with an error "
+                          "(a failed peer never hangs the others)"},
+    )
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> RuntimeArgs:
         """Build and validate; raises one ConfigError listing every unknown or invalid knob."""
@@ -131,6 +163,9 @@ class RuntimeArgs:
                     value = str(value).removeprefix("torch.")
                 values[key] = coerce(value, hints[key], key, errors)
         args = cls(**values) if not errors else None
+        if args is not None and args.num_gpus and "ulysses_degree" not in kwargs and args.num_gpus > 1 and (
+                args.ring_degree, args.tp_size, args.cfg_parallel) == (1, 1, False):
+            args.ulysses_degree = args.num_gpus  # num_gpus alone: Ulysses over all of them
         if args is not None:
             errors += args.validation_errors()
         raise_if_errors(errors, "runtime options")
@@ -156,6 +191,11 @@ class RuntimeArgs:
             elif len(self.lora_scale) != len(self.lora_path):
                 errors.append(f"lora_scale has {len(self.lora_scale)} value(s) for {len(self.lora_path)} lora_path "
                               "file(s): give one scale per file")
+        from composer.parallel.state import layout_errors
+
+        errors += layout_errors(self)
+        if self.dist_timeout <= 0:
+            errors.append(f"dist_timeout = {self.dist_timeout}: expected a positive number of seconds")
         import torch
 
         try:

@@ -25,6 +25,9 @@ class Attention(nn.Module):
         if role not in ROLES:
             raise ValueError(f"attention role must be one of {ROLES}, got {role!r}")
         self.role = role
+        # A sequence-parallel strategy (composer.parallel.sequence) computing self-attention across ranks; set
+        # by the parallel hook. Cross-attention needs none: local queries attend to the whole text.
+        self.parallel = None
         self.set_backend(backend)
 
     def set_backend(self, name: str) -> None:
@@ -50,7 +53,11 @@ class Attention(nn.Module):
         if kv_cache is not None:
             if self.role != "self":
                 raise ValueError("only self-attention keeps a KV cache; cross-attention takes precomputed text k/v")
+            if self.parallel is not None:
+                return self.parallel.attention(self.backend, query, key, value, attn_mask, kv_cache)
             key, value = kv_cache.update(key, value)
+        elif self.parallel is not None and self.role == "self":
+            return self.parallel.attention(self.backend, query, key, value, attn_mask)
         return run_attention(self.backend, query, key, value, attn_mask)
 
     def extra_repr(self) -> str:

@@ -61,6 +61,16 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         _, ph, pw = self.config.patch_size
         return (height // ph) * (width // pw)
 
+    def kv_cache_layout(self, tokens_per_frame: int) -> tuple[int, int]:
+        """(heads, tokens per frame) this process's KV cache holds: every head and token on one device; the
+        local heads (tensor parallel) and the sequence-parallel share (heads for Ulysses, tokens for a ring)
+        when the model is split over ranks."""
+        attn = self.blocks[0].attn1
+        heads = attn.to_q.out_features // self.config.attention_head_dim  # the local heads under tensor parallel
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel.kv_cache_layout(heads, tokens_per_frame)
+        return heads, tokens_per_frame
+
     def forward_cached(
         self,
         latents: torch.Tensor,

@@ -203,6 +203,10 @@ class WanTransformer3DModel(nn.Module):
     # checkpoint naming -> composer naming (see composer/loader/weights.py)
     param_name_mappings = {"diffusers": DIFFUSERS_TO_COMPOSER, "original": ORIGINAL_TO_COMPOSER}
     ignored_checkpoint_keys = (r"\.norm_added_q\.",)
+    # Set by the parallel hook (composer.parallel.sequence.SequenceParallel): splits the tokens over the
+    # sequence-parallel ranks after patchify (RoPE and per-frame modulation then act on the local part) and
+    # gathers them before unpatchify. None on one device.
+    sequence_parallel = None
     # Kept in fp32 whatever the load dtype, as the reference keeps them.
     keep_in_fp32 = (r"^condition_embedder\.time_embedder\.", r"scale_shift_table$", r"^blocks\.\d+\.norm2\.")
 
@@ -287,6 +291,9 @@ class WanTransformer3DModel(nn.Module):
                  kv_cache=None) -> torch.Tensor:
         x, grid = self.patchify(hidden_states)
         rotary = self.rotary(grid, x.device, frame_offset)
+        shards = self.sequence_parallel
+        if shards is not None:  # this rank's part of every frame, split once for all blocks
+            x, rotary = shards.split(x, rotary, frames=grid[0])
         if cross_kv is None:
             context = self.condition_embedder.embed_text(encoder_hidden_states)
             contexts = [context] * len(self.blocks)
@@ -303,8 +310,10 @@ class WanTransformer3DModel(nn.Module):
         # output norm + modulation, per frame when timesteps are per frame
         shift, scale = (self.scale_shift_table.unsqueeze(1) + temb.unsqueeze(2)).chunk(2, dim=2)  # [B, T, 1, D]
         h = x.unflatten(1, (temb.shape[1], -1))
-        x = (self.norm_out(h.float()) * (1 + scale) + shift).flatten(1, 2).type_as(x)
-        return self.unpatchify(self.proj_out(x), grid)
+        x = self.proj_out((self.norm_out(h.float()) * (1 + scale) + shift).flatten(1, 2).type_as(x))
+        if shards is not None:  # gathered once, after the (narrow) output projection
+            x = shards.gather(x)
+        return self.unpatchify(x, grid)
 
 
 EntryClass = WanTransformer3DModel
