@@ -29,6 +29,7 @@ from composer.loader.folder_settings import FolderSettings, read_folder_settings
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
 from composer.logging import get_logger, log_once
+from composer.parallel import state as parallel_state
 from composer.pipelines.base import ComposedPipeline
 from composer.prompt_lists import VideoRequests, numbered_path, video_requests
 from composer.registry.configs import resolve_configs
@@ -116,6 +117,14 @@ class VideoGenerator:
         """
         runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
         resolved = resolve_model(model_path, runtime.model_family)
+        if runtime.num_gpus and runtime.num_gpus > 1 and not parallel_state.under_launcher():
+            from composer.parallel.workers import WorkerVideoGenerator
+
+            return WorkerVideoGenerator.start(model_path, runtime, runtime_kwargs)
+        state = parallel_state.init_parallel(runtime)  # joins torchrun's process group; None for one process
+        if state is not None:  # this rank's device; rank 0 alone shows progress
+            runtime = dataclasses.replace(runtime, device=str(state.device),
+                                          progress=runtime.progress and state.is_main)
         model_path, index, pipeline_cls, configs = (
             resolved.model_path, resolved.index, resolved.pipeline_cls, resolved.configs
         )
@@ -197,7 +206,7 @@ class VideoGenerator:
             results = self._generate_batch(sp, videos, segments, cancel)
             return results if videos is not None and not videos.single else results[0]
         # More videos than one batch may hold: consecutive batches, each row keeping its seed and number.
-        seed = sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**32)
+        seed = sp.seed if sp.seed is not None else _random_seed()
         results = []
         for first in range(0, videos.count, limit):
             rows = slice(first, first + limit)
@@ -271,7 +280,7 @@ class VideoGenerator:
                 frames=batch.frames[i], seed=seed, sampling=sampling, timings=timings, stats=stats,
                 latents=batch.latents[i:i + 1].detach().cpu(),
             )
-            if sampling.output_path:
+            if sampling.output_path and parallel_state.is_main_process():  # rank 0 writes; the others don't
                 result.output_path = save_video(result.frames, sampling.output_path, fps=sp.fps)
             logger.info(
                 "generated %dx%dx%d (seed %d) in %.2f s%s%s",
@@ -323,7 +332,7 @@ class VideoGenerator:
     def _new_batch(self, sp: SamplingParam, videos: VideoRequests | None = None,
                    cancel: CancelToken | None = None) -> ForwardBatch:
         self._warn_ignored_settings(sp)
-        seed = sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**32)
+        seed = sp.seed if sp.seed is not None else _random_seed()
         if videos is not None:  # one row per video
             prompt, negative = videos.prompts, videos.negative_prompts
         else:
@@ -353,6 +362,13 @@ class VideoGenerator:
             log_once(logger, "negative-prompt-ignored", f"negative_prompt is ignored: guidance_scale = "
                      f"{sp.guidance_scale} (<= 1) turns classifier-free guidance off; set guidance_scale > 1 to "
                      "use it", logging.WARNING)
+
+
+def _random_seed() -> int:
+    """A fresh seed; under several ranks, rank 0's (each rank must draw the same noise)."""
+    seed = random.SystemRandom().randrange(2**32)
+    state = parallel_state.current()
+    return state.agree(seed) if state is not None else seed
 
 
 class VideoStream:

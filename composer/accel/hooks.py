@@ -4,12 +4,14 @@ Order (each hook sees what the ones before it made):
 
     lora       adapters on the transformer(s) (unfused peft layers, or merged into the weights)
     attention  every Attention module on the runtime's backend (`attention_backend`)
+    parallel   tensor parallel (the transformer loaded as this rank's slices), sequence parallel (tokens split
+               over ranks, attention across them), CFG parallel (guidance branches on two rank groups)
     offload    model: components on the device only while their stage runs; layerwise / disk: transformer
                blocks streamed to the device one block ahead
     compile    torch.compile of the transformer(s): each repeated block (regional) or the whole model
     cancel     the running request's CancelToken checked before each repeated block and each step
 
-(quantization goes before lora, parallel sharding between attention and offload, as they land.)
+(quantization goes before lora, as it lands.)
 
 A hook is a class with `name` and `apply(pipeline) -> str` (what it did, for the log), listed in `HOOKS` with
 the condition that turns it on; optionally `from_runtime(runtime)` (its constructor), `load_device(pipeline, module_name,
@@ -38,11 +40,18 @@ HOOKS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     ("composer.accel.lora", "LoraHook", lambda runtime: bool(runtime.lora_path)),
     # always on: every pipeline resolves its backend here, so the log says which one runs
     ("composer.accel.attention", "AttentionBackendHook", lambda runtime: True),
+    # tensor parallel loads the transformer(s) itself (load_module); sequence / CFG parallel wrap attention and
+    # engines: after the backend is chosen, before offload and compile see the modules
+    ("composer.accel.parallel", "ParallelHook", lambda runtime: _parallel(runtime)),
     ("composer.accel.offload", "OffloadHook", lambda runtime: runtime.offload != "none"),
     ("composer.accel.compile", "CompileHook", lambda runtime: runtime.compile != "none"),
     # always on: a request's CancelToken is checked before each block; last, so offload's block hooks run first
     ("composer.accel.cancel", "CancelHook", lambda runtime: True),
 )
+
+
+def _parallel(runtime: Any) -> bool:
+    return runtime.ulysses_degree * runtime.ring_degree * runtime.tp_size * (2 if runtime.cfg_parallel else 1) > 1
 
 
 def repeated_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -67,6 +76,11 @@ def enabled_hooks(runtime: Any) -> list[Any]:
 
 def check_combination(runtime: Any) -> None:
     """Refuse settings that do not work together, before anything loads."""
+    if runtime.tp_size > 1 and runtime.offload == "disk":
+        raise ConfigError(
+            "tp_size > 1 with offload = disk is not supported: tensor parallel reads each rank's slices of the "
+            "checkpoint itself; use offload = layerwise (or no offload: each rank holds 1/tp of the weights)"
+        )
     if runtime.lora_path and runtime.offload == "disk":
         raise ConfigError(
             "lora_path with offload = disk is not supported: the disk tier streams the transformer's blocks "

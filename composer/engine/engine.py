@@ -70,10 +70,17 @@ class DenoisingEngine:
         self.cfg_mode = cfg_mode
         self.hooks: list[EngineHook] = list(hooks or [])
         self._step: StepInfo | None = None
+        # composer.parallel.cfg.CfgParallel (set by the parallel hook): each guidance branch on its own ranks
+        self.branch_parallel = None
 
     @property
     def batched_cfg(self) -> bool:
-        return self.cfg_mode == "batched"
+        """Guidance branches as one batch (not when CFG parallel puts them on different ranks)."""
+        return self.cfg_mode == "batched" and self.branch_parallel is None
+
+    def owns_branch(self, branch: int) -> bool:
+        """Whether this process computes guidance branch `branch` (all of them, except under CFG parallel)."""
+        return self.branch_parallel is None or self.branch_parallel.owns(branch)
 
     def add_hook(self, hook: EngineHook) -> None:
         self.hooks.append(hook)
@@ -113,6 +120,9 @@ class DenoisingEngine:
         `merged`: the branches already batched (a loop batches them once, not every step)."""
         if len(branches) == 1:
             return [self.call_model(latents, timestep, branches[0], kind)]
+        if self.branch_parallel is not None:  # this rank's branch; a context pass's output is not used
+            return self.branch_parallel.run(lambda b: self.call_model(latents, timestep, b, kind), branches,
+                                            exchange=kind != "context")
         if self.batched_cfg:
             n = len(branches)
             merged = merged if merged is not None else ModelInputs.batched(branches)

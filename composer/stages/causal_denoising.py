@@ -146,22 +146,27 @@ class CausalDenoisingStage(Stage):
         return batch
 
     # -- the sampler ---------------------------------------------------------------------------------
-    def _new_caches(self, batch_size: int, branches: int, capacity: int, tokens_per_frame: int) -> list[KVCache]:
+    def _new_caches(self, batch_size: int, branches: int, capacity: int, tokens_per_frame: int,
+                    ) -> list[KVCache | None]:
         """One cache per guidance branch; batched branches share one cache holding all their rows."""
         cfg = self.transformer.config
         window, sink = self.window
+        heads, tokens = cfg.num_attention_heads, tokens_per_frame
+        if hasattr(self.transformer, "kv_cache_layout"):  # split over ranks: this rank's heads / tokens
+            heads, tokens = self.transformer.kv_cache_layout(tokens_per_frame)
 
         def cache(rows: int) -> KVCache:
             spec = KVCacheSpec(
-                num_layers=cfg.num_layers, batch_size=rows, num_heads=cfg.num_attention_heads,
-                head_dim=cfg.attention_head_dim, tokens_per_frame=tokens_per_frame, capacity_frames=capacity,
+                num_layers=cfg.num_layers, batch_size=rows, num_heads=heads,
+                head_dim=cfg.attention_head_dim, tokens_per_frame=tokens, capacity_frames=capacity,
                 window_frames=window, sink_frames=sink,
             )
             return KVCache(spec, self.transformer.dtype, self.transformer.device, offload=self.kv_cache_offload)
 
         if branches > 1 and self.engine.batched_cfg:
             return [cache(batch_size * branches)] * branches
-        return [cache(batch_size) for _ in range(branches)]
+        # CFG parallel: a rank keeps the cache of its own branch only
+        return [cache(batch_size) if self.engine.owns_branch(i) else None for i in range(branches)]
 
     def _chunks(self, start: int, end: int) -> list[tuple[int, int]]:
         n = self.config.num_frames_per_block
@@ -222,7 +227,8 @@ class CausalDenoisingStage(Stage):
                 caches = self._new_caches(bsz, branches, prefix + blocks * n, tpf) if plan.use_kv_cache else None
                 stats.rollouts += 1
                 if caches is not None:
-                    stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in {id(c): c for c in caches}.values()))
+                    held = {id(c): c for c in caches if c is not None}.values()
+                    stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in held))
 
                 start = time.perf_counter()
                 if caches is not None and context is not None:

@@ -1,0 +1,70 @@
+"""Parallel hook: spread each denoising transformer over the ranks of the runtime's layout
+(composer/parallel/state.py made the process groups before the pipeline loaded).
+
+- tensor parallel (`tp_size`): the transformer is loaded by this hook, each rank reading only its slices
+  of the checkpoint into column/row-parallel layers (composer/parallel/tensor.py);
+- sequence parallel (`ulysses_degree`, `ring_degree`): the model splits its tokens over the ranks and every
+  self-attention module computes across them (composer/parallel/sequence.py);
+- CFG parallel (`cfg_parallel`): every denoising engine runs its guidance branches on two rank groups
+  (composer/parallel/cfg.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer.errors import ConfigError
+from composer.parallel import state as parallel_state
+
+
+class ParallelHook:
+    name = "parallel"
+
+    def __init__(self, state: parallel_state.ParallelState):
+        self.state = state
+
+    @classmethod
+    def from_runtime(cls, runtime: Any) -> ParallelHook:
+        state = parallel_state.current()
+        if state is None or state.layout != parallel_state.ParallelLayout.from_runtime(runtime):
+            raise ConfigError("the parallel layout is set but this process is not part of it: load through "
+                              "VideoGenerator.from_pretrained (which joins the process group) or composer.parallel."
+                              "state.init_parallel first")
+        return cls(state)
+
+    def load_module(self, pipeline: Any, name: str, folder, spec, dtype):
+        """Tensor parallel: this rank's shard of each denoising transformer, read slice by slice."""
+        if self.state.layout.tp == 1 or not name.startswith("transformer"):
+            return None
+        from composer.loader.components import ComposerModelLoader
+        from composer.parallel.tensor import load_tensor_parallel
+
+        meta = ComposerModelLoader().build(folder, spec)  # class and config from config.json, no weights
+        return load_tensor_parallel(type(meta), meta.config, folder, pipeline.load_device(name), dtype,
+                                    self.state.group("tp"))
+
+    def apply(self, pipeline: Any) -> str:
+        from composer.parallel.sequence import SequenceParallel, apply_sequence_parallel
+
+        layout = self.state.layout
+        lines = []
+        for name, model in pipeline.denoisers().items():
+            done = []
+            if layout.tp > 1:
+                done.append(f"tensor parallel {layout.tp}")
+            if layout.sp > 1:
+                sp = SequenceParallel(self.state.group("ulysses"), self.state.group("ring"), self.state.group("sp"))
+                count = apply_sequence_parallel(model, sp)
+                done.append(f"sequence parallel (ulysses {layout.ulysses} x ring {layout.ring}, {count} attention "
+                            "modules)")
+            if done:
+                lines.append(f"{name}: " + ", ".join(done))
+        if layout.cfg > 1:
+            lines.append("guidance branches on two rank groups (cfg parallel)")
+        return f"{layout.describe()} on {layout.world_size} ranks: " + "; ".join(lines)
+
+    def configure_engine(self, engine) -> None:
+        if self.state.layout.cfg > 1:
+            from composer.parallel.cfg import CfgParallel
+
+            engine.branch_parallel = CfgParallel(self.state.group("cfg"), self.state.index("cfg"))
