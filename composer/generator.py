@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import random
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -206,7 +205,7 @@ class VideoGenerator:
             results = self._generate_batch(sp, videos, segments, cancel)
             return results if videos is not None and not videos.single else results[0]
         # More videos than one batch may hold: consecutive batches, each row keeping its seed and number.
-        seed = sp.seed if sp.seed is not None else _random_seed()
+        seed = sp.seed if sp.seed is not None else parallel_state.random_seed()
         results = []
         for first in range(0, videos.count, limit):
             rows = slice(first, first + limit)
@@ -332,7 +331,7 @@ class VideoGenerator:
     def _new_batch(self, sp: SamplingParam, videos: VideoRequests | None = None,
                    cancel: CancelToken | None = None) -> ForwardBatch:
         self._warn_ignored_settings(sp)
-        seed = sp.seed if sp.seed is not None else _random_seed()
+        seed = sp.seed if sp.seed is not None else parallel_state.random_seed()
         if videos is not None:  # one row per video
             prompt, negative = videos.prompts, videos.negative_prompts
         else:
@@ -362,13 +361,6 @@ class VideoGenerator:
             log_once(logger, "negative-prompt-ignored", f"negative_prompt is ignored: guidance_scale = "
                      f"{sp.guidance_scale} (<= 1) turns classifier-free guidance off; set guidance_scale > 1 to "
                      "use it", logging.WARNING)
-
-
-def _random_seed() -> int:
-    """A fresh seed; under several ranks, rank 0's (each rank must draw the same noise)."""
-    seed = random.SystemRandom().randrange(2**32)
-    state = parallel_state.current()
-    return state.agree(seed) if state is not None else seed
 
 
 class VideoStream:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import random
 import re
 import sys
 import time
@@ -123,10 +122,15 @@ def run(args: argparse.Namespace) -> int:
                       stream=args.stream or args.interactive,
                       interactive_blocks=args.blocks_per_prompt if args.interactive else None)
 
+    from composer.parallel import state as parallel_state
+
+    if args.interactive and (parallel_state.under_launcher() or (runtime_args.num_gpus or 1) > 1):
+        raise ConfigError("--interactive reads prompts from one terminal and does not run on several ranks; use "
+                          "--segment (every rank reads the same flags), or one process")
     generator = VideoGenerator.from_pretrained(args.model_path or preset.model_path, **runtime)
     sp = generator.sampling_param(**sampling_overrides)  # the family's own fields and defaults
     if sp.seed is None:
-        sp = sp.updated(seed=random.SystemRandom().randrange(2**32))
+        sp = sp.updated(seed=parallel_state.random_seed())  # under torchrun: rank 0's seed on every rank
     first_prompt = segments[0][0] if segments else sp.prompt
     if prompts is not None or (sp.num_videos_per_prompt > 1 and sp.prompt
                                and not (segments or args.stream or args.interactive)):
@@ -151,13 +155,21 @@ def run(args: argparse.Namespace) -> int:
             result = generator.generate_video(sampling_param=sp, segments=segments, cancel=cancel)
             frames, path, stats = result.frames.shape[0], result.output_path, result.stats
     elapsed = time.perf_counter() - start
-    print(
+    _say(
         f"wrote {path} ({frames} frames, {sp.width}x{sp.height}, {sp.fps} fps, seed {sp.seed}) "
         f"in {elapsed:.1f} s with {generator.family}"
     )
     if stats is not None:
-        print(f"profile: {stats.summary()}")
+        _say(f"profile: {stats.summary()}")
     return 0
+
+
+def _say(*args, **kwargs) -> None:
+    """print, on rank 0 only: under torchrun every rank runs this command and rank 0 reports."""
+    from composer.parallel import state as parallel_state
+
+    if parallel_state.is_main_process():
+        print(*args, **kwargs)
 
 
 def _prompt_file_prompts(args: argparse.Namespace, sampling: dict) -> list[str] | None:
@@ -183,8 +195,8 @@ def _generate_prompt_list(generator, sp, prompts: list[str], name: str, cancel=N
     results = generator.generate_video(prompts, sampling_param=sp, cancel=cancel)
     elapsed = time.perf_counter() - start
     for result in results:
-        print(f"wrote {result.output_path} ({result.num_frames} frames, seed {result.seed}): {result.sampling.prompt}")
-    print(
+        _say(f"wrote {result.output_path} ({result.num_frames} frames, seed {result.seed}): {result.sampling.prompt}")
+    _say(
         f"{len(results)} videos ({sp.width}x{sp.height}, {sp.fps} fps) in {elapsed:.1f} s as one batch "
         f"with {generator.family}"
     )
@@ -199,11 +211,16 @@ def _stream(generator, sp, segments, cancel=None):
         segments if segments is not None else sp.prompt, sampling_param=sp, keep_video=False,  # frames go to disk
         cancel=cancel,
     )
+    from composer.parallel import state as parallel_state
+
+    if not parallel_state.is_main_process():  # every rank makes the chunks together; rank 0 writes them
+        frames = sum(len(chunk.frames) for chunk in stream)
+        return frames, sp.output_path, stream.stats
     with VideoWriter(sp.output_path, fps=sp.fps) as writer:  # renamed into place when done, deleted on failure
         for chunk in stream:
             writer.append(chunk.frames)
             what = "start frames" if chunk.block_index is None else f"block {chunk.block_index}"
-            print(
+            _say(
                 f"{what} (segment {chunk.segment}): {len(chunk.frames)} frames, denoise {chunk.block_seconds * 1000:.0f} ms,"
                 f" decode {chunk.decode_seconds * 1000:.0f} ms, at {chunk.since_start:.2f} s",
                 flush=True,

@@ -19,6 +19,7 @@ import atexit
 import itertools
 import logging
 import os
+import random
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -193,6 +194,12 @@ def current() -> ParallelState | None:
 
 def is_main_process() -> bool:
     return _STATE is None or _STATE.is_main
+
+
+def random_seed() -> int:
+    """A fresh random seed; under several ranks, rank 0's on every rank (each must draw the same noise)."""
+    seed = random.SystemRandom().randrange(2**32)
+    return _STATE.agree(seed) if _STATE is not None else seed
 
 
 def init_parallel(runtime: Any) -> ParallelState | None:
