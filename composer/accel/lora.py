@@ -153,6 +153,10 @@ class LoraAdapters:
                     bias = layer.lora_B[adapter].bias
                     if bias is not None:  # PEFT scales lora_B's bias by alpha / r: store the delta over that
                         bias.copy_(lora.bias * (lora.rank / lora.alpha) if lora.bias is not None else 0.0)
+                    # a base layer holding a slice of its weight (tensor parallel) slices its adapter the same way
+                    shard_lora = getattr(layer.get_base_layer(), "shard_lora", None)
+                    if shard_lora is not None:
+                        shard_lora(layer, adapter)
         self._drop_peft_config()
         for name in self._wrapped:
             layer = self.model.get_submodule(name)

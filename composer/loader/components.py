@@ -99,24 +99,36 @@ class ComposerModelLoader(ComponentLoader):
     """composer's own model class (found by the model registry), built on meta, filled from safetensors."""
 
     def load(self, folder, spec, device, dtype):
-        model = self.build(folder, spec)
+        return self.fill(self.build(folder, spec), folder, device, dtype)
+
+    @staticmethod
+    def fill(model: torch.nn.Module, folder: Path, device: torch.device, dtype: torch.dtype | None,
+             **load_kwargs: Any) -> torch.nn.Module:
+        """Load every tensor of `model` (built on meta) from `folder`'s safetensors (`load_weights`, which
+        `load_kwargs` go to) and return it in eval mode without gradients; a tensor left on meta is an error."""
         cls = type(model)
-        scheme = load_weights(model, folder, device, dtype or torch.float32)
+        scheme = load_weights(model, folder, device, dtype or torch.float32, **load_kwargs)
         leftovers = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
         if leftovers:
             raise CheckpointError(f"{cls.__name__} still has unloaded tensors after loading: {leftovers[:5]}")
         logger.debug("loaded %s from %s (%s naming)", cls.__name__, folder, scheme)
         return model.eval().requires_grad_(False)
 
-    def build(self, folder: Path, spec: ComponentSpec) -> torch.nn.Module:
-        """The model of `folder` from its config.json, on the meta device (no weights read)."""
+    @staticmethod
+    def model_class_and_config(folder: Path, spec: ComponentSpec) -> tuple[type[torch.nn.Module], Any]:
+        """The composer model class serving `folder` (its config.json's `_class_name`, else the spec's) and its
+        config object read from config.json; no weights read."""
         _require_folder(folder, spec)
         config_path = folder / "config.json"
         if not config_path.is_file():
             raise ModelFormatError(f"{folder} has no config.json for component '{spec.name}'")
         raw = read_config_file(config_path)
         cls = get_model_class(raw.get("_class_name") or spec.class_name)
-        config = cls.config_class.from_dict(raw)
+        return cls, cls.config_class.from_dict(raw)
+
+    def build(self, folder: Path, spec: ComponentSpec) -> torch.nn.Module:
+        """The model of `folder` from its config.json, on the meta device (no weights read)."""
+        cls, config = self.model_class_and_config(folder, spec)
         with torch.device("meta"):
             return cls(config)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,13 +133,26 @@ class TensorSource:
     dtype: torch.dtype | None  # None: not floating, used as stored
 
 
-def plan_weights(model: nn.Module, folder: Path) -> WeightPlan:
+@dataclass(frozen=True)
+class TensorShard:
+    """A model tensor that holds part of a checkpoint tensor: the checkpoint tensor's `full_shape`, and the
+    `index` (slices, one per leading dim) that cuts this part out of it. Tensor parallelism loads this way."""
+
+    full_shape: tuple[int, ...]
+    index: tuple[slice, ...]
+
+
+def plan_weights(model: nn.Module, folder: Path, shards: Mapping[str, TensorShard] | None = None) -> WeightPlan:
     """Match the checkpoint in `folder` to `model` from the headers only.
 
-    Raises CheckpointError naming every missing, unexpected or wrongly shaped tensor.
+    `shards`: composer name -> TensorShard for tensors the model holds a slice of (checked against the full
+    shape). Raises CheckpointError naming every missing, unexpected or wrongly shaped tensor.
     """
     cls = type(model)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    shards = shards or {}
+    expected = {
+        name: shards[name].full_shape if name in shards else tuple(t.shape) for name, t in model.state_dict().items()
+    }
     where = checkpoint_index(find_weight_files(folder))
     match = match_names(
         where, set(expected), getattr(cls, "param_name_mappings", {}), getattr(cls, "ignored_checkpoint_keys", ())
@@ -196,14 +209,20 @@ def load_weights(
     dtype: torch.dtype,
     *,
     skip: Callable[[str], bool] | None = None,
+    shards: Mapping[str, TensorShard] | None = None,
+    on_read: Callable[[str, torch.Tensor], None] | None = None,
 ) -> str:
     """Fill `model` (usually built on the meta device) from the safetensors in `folder`.
 
     Returns the naming scheme the checkpoint used. Raises CheckpointError naming every missing, unexpected
     or wrongly shaped tensor before anything is loaded. `skip(composer_name)` true: that tensor is not read
     and keeps what the model holds (the disk offload tier leaves its block weights on disk this way).
+    `shards`: composer name -> TensorShard: only that slice of the checkpoint tensor is read from disk (the
+    whole tensor is never materialised). `on_read(composer_name, tensor)` sees each tensor as read from the
+    file, before any cast (accounting of what was read).
     """
-    plan = plan_weights(model, folder)
+    shards = shards or {}
+    plan = plan_weights(model, folder, shards)
     match, where = plan.match, plan.where
     by_file: dict[Path, list[str]] = {}
     for name in match.mapped:
@@ -214,7 +233,10 @@ def load_weights(
         with _open(path, str(device)) as f:
             for name in names:
                 ours = match.mapped[name]
-                tensor = f.get_tensor(name)
+                shard = shards.get(ours)
+                tensor = f.get_slice(name)[shard.index].to(device) if shard else f.get_tensor(name)
+                if on_read is not None:
+                    on_read(ours, tensor)
                 if tensor.is_floating_point():
                     tensor = tensor.to(plan.dtype_for(ours, dtype))
                 state[ours] = tensor

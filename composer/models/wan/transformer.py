@@ -39,7 +39,7 @@ class WanSelfAttention(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, eps: float):
         super().__init__()
-        self.num_heads = num_heads
+        self.head_dim = dim // num_heads  # heads are counted from the projections' width: a TP rank holds some
         self.to_q = nn.Linear(dim, dim)
         self.to_k = nn.Linear(dim, dim)
         self.to_v = nn.Linear(dim, dim)
@@ -50,9 +50,9 @@ class WanSelfAttention(nn.Module):
 
     def project_qkv(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (normed, rotated) and v as [B, S, heads, head_dim]."""
-        q = self.norm_q(self.to_q(x)).unflatten(2, (self.num_heads, -1))
-        k = self.norm_k(self.to_k(x)).unflatten(2, (self.num_heads, -1))
-        v = self.to_v(x).unflatten(2, (self.num_heads, -1))
+        q = self.norm_q(self.to_q(x)).unflatten(2, (-1, self.head_dim))
+        k = self.norm_k(self.to_k(x)).unflatten(2, (-1, self.head_dim))
+        v = self.to_v(x).unflatten(2, (-1, self.head_dim))
         return apply_rotary(q, *rotary), apply_rotary(k, *rotary), v
 
     def forward(
@@ -69,7 +69,7 @@ class WanCrossAttention(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, eps: float):
         super().__init__()
-        self.num_heads = num_heads
+        self.head_dim = dim // num_heads  # heads are counted from the projections' width: a TP rank holds some
         self.to_q = nn.Linear(dim, dim)
         self.to_k = nn.Linear(dim, dim)
         self.to_v = nn.Linear(dim, dim)
@@ -79,13 +79,13 @@ class WanCrossAttention(nn.Module):
         self.attention = Attention(role="cross")
 
     def project_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.norm_k(self.to_k(context)).unflatten(2, (self.num_heads, -1))
-        v = self.to_v(context).unflatten(2, (self.num_heads, -1))
+        k = self.norm_k(self.to_k(context)).unflatten(2, (-1, self.head_dim))
+        v = self.to_v(context).unflatten(2, (-1, self.head_dim))
         return k, v
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """`context`: the embedded text [B, L, D], or its (k, v) from `project_kv` computed once per prompt."""
-        q = self.norm_q(self.to_q(x)).unflatten(2, (self.num_heads, -1))
+        q = self.norm_q(self.to_q(x)).unflatten(2, (-1, self.head_dim))
         k, v = context if isinstance(context, tuple) else self.project_kv(context)
         return self.to_out(self.attention(q, k, v).flatten(2))
 
@@ -209,6 +209,17 @@ class WanTransformer3DModel(nn.Module):
     sequence_parallel = None
     # Kept in fp32 whatever the load dtype, as the reference keeps them.
     keep_in_fp32 = (r"^condition_embedder\.time_embedder\.", r"scale_shift_table$", r"^blocks\.\d+\.norm2\.")
+    # Tensor parallelism (composer/parallel/tensor.py): module name -> how its weight is split over the ranks.
+    # "column": output features (whole heads, or a block of the FFN's hidden units), "row": input features (the
+    # partial outputs are summed), "norm": the q/k RMSNorm over all heads, computed from the local heads' slice.
+    # Everything else is replicated.
+    tensor_parallel_plan = {
+        r"^blocks\.\d+\.attn[12]\.to_[qkv]$": "column",
+        r"^blocks\.\d+\.attn[12]\.to_out$": "row",
+        r"^blocks\.\d+\.attn[12]\.norm_[qk]$": "norm",
+        r"^blocks\.\d+\.ffn\.fc_in$": "column",
+        r"^blocks\.\d+\.ffn\.fc_out$": "row",
+    }
 
     def __init__(self, config: WanTransformerConfig):
         super().__init__()
