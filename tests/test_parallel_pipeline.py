@@ -26,6 +26,13 @@ LAYOUTS = {
     "tp2-ulysses2": dict(tp_size=2, ulysses_degree=2),
     "cfg2-ring2": dict(cfg_parallel=True, ring_degree=2),
 }
+# Hooks under parallel layouts: LoRA (unfused) under sequence and tensor parallel, compile under sequence parallel.
+HOOK_LAYOUTS = {
+    "ulysses2-lora": dict(ulysses_degree=2, lora=True),
+    "ring2-lora": dict(ring_degree=2, lora=True),
+    "tp2-lora": dict(tp_size=2, lora=True),
+    "ulysses2-compile": dict(ulysses_degree=2, compile="regional"),
+}
 CAUSAL_LAYOUTS = {
     "ulysses2": dict(ulysses_degree=2),
     "ring2": dict(ring_degree=2),
@@ -63,6 +70,24 @@ def parallel_causal_dir(parallel_wan_dir, tmp_path_factory):
                                 settings=CausalSettings(num_frames_per_block=2, local_attn_size=5, sink_size=1))
 
 
+@pytest.fixture(scope="module")
+def lora_file(parallel_wan_dir, tmp_path_factory):
+    from test_lora import lora_weights, write_lora
+
+    from composer import VideoGenerator
+
+    model = VideoGenerator.from_pretrained(parallel_wan_dir, dtype="fp32", progress=False).pipeline.modules["transformer"]
+    return str(write_lora(tmp_path_factory.mktemp("lora") / "style.safetensors", "diffusers", lora_weights(model, 5)))
+
+
+def _runtime(layout: dict, lora_file: str | None = None) -> dict:
+    """The layout's runtime keywords (`lora: True` -> the LoRA file)."""
+    runtime = {k: v for k, v in layout.items() if k != "lora"}
+    if layout.get("lora"):
+        runtime["lora_path"] = [lora_file]
+    return runtime
+
+
 def _generate(folder, request: dict, out: str | None = None, **runtime):
     from composer import VideoGenerator
 
@@ -76,20 +101,22 @@ def _worker(rank, world, folder, request, layout, out_dir):
                 "path": str(result.output_path) if result.output_path else None}, f"{out_dir}/rank{rank}.pt")
 
 
-_REFERENCE: dict[str, object] = {}
+_REFERENCE: dict[tuple, object] = {}
 
 
-def _reference(folder, request):
-    key = str(folder)
+def _reference(folder, request, lora_path=None):
+    """One process's video (with the same LoRA, when the layout has one)."""
+    key = (str(folder), tuple(lora_path or ()))
     if key not in _REFERENCE:
-        _REFERENCE[key] = _generate(folder, request)
+        _REFERENCE[key] = _generate(folder, request, **({"lora_path": lora_path} if lora_path else {}))
     return _REFERENCE[key]
 
 
-def _check_layout(folder, request, layout, tmp_path, one_thread):
-    expected = _reference(folder, request)
+def _check_layout(folder, request, layout, tmp_path, one_thread, lora_file=None):
+    runtime = _runtime(layout, lora_file)
+    expected = _reference(folder, request, runtime.get("lora_path"))
     world = _world(layout)
-    spawn(_worker, world, str(folder), request, layout, str(tmp_path), timeout_s=240)
+    spawn(_worker, world, str(folder), request, runtime, str(tmp_path), timeout_s=240)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for rank, got in enumerate(results):  # every rank holds the whole video
         torch.testing.assert_close(got["latents"], expected.latents, atol=1e-5, rtol=0)
@@ -103,6 +130,12 @@ def _check_layout(folder, request, layout, tmp_path, one_thread):
 @pytest.mark.parametrize("name", _params(LAYOUTS))
 def test_text_to_video_layout_equals_one_process(name, parallel_wan_dir, tmp_path, one_thread):
     _check_layout(parallel_wan_dir, REQUEST, LAYOUTS[name], tmp_path, one_thread)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "compile" in n or "tp" in n else n
+                                  for n in HOOK_LAYOUTS])
+def test_hooks_under_a_layout_equal_one_process(name, parallel_wan_dir, lora_file, tmp_path, one_thread):
+    _check_layout(parallel_wan_dir, REQUEST, HOOK_LAYOUTS[name], tmp_path, one_thread, lora_file)
 
 
 @pytest.mark.parametrize("name", _params(CAUSAL_LAYOUTS))

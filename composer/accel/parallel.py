@@ -39,8 +39,8 @@ class ParallelHook:
         from composer.loader.components import ComposerModelLoader
         from composer.parallel.tensor import load_tensor_parallel
 
-        meta = ComposerModelLoader().build(folder, spec)  # class and config from config.json, no weights
-        return load_tensor_parallel(type(meta), meta.config, folder, pipeline.load_device(name), dtype,
+        model_cls, config = ComposerModelLoader().model_class_and_config(folder, spec)
+        return load_tensor_parallel(model_cls, config, folder, pipeline.load_device(name), dtype,
                                     self.state.group("tp"))
 
     def apply(self, pipeline: Any) -> str:

@@ -66,7 +66,7 @@ class CausalWanTransformer3DModel(WanTransformer3DModel):
         local heads (tensor parallel) and the sequence-parallel share (heads for Ulysses, tokens for a ring)
         when the model is split over ranks."""
         attn = self.blocks[0].attn1
-        heads = attn.to_q.out_features // self.config.attention_head_dim  # the local heads under tensor parallel
+        heads = attn.to_q.weight.shape[0] // self.config.attention_head_dim  # this rank's heads (tensor parallel)
         if self.sequence_parallel is not None:
             return self.sequence_parallel.kv_cache_layout(heads, tokens_per_frame)
         return heads, tokens_per_frame
