@@ -15,7 +15,8 @@ from composer.testing.distributed import spawn
 # 48 x 80 pixels -> 6 x 10 latents -> 3 x 5 = 15 tokens a frame: divides by neither 2 nor 4
 REQUEST = dict(prompt="a red ball moves left", negative_prompt="blurry", height=48, width=80, num_frames=9,
                num_inference_steps=3, guidance_scale=5.0, seed=1234)
-CAUSAL_REQUEST = dict(prompt="a red ball moves left", height=48, width=80, num_frames=13, seed=99)
+CAUSAL_REQUEST = dict(prompt="a red ball moves left", height=48, width=80, num_frames=13, seed=99,
+                      guidance_scale=3.0, negative_prompt="blurry")
 
 LAYOUTS = {
     "ulysses2": dict(ulysses_degree=2),
@@ -35,6 +36,7 @@ HOOK_LAYOUTS = {
 }
 CAUSAL_LAYOUTS = {
     "ulysses2": dict(ulysses_degree=2),
+    "cfg2": dict(cfg_parallel=True),  # with guidance: each half keeps its own branch's KV cache
     "ring2": dict(ring_degree=2),
     "tp2": dict(tp_size=2),
     "usp2x2": dict(ulysses_degree=2, ring_degree=2),
@@ -112,6 +114,9 @@ def _reference(folder, request, lora_path=None):
     return _REFERENCE[key]
 
 
+_RESULTS: dict[str, dict] = {}  # T2V layout name -> rank 0's latents and frames (filled by the layout tests)
+
+
 def _check_layout(folder, request, layout, tmp_path, one_thread, lora_file=None):
     runtime = _runtime(layout, lora_file)
     expected = _reference(folder, request, runtime.get("lora_path"))
@@ -129,7 +134,27 @@ def _check_layout(folder, request, layout, tmp_path, one_thread, lora_file=None)
 
 @pytest.mark.parametrize("name", _params(LAYOUTS))
 def test_text_to_video_layout_equals_one_process(name, parallel_wan_dir, tmp_path, one_thread):
-    _check_layout(parallel_wan_dir, REQUEST, LAYOUTS[name], tmp_path, one_thread)
+    _RESULTS[name] = _check_layout(parallel_wan_dir, REQUEST, LAYOUTS[name], tmp_path, one_thread)
+
+
+@pytest.mark.slow
+def test_every_layout_gives_the_same_video(parallel_wan_dir, tmp_path, one_thread):
+    """One request under every supported layout (those the tests above already ran are reused, the rest run
+    here), compared with each other pairwise and with one process."""
+    for name, layout in LAYOUTS.items():
+        if name not in _RESULTS:
+            (tmp_path / name).mkdir()
+            _RESULTS[name] = _check_layout(parallel_wan_dir, REQUEST, layout, tmp_path / name, one_thread)
+    one = _reference(parallel_wan_dir, REQUEST)
+    videos = {"one process": {"latents": one.latents, "frames": torch.from_numpy(one.frames)}, **_RESULTS}
+    names = list(videos)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            torch.testing.assert_close(videos[a]["latents"], videos[b]["latents"], atol=2e-5, rtol=0,
+                                       msg=lambda m, a=a, b=b: f"{a} vs {b}: {m}")
+            diff = (videos[a]["frames"].int() - videos[b]["frames"].int()).abs().max().item()
+            assert diff <= 1, f"{a} vs {b}: frames differ by {diff}"
+    assert len(names) == len(LAYOUTS) + 1
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "compile" in n or "tp" in n else n

@@ -11,6 +11,7 @@ a step cache, CFG parallel or a profiler attaches here once for every pipeline.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,9 @@ from tqdm.auto import tqdm
 from composer.engine.guidance import ClassifierFreeGuidance
 from composer.engine.inputs import ModelInputs
 from composer.engine.steps import StepRule
+from composer.logging import get_logger, log_once
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -119,6 +123,9 @@ class DenoisingEngine:
         """The raw prediction of each branch: one batched call (cfg_mode batched) or one call per branch.
         `merged`: the branches already batched (a loop batches them once, not every step)."""
         if len(branches) == 1:
+            if self.branch_parallel is not None:
+                log_once(logger, "cfg-parallel-idle", "cfg_parallel is on but this request has no guidance "
+                         "(guidance_scale <= 1): both rank groups compute the same single branch", logging.WARNING)
             return [self.call_model(latents, timestep, branches[0], kind)]
         if self.branch_parallel is not None:  # this rank's branch; a context pass's output is not used
             return self.branch_parallel.run(lambda b: self.call_model(latents, timestep, b, kind), branches,
