@@ -43,6 +43,19 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name if name.startswith("composer") else f"composer.{name}")
 
 
+def set_rank(rank: int, world_size: int) -> None:
+    """One of several ranks: rank 0 logs as usual; the others log warnings and errors only, as
+    `[composer rank N]`, so a failing rank is named and INFO lines are not repeated N times."""
+    root = get_logger("composer")
+    if rank == 0:
+        return
+    if root.level < logging.WARNING:
+        root.setLevel(logging.WARNING)
+    for handler in root.handlers:
+        if isinstance(handler, _TqdmHandler):
+            handler.setFormatter(logging.Formatter(f"[composer rank {rank}/{world_size}] %(levelname)s %(message)s"))
+
+
 def log_once(logger: logging.Logger, key: str, message: str, level: int = logging.INFO) -> None:
     """Log `message` the first time `key` is seen in this process (fallback notices and the like)."""
     with _lock:

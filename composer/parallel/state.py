@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import logging
 import os
 import random
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from composer.errors import ConfigError
-from composer.logging import get_logger
+from composer.logging import get_logger, set_rank
 
 logger = get_logger(__name__)
 
@@ -267,9 +266,7 @@ def _rank_device(device: str, local_rank: int) -> torch.device:
 
 def _quiet_other_ranks(state: ParallelState) -> None:
     """Ranks other than 0 log warnings and errors only (each prefixed with its rank), never INFO lines."""
-    if state.is_main:
-        return
-    logging.getLogger("composer").setLevel(logging.WARNING)
+    set_rank(state.rank, state.world_size)
 
 
 def shutdown() -> None:
