@@ -34,8 +34,13 @@ def wan4_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(wan4_dir, one_thread):
-    return VideoGenerator.from_pretrained(wan4_dir, **RUNTIME).generate_video(**REQUEST)
+def single(wan4_dir, one_thread):
+    return VideoGenerator.from_pretrained(wan4_dir, **RUNTIME)
+
+
+@pytest.fixture(scope="module")
+def reference(single):
+    return single.generate_video(**REQUEST)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +134,7 @@ def test_api_parity(workers):
 
 
 @pytest.mark.parametrize("bad", [dict(height=50), dict(num_inference_steps=-1)], ids=["height", "steps"])
-def test_bad_input_raises_like_one_process_and_loses_nothing(bad, workers, wan4_dir, reference, one_thread):
-    single = VideoGenerator.from_pretrained(wan4_dir, **RUNTIME)
+def test_bad_input_raises_like_one_process_and_loses_nothing(bad, workers, single, reference):
     with pytest.raises(Exception) as expected:
         single.generate_video(**{**REQUEST, **bad})
     with pytest.raises(InvalidInputError) as got:
@@ -138,6 +142,24 @@ def test_bad_input_raises_like_one_process_and_loses_nothing(bad, workers, wan4_
     assert type(got.value) is type(expected.value) and str(got.value) == str(expected.value)
     result = workers.generate_video(**REQUEST)
     torch.testing.assert_close(result.latents, reference.latents, atol=1e-5, rtol=0)
+
+
+def test_lora_switch_reaches_every_rank(workers, single, reference, tmp_path):
+    from test_lora import lora_weights, write_lora
+
+    from composer.errors import ModelNotFoundError
+
+    lora = write_lora(tmp_path / "lora.safetensors", "original",
+                      lora_weights(single.pipeline.modules["transformer"], seed=1))
+    single.set_lora(lora)
+    expected = single.generate_video(**REQUEST)
+    single.unset_lora()
+    with pytest.raises(ModelNotFoundError, match="does not exist"):  # on every rank alike: the workers go on
+        workers.set_lora(tmp_path / "nowhere.safetensors")
+    assert "lora.safetensors" in workers.set_lora(lora)
+    torch.testing.assert_close(workers.generate_video(**REQUEST).latents, expected.latents, atol=1e-5, rtol=0)
+    workers.unset_lora()
+    torch.testing.assert_close(workers.generate_video(**REQUEST).latents, reference.latents, atol=1e-5, rtol=0)
 
 
 def test_worker_killed_between_requests(wan4_dir):
@@ -182,6 +204,26 @@ def test_failure_on_one_rank_stops_every_worker(wan4_dir):
 
 
 @pytest.mark.slow
+def test_a_taken_port_is_retried(wan4_dir, monkeypatch):
+    import socket
+
+    from composer.parallel import workers as workers_module
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = workers_module._free_port
+    monkeypatch.setattr(workers_module, "_free_port", lambda: next(ports, None) or real())
+    try:
+        with _start(wan4_dir) as gen:
+            assert gen.generate_video(**REQUEST).frames.shape[0] == REQUEST["num_frames"]
+        assert next(ports, None) is None  # the taken port was tried first
+    finally:
+        taken.close()
+
+
+@pytest.mark.slow
 def test_load_error_is_raised_and_leaves_no_process(tmp_path):
     folder = build_tiny_wan(tmp_path / "tiny-wan-3h", num_heads=3, head_dim=16)
     before = set(_live_workers())
@@ -206,3 +248,41 @@ def test_context_manager_and_close_leave_no_process(wan4_dir):
     gen.close()  # idempotent
     with pytest.raises(WorkerError, match="close"):
         gen.generate_video(**REQUEST)
+
+
+EXIT_SCRIPT = """
+import gc
+import os
+import sys
+
+from composer import VideoGenerator
+
+if __name__ == "__main__":
+    gen = VideoGenerator.from_pretrained(sys.argv[1], num_gpus=2, dtype="fp32", progress=False)
+    pids = gen.worker_pids
+    del gen
+    gc.collect()
+    for pid in pids:  # garbage-collected: its workers were stopped and reaped
+        try:
+            os.kill(pid, 0)
+            sys.exit(f"worker {pid} outlived its generator")
+        except ProcessLookupError:
+            pass
+    gen = VideoGenerator.from_pretrained(sys.argv[1], num_gpus=2, dtype="fp32", progress=False)
+    print(" ".join(map(str, gen.worker_pids)), flush=True)
+    # no close(): interpreter exit stops the workers
+"""
+
+
+@pytest.mark.slow
+def test_garbage_collection_and_interpreter_exit_stop_the_workers(wan4_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), COMPOSER_LOG_LEVEL="WARNING")
+    done = subprocess.run([sys.executable, str(script), str(wan4_dir)], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    _assert_gone(int(pid) for pid in done.stdout.split())

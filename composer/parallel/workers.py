@@ -43,6 +43,7 @@ from composer.logging import get_logger
 logger = get_logger(__name__)
 
 LOAD = 0  # the request id of loading; calls count from 1
+PORT_ATTEMPTS = 3  # starts tried when the chosen MASTER_PORT is taken meanwhile
 
 
 def _free_port() -> int:
@@ -303,28 +304,33 @@ class WorkerVideoGenerator:
                       cfg_parallel=layout.cfg > 1)
         path = str(model_path) if model_path is not None else None
         context = mp.get_context("spawn")
-        port = _free_port()
-        processes, conns = [], []
-        pool = _WorkerPool(processes, conns)
-        try:
-            for rank in range(world_size):
-                mine, theirs = context.Pipe()
-                process = context.Process(target=_serve, name=f"composer-rank{rank}",
-                                          args=(rank, world_size, port, path, kwargs, theirs, worker_setup))
-                process.start()
-                theirs.close()
-                processes.append(process)
-                conns.append(mine)
-            logger.info("started %d worker processes (%s); loading %s", world_size, layout.describe(), path)
-            replies, failures, stuck = pool.gather(LOAD, cls.failure_grace_s)
-        except BaseException:
-            pool.stop("loading was interrupted", 0)
-            raise
-        if failures or stuck:
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            pool = _WorkerPool([], [])
+            try:
+                port = _free_port()
+                for rank in range(world_size):
+                    mine, theirs = context.Pipe()
+                    process = context.Process(target=_serve, name=f"composer-rank{rank}",
+                                              args=(rank, world_size, port, path, kwargs, theirs, worker_setup))
+                    process.start()
+                    theirs.close()
+                    pool.processes.append(process)
+                    pool.conns.append(mine)
+                logger.info("started %d worker processes (%s); loading %s", world_size, layout.describe(), path)
+                replies, failures, stuck = pool.gather(LOAD, cls.failure_grace_s)
+            except BaseException:
+                pool.stop("loading was interrupted", 0)
+                raise
+            if not failures and not stuck:
+                break
             pool.stop("loading failed", 0)
-            if not failures:
+            # The free port was only free when we looked: another program may have taken it since. Try another.
+            if attempt < PORT_ATTEMPTS and any("EADDRINUSE" in f"{f.cause} {f.error}" for f in failures):
+                logger.warning("port %d was taken before rank 0 could listen on it; starting the workers again", port)
+                continue
+            first = next((f for f in failures if f.error is not None), failures[0]) if failures else None
+            if first is None:
                 raise WorkerError(f"the workers did not finish loading: ranks {sorted(stuck)} hung", rank=min(stuck))
-            first = next((f for f in failures if f.error is not None), failures[0])
             if first.error is not None:
                 raise first.error
             hint = (" (a script that starts workers needs `if __name__ == \"__main__\":` around its code)"
