@@ -67,3 +67,15 @@ class Cancelled(ComposerError):
     An ordinary exception, not a KeyboardInterrupt: a server catches it for the one request it cancelled and
     goes on, and cleanup written as `except Exception` (offload's block eviction, the KV cache's aborted
     pass) runs. The CLI exits 130 on it, as on Ctrl-C."""
+
+
+class WorkerError(ComposerError):
+    """A worker process of a multi-process generator (`num_gpus` > 1) failed alone or died, or the workers are
+    stopped. `rank` names the failing worker (None when no one rank is to blame)."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):
+        return type(self), (self.args[0] if self.args else "", self.rank)
