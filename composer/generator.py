@@ -113,6 +113,13 @@ class VideoGenerator:
 
         `runtime_kwargs` are RuntimeArgs fields (device, dtype, attention_backend, ...); every bad one is
         reported in a single ConfigError before anything loads.
+
+        Several GPUs: under `torchrun`, every rank calls this (and then generate_video) with the same parallel
+        degrees (ulysses_degree, ring_degree, tp_size, cfg_parallel); composer joins the process group from
+        torchrun's environment. Outside a launcher, `num_gpus=N` starts N worker processes itself and returns
+        a `composer.parallel.workers.WorkerVideoGenerator` with this class's generate_video / set_lora API
+        (close it, or use it as a context manager, to stop them). Every rank returns the whole video; only
+        rank 0 writes files.
         """
         runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
         resolved = resolve_model(model_path, runtime.model_family)
