@@ -1,7 +1,9 @@
 """Whole pipelines under every parallel layout equal one process: the same latents (<= 1e-5, fp32) and the same
 uint8 frames (<= 1) for one request (seed, non-square size whose tokens per frame divide by no degree, CFG),
-text-to-video and causal, on 2 and 4 gloo ranks through `VideoGenerator.from_pretrained(..., <degrees>)`.
-Every rank returns the whole video; only rank 0 writes the file."""
+text-to-video and causal, with LoRA and compile, on 2 and 4 gloo ranks through
+`VideoGenerator.from_pretrained(..., <degrees>)`. Every rank returns the whole video; only rank 0 writes the file.
+
+Each layout runs once (one set of processes) for all of its jobs; the tests below check one job each."""
 
 from __future__ import annotations
 
@@ -18,76 +20,57 @@ REQUEST = dict(prompt="a red ball moves left", negative_prompt="blurry", height=
 CAUSAL_REQUEST = dict(prompt="a red ball moves left", height=48, width=80, num_frames=13, seed=99,
                       guidance_scale=3.0, negative_prompt="blurry")
 
+# layout -> (runtime degrees, jobs). Jobs: "t2v", "causal" (with guidance: under CFG parallel each half keeps
+# its own branch's KV cache), "lora" (T2V with an unfused LoRA), "compile" (T2V, regional compile).
 LAYOUTS = {
-    "ulysses2": dict(ulysses_degree=2),
-    "ring2": dict(ring_degree=2),
-    "cfg2": dict(cfg_parallel=True),
-    "tp2": dict(tp_size=2),
-    "usp2x2": dict(ulysses_degree=2, ring_degree=2),
-    "tp2-ulysses2": dict(tp_size=2, ulysses_degree=2),
-    "cfg2-ring2": dict(cfg_parallel=True, ring_degree=2),
+    "ulysses2": (dict(ulysses_degree=2), ("t2v", "causal", "lora")),
+    "ring2": (dict(ring_degree=2), ("t2v", "causal", "lora")),
+    "cfg2": (dict(cfg_parallel=True), ("t2v", "causal")),
+    "tp2": (dict(tp_size=2), ("t2v", "causal", "lora")),
+    "usp2x2": (dict(ulysses_degree=2, ring_degree=2), ("t2v", "causal")),
+    "tp2-ulysses2": (dict(tp_size=2, ulysses_degree=2), ("t2v", "causal")),
+    "cfg2-ring2": (dict(cfg_parallel=True, ring_degree=2), ("t2v",)),
+    "ulysses2-compile": (dict(ulysses_degree=2), ("compile",)),
 }
-# Hooks under parallel layouts: LoRA (unfused) under sequence and tensor parallel, compile under sequence parallel.
-HOOK_LAYOUTS = {
-    "ulysses2-lora": dict(ulysses_degree=2, lora=True),
-    "ring2-lora": dict(ring_degree=2, lora=True),
-    "tp2-lora": dict(tp_size=2, lora=True),
-    "ulysses2-compile": dict(ulysses_degree=2, compile="regional"),
-}
-CAUSAL_LAYOUTS = {
-    "ulysses2": dict(ulysses_degree=2),
-    "cfg2": dict(cfg_parallel=True),  # with guidance: each half keeps its own branch's KV cache
-    "ring2": dict(ring_degree=2),
-    "tp2": dict(tp_size=2),
-    "usp2x2": dict(ulysses_degree=2, ring_degree=2),
-    "tp2-ulysses2": dict(tp_size=2, ulysses_degree=2),
-}
+SLOW = {"cfg2-ring2", "usp2x2", "tp2-ulysses2", "ulysses2-compile"}  # 4 ranks, or compiling
 
 
-def _world(layout: dict) -> int:
-    return (layout.get("ulysses_degree", 1) * layout.get("ring_degree", 1) * layout.get("tp_size", 1)
-            * (2 if layout.get("cfg_parallel") else 1))
+def _world(runtime: dict) -> int:
+    return (runtime.get("ulysses_degree", 1) * runtime.get("ring_degree", 1) * runtime.get("tp_size", 1)
+            * (2 if runtime.get("cfg_parallel") else 1))
 
 
-def _params(layouts: dict):
-    return [pytest.param(name, marks=pytest.mark.slow) if _world(layout) > 2 else name
-            for name, layout in layouts.items()]
+def _cases(job: str):
+    return [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
+            for name, (_, jobs) in LAYOUTS.items() if job in jobs]
 
 
 @pytest.fixture(scope="module")
-def parallel_wan_dir(tmp_path_factory):
-    """4 heads (Ulysses 4, or TP 2 x Ulysses 2) and an FFN that splits 4 ways."""
-    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan-4h", num_heads=4, head_dim=16, seed=3)
-
-
-@pytest.fixture(scope="module")
-def parallel_causal_dir(parallel_wan_dir, tmp_path_factory):
+def folders(tmp_path_factory):
+    """A 4-head tiny Wan (Ulysses 4, or TP 2 x Ulysses 2; an FFN that splits 4 ways), its causal conversion, and
+    a LoRA for it."""
     from helpers import write_self_forcing_checkpoint
-
-    from composer.convert.self_forcing import CausalSettings, convert_self_forcing
-
-    root = tmp_path_factory.mktemp("tiny-causal-4h")
-    write_self_forcing_checkpoint(parallel_wan_dir, root / "sf.pt")
-    return convert_self_forcing(root / "sf.pt", parallel_wan_dir, root / "causal",
-                                settings=CausalSettings(num_frames_per_block=2, local_attn_size=5, sink_size=1))
-
-
-@pytest.fixture(scope="module")
-def lora_file(parallel_wan_dir, tmp_path_factory):
     from test_lora import lora_weights, write_lora
 
     from composer import VideoGenerator
+    from composer.convert.self_forcing import CausalSettings, convert_self_forcing
 
-    model = VideoGenerator.from_pretrained(parallel_wan_dir, dtype="fp32", progress=False).pipeline.modules["transformer"]
-    return str(write_lora(tmp_path_factory.mktemp("lora") / "style.safetensors", "diffusers", lora_weights(model, 5)))
+    wan = build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan-4h", num_heads=4, head_dim=16, seed=3)
+    root = tmp_path_factory.mktemp("tiny-causal-4h")
+    write_self_forcing_checkpoint(wan, root / "sf.pt")
+    causal = convert_self_forcing(root / "sf.pt", wan, root / "causal",
+                                  settings=CausalSettings(num_frames_per_block=2, local_attn_size=5, sink_size=1))
+    model = VideoGenerator.from_pretrained(wan, dtype="fp32", progress=False).pipeline.modules["transformer"]
+    lora = write_lora(tmp_path_factory.mktemp("lora") / "style.safetensors", "diffusers", lora_weights(model, 5))
+    return {"wan": str(wan), "causal": str(causal), "lora": str(lora)}
 
 
-def _runtime(layout: dict, lora_file: str | None = None) -> dict:
-    """The layout's runtime keywords (`lora: True` -> the LoRA file)."""
-    runtime = {k: v for k, v in layout.items() if k != "lora"}
-    if layout.get("lora"):
-        runtime["lora_path"] = [lora_file]
-    return runtime
+def _job(folders: dict, job: str) -> tuple[str, dict, dict]:
+    """(folder, request, runtime extras) of a job."""
+    if job == "causal":
+        return folders["causal"], CAUSAL_REQUEST, {}
+    extra = {"lora": {"lora_path": [folders["lora"]]}, "compile": {"compile": "regional"}}.get(job, {})
+    return folders["wan"], REQUEST, extra
 
 
 def _generate(folder, request: dict, out: str | None = None, **runtime):
@@ -97,56 +80,79 @@ def _generate(folder, request: dict, out: str | None = None, **runtime):
     return gen.generate_video(**request, **({"output_path": out} if out else {}))
 
 
-def _worker(rank, world, folder, request, layout, out_dir):
-    result = _generate(folder, request, f"{out_dir}/video.mp4", **layout)
-    torch.save({"latents": result.latents, "frames": torch.from_numpy(result.frames),
-                "path": str(result.output_path) if result.output_path else None}, f"{out_dir}/rank{rank}.pt")
+def _worker(rank, world, folders, runtime, jobs, out_dir):
+    for job in jobs:
+        folder, request, extra = _job(folders, job)
+        result = _generate(folder, request, f"{out_dir}/{job}.mp4", **runtime, **extra)
+        torch.save({"latents": result.latents, "frames": torch.from_numpy(result.frames),
+                    "path": str(result.output_path) if result.output_path else None}, f"{out_dir}/{job}-rank{rank}.pt")
 
 
-_REFERENCE: dict[tuple, object] = {}
+_REFERENCE: dict[str, object] = {}
+_RUNS: dict[str, dict[str, list[dict]]] = {}  # layout -> job -> every rank's output
 
 
-def _reference(folder, request, lora_path=None):
-    """One process's video (with the same LoRA, when the layout has one)."""
-    key = (str(folder), tuple(lora_path or ()))
+def _reference(folders: dict, job: str):
+    """One process's video for a job (the same LoRA; compile's reference is eager)."""
+    key = "t2v" if job == "compile" else job
     if key not in _REFERENCE:
-        _REFERENCE[key] = _generate(folder, request, **({"lora_path": lora_path} if lora_path else {}))
+        folder, request, extra = _job(folders, key)
+        _REFERENCE[key] = _generate(folder, request, **extra)
     return _REFERENCE[key]
 
 
-_RESULTS: dict[str, dict] = {}  # T2V layout name -> rank 0's latents and frames (filled by the layout tests)
+def _run_layout(name: str, folders: dict, tmp_path_factory) -> dict[str, list[dict]]:
+    """Every job of layout `name`, on its ranks, once per test session."""
+    if name not in _RUNS:
+        runtime, jobs = LAYOUTS[name]
+        out = tmp_path_factory.mktemp(name)
+        spawn(_worker, _world(runtime), folders, runtime, jobs, str(out), timeout_s=300)
+        _RUNS[name] = {job: [torch.load(out / f"{job}-rank{r}.pt") for r in range(_world(runtime))] for job in jobs}
+        for job in jobs:
+            assert (out / f"{job}.mp4").is_file()
+    return _RUNS[name]
 
 
-def _check_layout(folder, request, layout, tmp_path, one_thread, lora_file=None):
-    runtime = _runtime(layout, lora_file)
-    expected = _reference(folder, request, runtime.get("lora_path"))
-    world = _world(layout)
-    spawn(_worker, world, str(folder), request, runtime, str(tmp_path), timeout_s=240)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for rank, got in enumerate(results):  # every rank holds the whole video
+def _check(name: str, job: str, folders: dict, tmp_path_factory) -> None:
+    expected = _reference(folders, job)
+    ranks = _run_layout(name, folders, tmp_path_factory)[job]
+    for rank, got in enumerate(ranks):  # every rank holds the whole video
         torch.testing.assert_close(got["latents"], expected.latents, atol=1e-5, rtol=0)
         diff = np.abs(got["frames"].numpy().astype(int) - expected.frames.astype(int)).max()
         assert diff <= 1, f"rank {rank}: frames differ by {diff}"
-    assert results[0]["path"] is not None and all(r["path"] is None for r in results[1:])
-    assert (tmp_path / "video.mp4").is_file()
-    return results[0]
+    assert ranks[0]["path"] is not None and all(r["path"] is None for r in ranks[1:]), "rank 0 alone writes"
 
 
-@pytest.mark.parametrize("name", _params(LAYOUTS))
-def test_text_to_video_layout_equals_one_process(name, parallel_wan_dir, tmp_path, one_thread):
-    _RESULTS[name] = _check_layout(parallel_wan_dir, REQUEST, LAYOUTS[name], tmp_path, one_thread)
+@pytest.mark.parametrize("name", _cases("t2v"))
+def test_text_to_video_layout_equals_one_process(name, folders, tmp_path_factory, one_thread):
+    _check(name, "t2v", folders, tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", _cases("causal"))
+def test_causal_layout_equals_one_process(name, folders, tmp_path_factory, one_thread):
+    _check(name, "causal", folders, tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", _cases("lora"))
+def test_unfused_lora_under_a_layout_equals_one_process(name, folders, tmp_path_factory, one_thread):
+    _check(name, "lora", folders, tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", _cases("compile"))
+def test_regional_compile_under_sequence_parallel_equals_eager_one_process(name, folders, tmp_path_factory,
+                                                                           one_thread):
+    _check(name, "compile", folders, tmp_path_factory)
 
 
 @pytest.mark.slow
-def test_every_layout_gives_the_same_video(parallel_wan_dir, tmp_path, one_thread):
-    """One request under every supported layout (those the tests above already ran are reused, the rest run
-    here), compared with each other pairwise and with one process."""
-    for name, layout in LAYOUTS.items():
-        if name not in _RESULTS:
-            (tmp_path / name).mkdir()
-            _RESULTS[name] = _check_layout(parallel_wan_dir, REQUEST, layout, tmp_path / name, one_thread)
-    one = _reference(parallel_wan_dir, REQUEST)
-    videos = {"one process": {"latents": one.latents, "frames": torch.from_numpy(one.frames)}, **_RESULTS}
+def test_every_layout_gives_the_same_video(folders, tmp_path_factory, one_thread):
+    """One request under every layout that runs text-to-video (reusing the runs above, running the rest),
+    compared pairwise and with one process."""
+    one = _reference(folders, "t2v")
+    videos = {"one process": {"latents": one.latents, "frames": torch.from_numpy(one.frames)}}
+    for name, (_, jobs) in LAYOUTS.items():
+        if "t2v" in jobs:
+            videos[name] = _run_layout(name, folders, tmp_path_factory)["t2v"][0]
     names = list(videos)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
@@ -154,15 +160,4 @@ def test_every_layout_gives_the_same_video(parallel_wan_dir, tmp_path, one_threa
                                        msg=lambda m, a=a, b=b: f"{a} vs {b}: {m}")
             diff = (videos[a]["frames"].int() - videos[b]["frames"].int()).abs().max().item()
             assert diff <= 1, f"{a} vs {b}: frames differ by {diff}"
-    assert len(names) == len(LAYOUTS) + 1
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "compile" in n or "tp" in n else n
-                                  for n in HOOK_LAYOUTS])
-def test_hooks_under_a_layout_equal_one_process(name, parallel_wan_dir, lora_file, tmp_path, one_thread):
-    _check_layout(parallel_wan_dir, REQUEST, HOOK_LAYOUTS[name], tmp_path, one_thread, lora_file)
-
-
-@pytest.mark.parametrize("name", _params(CAUSAL_LAYOUTS))
-def test_causal_layout_equals_one_process(name, parallel_causal_dir, tmp_path, one_thread):
-    _check_layout(parallel_causal_dir, CAUSAL_REQUEST, CAUSAL_LAYOUTS[name], tmp_path, one_thread)
+    assert len(names) == 1 + sum("t2v" in jobs for _, jobs in LAYOUTS.values())
