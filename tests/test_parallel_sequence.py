@@ -73,6 +73,10 @@ def _causal_worker(rank, world, ulysses, ring):
         torch.testing.assert_close(masked, expected, atol=1e-5, rtol=0)
 
         heads, tpf = model.kv_cache_layout(model.tokens_per_frame(6, 10))
+        # the cache is sharded by heads under Ulysses and by tokens (this ring rank's parts of each frame) under
+        # a ring: 4 heads, 15 tokens a frame on one device
+        assert heads == 4 // ulysses
+        assert tpf == (15 if ring == 1 else -(-15 // (ulysses * ring)) * ulysses)
         cache = KVCache(KVCacheSpec(num_layers=2, batch_size=1, num_heads=heads, head_dim=16, tokens_per_frame=tpf,
                                     capacity_frames=4), torch.float32, "cpu")
         cached = [model.forward_cached(latents[:, :, s:e], timestep[:, s:e], cross_kv, cache, s) for s, e in chunks]
