@@ -227,7 +227,8 @@ def init_parallel(runtime: Any) -> ParallelState | None:
                 f"{layout.describe()} needs {layout.world_size} processes: launch with `torchrun --nproc-per-node="
                 f"{layout.world_size} ...`, or pass num_gpus={layout.world_size} to VideoGenerator.from_pretrained"
             )
-        backend = "nccl" if torch.cuda.is_available() and runtime.device in ("auto", "cuda") else "gloo"
+        on_gpu = torch.cuda.is_available() and (runtime.device == "auto" or runtime.device.startswith("cuda"))
+        backend = "nccl" if on_gpu else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=runtime.dist_timeout))
         _OWNS_PROCESS_GROUP = True
         atexit.register(shutdown)
