@@ -169,6 +169,23 @@ def test_block_attention_row_with_no_visible_key_weighs_nothing():
     assert torch.equal(merged, out) and torch.isneginf(merged_lse).all()
 
 
+def test_fused_block_attention_equals_the_explicit_scores():
+    """The fused kernel (torch's flash attention with its log-sum-exp, on CPU here) gives the explicit fp32
+    computation's output and LSE, masked rows included; an empty key block gives (0, -inf) without a kernel."""
+    from composer.parallel.ring import _explicit
+
+    q, k, v = qkv(6, seed=7)
+    mask = torch.rand(6, 6, generator=torch.Generator().manual_seed(0)) > 0.4
+    mask[2] = False  # a row that sees nothing
+    for m in (None, mask, mask[0:1]):
+        out, lse = block_attention(q, k, v, m)
+        ref_out, ref_lse = _explicit(*(t.transpose(1, 2) for t in (q, k, v)), m, D ** -0.5)
+        torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+    out, lse = block_attention(q, k[:, :0], v[:, :0])
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
 def test_ring_attention_rejects_a_mask_not_over_the_full_key_sequence():
     """Checked before any exchange: a single-rank gloo group is enough."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,

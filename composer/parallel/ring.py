@@ -9,6 +9,7 @@ the scores, never read from an SDPA kernel: the CPU SDPA path does not return it
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -16,6 +17,9 @@ import torch
 import torch.distributed as dist
 
 from composer.errors import InvalidInputError
+from composer.logging import get_logger, log_once
+
+logger = get_logger(__name__)
 
 
 def block_attention(
@@ -25,16 +29,33 @@ def block_attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of `query` [B, Sq, H, D] to one key block [B, Sk, H, D], in fp32.
+    """Attention of `query` [B, Sq, H, D] to one key block [B, Sk, H, D], with its log-sum-exp.
 
     Returns (out [B, H, Sq, D], lse [B, H, Sq]), both fp32. `attn_mask` is boolean (True: attend) and
     broadcasts to [B, H, Sq, Sk]. A row that may see no key of the block has lse = -inf and out = 0, so that
-    it weighs nothing in the merge.
+    it weighs nothing in the merge. A fused kernel that returns the LSE runs where there is one (torch's flash
+    attention on CPU; flash / memory-efficient attention on CUDA): no [Sq, Sk] score matrix is materialised.
+    Elsewhere, or if the kernel refuses the inputs, the scores are computed explicitly in fp32.
     """
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    q = query.transpose(1, 2).float()
-    k = key.transpose(1, 2).float()
-    v = value.transpose(1, 2).float()
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if k.shape[2] == 0 or q.shape[2] == 0:  # an empty shard (fused kernels fail on it): nothing to attend
+        out = q.new_zeros(q.shape, dtype=torch.float32)
+        return out, torch.full(q.shape[:3], float("-inf"), device=q.device)
+    fused = _fused(q, k, v, attn_mask, scale)
+    if fused is not None:
+        out, lse = fused
+        if attn_mask is not None:  # kernels give fully masked rows lse 0 (or NaN): make them weigh nothing
+            seen = attn_mask.any(dim=-1).expand(lse.shape)
+            lse = torch.where(seen, lse, torch.full_like(lse, float("-inf")))
+            out = torch.where(seen.unsqueeze(-1), out, torch.zeros_like(out))
+        return out, lse
+    return _explicit(q, k, v, attn_mask, scale)
+
+
+def _explicit(q, k, v, attn_mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: scores in fp32, masked, exponentiated against their log-sum-exp."""
+    q, k, v = q.float(), k.float(), v.float()
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
@@ -43,6 +64,41 @@ def block_attention(
     safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     probs = torch.exp(scores - safe_lse.unsqueeze(-1))
     return torch.matmul(probs, v), lse
+
+
+_FUSED_FAILED: set[str] = set()
+
+
+def _fused(q, k, v, attn_mask, scale) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(out fp32, lse fp32) from a fused SDPA kernel that returns the log-sum-exp, or None (none for these
+    inputs: the caller computes the scores itself). q/k/v are [B, H, S, D]."""
+    device = q.device.type
+    if device in _FUSED_FAILED:
+        return None
+    bias = None
+    if attn_mask is not None:  # additive, in q's dtype, broadcast as the kernels want it
+        bias = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+    try:
+        aten = torch.ops.aten
+        if device == "cpu":
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                        scale=scale)
+        elif device == "cuda" and bias is None and q.dtype in (torch.float16, torch.bfloat16):
+            out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+        elif device == "cuda":
+            if bias is not None:
+                bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False,
+                                                                    scale=scale)[:2]
+        else:
+            return None
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        _FUSED_FAILED.add(device)
+        log_once(logger, f"ring-fused-{device}", f"ring attention: no fused kernel with log-sum-exp on {device} "
+                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); computing the scores "
+                 "explicitly (more memory per block)", logging.WARNING)
+        return None
+    return out.float(), lse[..., :q.shape[2]].float()  # the efficient kernel may pad the LSE's last dim
 
 
 def merge_partials(
