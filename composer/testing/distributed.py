@@ -33,16 +33,34 @@ def spawn(worker, world_size: int, *args, timeout_s: float = 120, collective_tim
     """Run `worker(rank, world_size, *args)` in `world_size` processes with a gloo process group; raises the
     first failing rank's error (mp.ProcessRaisedException) or SpawnTimeout. `worker` must be importable
     (a module-level function)."""
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _spawn_once(worker, world_size, args, timeout_s, collective_timeout_s, threads)
+        except mp.ProcessRaisedException as exc:
+            # The port was free when picked, but another process on this machine took it before rank 0
+            # listened on it: start again on another one.
+            if attempt + 1 == PORT_ATTEMPTS or not any(s in str(exc) for s in _PORT_TAKEN):
+                raise
+
+
+PORT_ATTEMPTS = 3
+_PORT_TAKEN = ("EADDRINUSE", "Address already in use")
+
+
+def _spawn_once(worker, world_size: int, args: tuple, timeout_s: float, collective_timeout_s: float,
+                threads: int) -> None:
     port = free_port()
     ctx = mp.spawn(_init_and_run, args=(world_size, port, worker, args, collective_timeout_s, threads),
                    nprocs=world_size, join=False)
     deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                if process.is_alive():
-                    process.kill()
-            raise SpawnTimeout(f"{world_size} gloo ranks did not finish within {timeout_s} s")
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise SpawnTimeout(f"{world_size} gloo ranks did not finish within {timeout_s} s")
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
 
 
 def _init_and_run(rank: int, world_size: int, port: int, worker, args, collective_timeout_s: float,
