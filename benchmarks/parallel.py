@@ -10,10 +10,11 @@ is not touched), tagged "layer" inside a transformer block and "outside" elsewhe
 proj_out, the CFG exchange). Bytes are what one rank sends: all-to-all (P-1)/P of its input, all-gather P-1
 times its input, all-reduce 2(P-1)/P of the tensor (the ring algorithm), point-to-point the tensor sent.
 
-**On CPU these figures show overhead, not speedup.** Gloo ranks share the machine's cores, so every layout is
-slower than one process there; the figures to read on CPU are the bytes (which equal what a GPU run moves in the
-same dtype) and the memory per rank. On GPUs (`--device cuda`, NCCL, one GPU per rank) the time ratios are the
-point.
+**On CPU these figures show overhead, not GPU speedup.** Gloo ranks (one thread each by default) share the
+machine's few cores, so a wall-time ratio says how the layouts share this CPU, not what GPUs would gain; the CPU
+time of a step summed over the ranks, against one process's, is the work each layout adds. The figures that carry
+over to GPUs are the bytes (what a GPU run moves in the same dtype) and the memory per rank. On GPUs (`--device
+cuda`, NCCL, one GPU per rank) the time ratios are the point.
 
     python benchmarks/parallel.py                         # every layout at 2 and 4 ranks, CPU fp32 (~5 min)
     python benchmarks/parallel.py --quick                 # smaller model, the 2-rank layouts (~1 min)
@@ -42,11 +43,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 PRESETS = {
-    # 4 layers of width 512 (8 heads x 64, ffn 2048); 17 frames of 304x336 -> 5 latent frames of 19 x 21 = 399
-    # tokens (1995 tokens; 399 divides by neither 2 nor 4, so the frame-wise split pads and the formulas must too)
-    "default": dict(model=dict(num_layers=4, num_heads=8, head_dim=64, ffn_dim=2048, text_dim=64, text_heads=4,
+    # 2 layers of width 512 (8 heads x 64, ffn 1024); 9 frames of 304x336 -> 3 latent frames of 19 x 21 = 399
+    # tokens (1197 tokens; 399 divides by neither 2 nor 4, so the frame-wise split pads and the formulas must too)
+    "default": dict(model=dict(num_layers=2, num_heads=8, head_dim=64, ffn_dim=1024, text_dim=64, text_heads=4,
                                text_ff=128),
-                    video=dict(num_frames=17, height=304, width=336), steps=5, warmup=1),
+                    video=dict(num_frames=9, height=304, width=336), steps=4, warmup=1),
     # 2 layers of width 128 (4 heads x 32); 9 frames of 112x144 -> 3 latent frames of 7 x 9 = 63 tokens
     "quick": dict(model=dict(num_layers=2, num_heads=4, head_dim=32, ffn_dim=256, text_dim=32, text_heads=2,
                              text_ff=64),
@@ -294,13 +295,13 @@ def run_rank(args: argparse.Namespace) -> None:
             sync()
             counter.reset()
             counter.active = True
-            self.t0 = time.perf_counter()
+            self.t0, self.cpu0 = time.perf_counter(), time.process_time()
 
         def after_step(self, info):
             sync()
-            seconds = time.perf_counter() - self.t0
+            seconds, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
             counter.active = False
-            steps.append({"seconds": seconds, "sent": counter.sent, "calls": counter.calls})
+            steps.append({"seconds": seconds, "cpu_seconds": cpu, "sent": counter.sent, "calls": counter.calls})
 
     for engine in gen.pipeline.engines:
         engine.add_hook(StepProbe())
@@ -315,6 +316,7 @@ def run_rank(args: argparse.Namespace) -> None:
     mine = {
         "load_s": load_s,
         "step_s": [s["seconds"] for s in steps[args.warmup:]],
+        "step_cpu_s": [s["cpu_seconds"] for s in steps[args.warmup:]],
         "steps": steps,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
@@ -407,7 +409,8 @@ def summarise(name: str, raw: dict, w: Workload, reference: dict | None) -> dict
     steady = all(r["steps"][i]["sent"] == r["steps"][-1]["sent"] for r in ranks
                  for i in range(raw.get("warmup", 0), len(r["steps"])))
     expected = expected_bytes(d, w)
-    row = {"layout": name, "ranks": d.world, "threads_per_rank": raw["threads"], "step_s": step_s,
+    cpu_s = sum(statistics.median(r["step_cpu_s"]) for r in ranks)  # the work of a step, over every rank
+    row = {"layout": name, "ranks": d.world, "threads_per_rank": raw["threads"], "step_s": step_s, "cpu_s": cpu_s,
            "step_s_per_rank": [statistics.median(r["step_s"]) for r in ranks],
            "bytes_measured": measured, "bytes_expected": expected, "calls_per_step": calls,
            "bytes_equal_every_step": steady,
@@ -418,6 +421,7 @@ def summarise(name: str, raw: dict, w: Workload, reference: dict | None) -> dict
            "device": ranks[0]["device"], "backend": ranks[0]["backend"]}
     if reference is not None:
         row["vs_one_process"] = step_s / reference["step_s"]
+        row["cpu_vs_one_process"] = cpu_s / reference["cpu_s"]
         row["param_fraction"] = row["param_bytes_per_rank"] / reference["param_bytes_per_rank"]
         got, want = torch.load(raw["latents_path"]), torch.load(reference["latents_path"])
         row["max_abs_diff"] = (got - want).abs().max().item()
@@ -432,16 +436,17 @@ def print_table(rows: dict, skipped: dict, failed: dict, w: Workload, args: argp
           f"(2 rows a call, 1 under CFG parallel); {args.dtype} on {args.device}; median of {args.steps - args.warmup} "
           f"steps after {args.warmup} warmup")
     if args.device == "cpu":
-        print("CPU gloo ranks share this machine's cores: the times show overhead, not GPU speedup; the bytes are "
-              "what a GPU run in the same dtype moves")
-    print(f"{'layout':<14} {'ranks':>5} {'thr':>3} {'step':>8} {'vs 1':>6} {'RSS MiB/rank':>13} {'params/rank':>12} "
-          f"{'max |diff|':>10}")
+        print(f"CPU gloo ranks share this machine's {os.cpu_count()} cores: the times show overhead, not GPU "
+              "speedup; the bytes are what a GPU run in the same dtype moves")
+    print(f"{'layout':<14} {'ranks':>5} {'thr':>3} {'step':>8} {'vs 1':>6} {'CPU s/step':>10} {'vs 1':>6} "
+          f"{'RSS MiB/rank':>13} {'params/rank':>17} {'max |diff|':>10}")
     for name, r in rows.items():
         rss = f"{max(r['peak_rss_mib']):.0f}"
         params = f"{r['param_bytes_per_rank'] / 2**20:.1f} MiB" + (
             f" {r['param_fraction']:.2f}x" if r.get("param_fraction", 1) != 1 else "")
         print(f"{name:<14} {r['ranks']:>5} {r['threads_per_rank']:>3} {r['step_s'] * 1e3:>6.0f}ms "
-              f"{r.get('vs_one_process', 1):>5.2f}x {rss:>13} {params:>12} {r.get('max_abs_diff', 0):>10.1e}")
+              f"{r.get('vs_one_process', 1):>5.2f}x {r['cpu_s']:>10.2f} {r.get('cpu_vs_one_process', 1):>5.2f}x "
+              f"{rss:>13} {params:>17} {r.get('max_abs_diff', 0):>10.1e}")
     print("\nKiB sent per rank per transformer layer per step (measured | formula), and outside the layers per step")
     print(f"{'layout':<14} {'all-to-all':>19} {'p2p (ring)':>19} {'all-reduce':>19} {'layer total':>19} "
           f"{'outside (gather)':>19}  match")
@@ -461,8 +466,9 @@ def print_table(rows: dict, skipped: dict, failed: dict, w: Workload, args: argp
     for name, why in failed.items():
         print(f"{name:<14} failed: {why}")
     print("(bytes one rank sends: all-to-all (P-1)/P of its input, all-gather (P-1) x its input, all-reduce "
-          "2(P-1)/P x the tensor, p2p the tensor; 'step' is the slowest rank's median; RSS: peak of each rank's "
-          "process, the largest shown)")
+          "2(P-1)/P x the tensor, p2p the tensor; 'step': the slowest rank's median wall time; 'CPU s/step': the "
+          "process CPU time of a step summed over the ranks (the work, whatever the cores; its ratio is the "
+          "overhead); RSS: the largest rank's peak; max |diff|: final latents vs one process)")
 
 
 def parent(args: argparse.Namespace) -> None:
@@ -474,7 +480,6 @@ def parent(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"unknown layouts {unknown}; choose from {', '.join(LAYOUTS)}")
     names = ["one-process", *[n for n in names if n != "one-process"]]
-    cores = os.cpu_count() or 1
     rows, skipped, failed = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="parallel-bench-") as tmp:
         tmp = Path(tmp)
@@ -487,7 +492,9 @@ def parent(args: argparse.Namespace) -> None:
             if why:
                 skipped[name] = why
                 continue
-            threads = args.threads or (max(1, cores // d.world) if args.device == "cpu" else 1)
+            # one thread per process by default: on a shared 2-core machine a 2-thread process waits on its
+            # descheduled twin (tests/conftest.py's one_thread), which made one process look slower than 2 ranks
+            threads = args.threads or 1
             t0 = time.perf_counter()
             raw = launch(name, args, model, tmp, threads)
             if "error" in raw:
@@ -517,7 +524,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="transformer precision (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps of the one video, warmup included")
     p.add_argument("--warmup", type=int, default=None, help="first steps not timed")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default 1)")
     p.add_argument("--launcher", choices=("spawn", "torchrun"), default="spawn",
                    help="start the ranks as processes of this script, or through torchrun --standalone")
     p.add_argument("--timeout", type=float, default=600, help="seconds one layout may take")
