@@ -29,7 +29,6 @@ import json
 import math
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -336,7 +335,7 @@ def run_rank(args: argparse.Namespace) -> None:
 
 
 # -- the parent ---------------------------------------------------------------------------------------------------
-def launch(name: str, args: argparse.Namespace, model: Path, tmp: Path, threads: int) -> dict:
+def launch(name: str, args: argparse.Namespace, model: Path, tmp: Path, threads: int, retried: bool = False) -> dict:
     """Run layout `name` on its ranks; its result (rank 0's file) or {"error": ...}."""
     from composer.testing.distributed import free_port
 
@@ -348,7 +347,7 @@ def launch(name: str, args: argparse.Namespace, model: Path, tmp: Path, threads:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": str(threads)}
     if world > 1 and args.launcher == "torchrun":
-        commands = [[shutil.which("torchrun") or "torchrun", "--standalone", f"--nproc-per-node={world}",
+        commands = [[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                      *rank_args]]
         envs = [env]
     else:
@@ -374,6 +373,8 @@ def launch(name: str, args: argparse.Namespace, model: Path, tmp: Path, threads:
     failed = next((i for i, p in enumerate(procs) if p.returncode), failed)
     if failed is not None or not result.exists():
         tail = logs[failed or 0].read_text()[-1500:]
+        if "EADDRINUSE" in tail and not retried:  # the free port was taken before rank 0 listened (shared machine)
+            return launch(name, args, model, tmp, threads, retried=True)
         return {"error": f"rank {failed or 0} exited {procs[failed or 0].returncode}: {tail}"}
     out = json.loads(result.read_text())
     out["latents_path"] = str(latents)
