@@ -320,7 +320,7 @@ def run_rank(args: argparse.Namespace) -> None:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
-        "elem_bytes": next(transformer.parameters()).element_size(),
+        "elem_bytes": transformer.blocks[0].attn1.to_q.weight.element_size(),  # activations' dtype (not a kept-fp32 one)
         "device": str(next(transformer.parameters()).device),
         "backend": dist.get_backend() if dist.is_initialized() else None,
     }
