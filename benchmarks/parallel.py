@@ -6,9 +6,11 @@ Every layout runs in fresh processes (its ranks launched by this script, or by t
 torchrun`) on one random mid-size tiny Wan: load through `VideoGenerator.from_pretrained(..., <degrees>)`, one
 video of `--steps` steps (the first `--warmup` of them not timed). The ranks count the bytes of every
 torch.distributed call made during each step by wrapping the calls in this benchmark's processes (the library
-is not touched), tagged "layer" inside a transformer block and "outside" elsewhere (the token gather after
-proj_out, the CFG exchange). Bytes are what one rank sends: all-to-all (P-1)/P of its input, all-gather P-1
-times its input, all-reduce 2(P-1)/P of the tensor (the ring algorithm), point-to-point the tensor sent.
+is not touched: all_to_all_single, all_gather_into_tensor / all_gather_single, all_reduce, batch_isend_irecv, and
+as "other", expected to stay 0, broadcast, send, all_gather, reduce_scatter_tensor), tagged "layer" inside a
+transformer block and "outside" elsewhere (the token gather after proj_out, the CFG exchange). Bytes are what
+one rank sends: all-to-all (P-1)/P of its input, all-gather P-1 times its input, all-reduce 2(P-1)/P of the
+tensor (the ring algorithm), point-to-point the tensor sent.
 
 **On CPU these figures show overhead, not GPU speedup.** Gloo ranks (one thread each by default) share the
 machine's few cores, so a wall-time ratio says how the layouts share this CPU, not what GPUs would gain; the CPU
@@ -16,8 +18,8 @@ time of a step summed over the ranks, against one process's, is the work each la
 over to GPUs are the bytes (what a GPU run moves in the same dtype) and the memory per rank. On GPUs (`--device
 cuda`, NCCL, one GPU per rank) the time ratios are the point.
 
-    python benchmarks/parallel.py                         # every layout at 2 and 4 ranks, CPU fp32 (~5 min)
-    python benchmarks/parallel.py --quick                 # smaller model, the 2-rank layouts (~1 min)
+    python benchmarks/parallel.py                         # every layout at 2 and 4 ranks, CPU fp32 (~5 min on 2 cores)
+    python benchmarks/parallel.py --quick                 # smaller model, the 2-rank layouts (~1-1.5 min)
     python benchmarks/parallel.py --device cuda --launcher torchrun --only ulysses4,ring4,usp2x2
     python benchmarks/parallel.py --analytic wan2.1-14b   # the formulas for Wan2.1-14B, 720p, 8 GPUs (no run)
 """
@@ -233,16 +235,21 @@ class CollectiveCounter:
         def batch_isend_irecv(ops):
             return sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.isend)
 
-        def other(*args, **kwargs):
-            return 0
+        def nbytes(tensor) -> int:
+            return tensor.numel() * tensor.element_size()
 
+        # calls composer does not make inside a step: counted as "other", which the formulas expect to be 0
+        others = {"broadcast": lambda tensor, *a, group=None, **kw: nbytes(tensor),
+                  "send": lambda tensor, *a, **kw: nbytes(tensor),
+                  "all_gather": lambda tensors, tensor, group=None, **kw: nbytes(tensor) * (size(group) - 1),
+                  "reduce_scatter_tensor": lambda output, input, *a, group=None, **kw:
+                      nbytes(input) * (size(group) - 1) / size(group)}
         measures = {"all_to_all_single": ("all_to_all", all_to_all_single),
                     "all_gather_into_tensor": ("all_gather", all_gather),
                     "all_gather_single": ("all_gather", all_gather),
                     "all_reduce": ("all_reduce", all_reduce),
                     "batch_isend_irecv": ("p2p", batch_isend_irecv),
-                    "broadcast": ("other", other), "all_gather": ("other", other),
-                    "reduce_scatter_tensor": ("other", other), "send": ("other", other)}
+                    **{name: ("other", measure) for name, measure in others.items()}}
         for name, (kind, measure) in measures.items():
             original = getattr(dist, name, None)
             if original is not None:
@@ -320,7 +327,8 @@ def run_rank(args: argparse.Namespace) -> None:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
-        "elem_bytes": transformer.blocks[0].attn1.to_q.weight.element_size(),  # activations' dtype (not a kept-fp32 one)
+        # the activations' dtype (a block's weight: never one of the modules kept in fp32)
+        "elem_bytes": transformer.blocks[0].attn1.to_q.weight.element_size(),
         "device": str(next(transformer.parameters()).device),
         "backend": dist.get_backend() if dist.is_initialized() else None,
     }
@@ -360,23 +368,25 @@ def launch(name: str, args: argparse.Namespace, model: Path, tmp: Path, threads:
     procs = [subprocess.Popen(c, env=e, stdout=subprocess.DEVNULL, stderr=log.open("w"))
              for c, e, log in zip(commands, envs, logs)]
     deadline = time.monotonic() + args.timeout
-    failed = None
-    while any(p.poll() is None for p in procs):
-        failed = next((i for i, p in enumerate(procs) if p.returncode not in (None, 0)), None)
-        if failed is not None or time.monotonic() > deadline:
-            break
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):  # one failed: the others get a short grace period
+            deadline = min(deadline, time.monotonic() + 20)
         time.sleep(0.2)
     for p in procs:  # a failed or stuck rank ends its layout's other ranks
         if p.poll() is None:
             p.kill()
             p.wait()
-    failed = next((i for i, p in enumerate(procs) if p.returncode), failed)
-    if failed is not None or not result.exists():
-        tail = logs[failed or 0].read_text()[-1500:]
-        if "EADDRINUSE" in tail and not retried:  # the free port was taken before rank 0 listened (shared machine)
+    bad = [i for i, p in enumerate(procs) if p.returncode]
+    tails = {i: logs[i].read_text()[-1500:] for i in bad}
+    if not result.exists():
+        if any("EADDRINUSE" in t for t in tails.values()) and not retried:  # port taken before rank 0 listened
             return launch(name, args, model, tmp, threads, retried=True)
-        return {"error": f"rank {failed or 0} exited {procs[failed or 0].returncode}: {tail}"}
+        return {"error": "; ".join(f"rank {i} exited {procs[i].returncode}: {tails[i]}" for i in bad)
+                or "no result written"}
     out = json.loads(result.read_text())
+    if bad:  # every rank measured and rank 0 wrote the result; some rank failed on the way out
+        out["exit_errors"] = {str(i): f"exited {procs[i].returncode}: {tails[i][-300:]}" for i in bad}
+        print(f"  {name}: measured, but {out['exit_errors']}", file=sys.stderr, flush=True)
     out["latents_path"] = str(latents)
     return out
 
@@ -427,6 +437,8 @@ def summarise(name: str, raw: dict, w: Workload, reference: dict | None) -> dict
         got, want = torch.load(raw["latents_path"]), torch.load(reference["latents_path"])
         row["max_abs_diff"] = (got - want).abs().max().item()
     row["latents_path"] = raw["latents_path"]
+    if raw.get("exit_errors"):
+        row["exit_errors"] = raw["exit_errors"]
     return row
 
 
@@ -459,9 +471,9 @@ def print_table(rows: dict, skipped: dict, failed: dict, w: Workload, args: argp
 
         layer_m, layer_x = sum(m["layer"].values()), sum(x["layer"].values())
         out_m, out_x = sum(m["outside"].values()), sum(x["outside"].values())
-        print(f"{name:<14} {pair(m['layer']['all_to_all'], x['layer']['all_to_all'])} "
-              f"{pair(m['layer']['p2p'], x['layer']['p2p'])} {pair(m['layer']['all_reduce'], x['layer']['all_reduce'])} "
-              f"{pair(layer_m, layer_x)} {pair(out_m, out_x)}  {'yes' if r['formula_matches'] else 'NO'}")
+        kinds = " ".join(pair(m["layer"][k], x["layer"][k]) for k in ("all_to_all", "p2p", "all_reduce"))
+        print(f"{name:<14} {kinds} {pair(layer_m, layer_x)} {pair(out_m, out_x)}  "
+              f"{'yes' if r['formula_matches'] else 'NO'}")
     for name, why in skipped.items():
         print(f"{name:<14} skipped: {why}")
     for name, why in failed.items():
