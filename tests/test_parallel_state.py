@@ -45,11 +45,12 @@ def test_num_gpus_alone_means_ulysses_over_all_of_them():
     (dict(ulysses_degree=0), "ulysses_degree = 0: expected a positive integer"),
     (dict(tp_size=-2), "tp_size = -2"),
     (dict(dist_timeout=0), "dist_timeout"),
+    (dict(device="cuda:1", tp_size=2), "puts every one of the 2 ranks on one GPU"),
 ])
 def test_bad_degrees_are_refused_before_any_process_starts(kwargs, message):
     before = multiprocessing.active_children()
     with pytest.raises(ConfigError, match=message):
-        RuntimeArgs.from_kwargs(device="cpu", **kwargs)
+        RuntimeArgs.from_kwargs(**{"device": "cpu", **kwargs})
     assert multiprocessing.active_children() == before
 
 

@@ -121,6 +121,11 @@ def layout_errors(runtime: Any) -> list[str]:
             errors.append(f"num_gpus = {num_gpus} but the parallel degrees multiply to {layout.world_size} "
                           f"({_product(layout)}); make ulysses_degree x ring_degree x tp_size x (2 if cfg_parallel) "
                           f"equal num_gpus")
+    device = str(getattr(runtime, "device", "auto"))
+    if layout.parallel and device.startswith("cuda:"):
+        errors.append(f"device = {device!r} puts every one of the {layout.world_size} ranks on one GPU; use "
+                      "device = 'auto' or 'cuda' (each rank takes cuda:LOCAL_RANK), and CUDA_VISIBLE_DEVICES "
+                      "to choose the GPUs")
     env_world = _env_world_size()
     if env_world is not None and num_gpus is None and layout.world_size != env_world:
         errors.append(f"this launch has {env_world} processes (WORLD_SIZE) but the parallel degrees multiply to "
