@@ -187,6 +187,7 @@ class ParallelState:
         return box[0]
 
 
+EXIT_BARRIER_S = 10  # how long a rank leaving waits for its peers to leave too (gloo)
 _STATE: ParallelState | None = None
 _OWNS_PROCESS_GROUP = False
 
@@ -280,8 +281,16 @@ def shutdown() -> None:
     global _STATE, _OWNS_PROCESS_GROUP
     if _OWNS_PROCESS_GROUP and dist.is_initialized():
         try:
-            dist.destroy_process_group()
+            if dist.get_backend() == "gloo":
+                # every rank done talking before any tears its gloo context down (a rank leaving while a peer
+                # still finishes its last collective can abort the peer at exit); short, as a rank that failed
+                # or died never comes
+                dist.monitored_barrier(timeout=timedelta(seconds=EXIT_BARRIER_S))
         except Exception:  # noqa: BLE001 - a peer that already left must not turn a clean exit into an error
+            pass
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - as above
             pass
     _OWNS_PROCESS_GROUP = False
     _STATE = None

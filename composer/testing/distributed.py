@@ -73,5 +73,8 @@ def _init_and_run(rank: int, world_size: int, port: int, worker, args, collectiv
                             timeout=timedelta(seconds=collective_timeout_s))
     try:
         worker(rank, world_size, *args)
+        # Every rank done with its collectives before any tears its gloo context down: a rank leaving while a
+        # peer still talks to it once aborted the peer at exit ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
