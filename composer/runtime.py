@@ -24,6 +24,7 @@ DTYPES: dict[str, str] = {
 OFFLOAD_MODES = ("none", "model", "layerwise", "disk")
 COMPILE_MODES = ("none", "regional", "full")
 CFG_MODES = ("batched", "sequential")
+CACHE_MODES = ("none", "teacache")
 COMPILE_TORCH_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -119,6 +120,21 @@ class RuntimeArgs:
         metadata={"help": "torch.compile mode", "choices": COMPILE_TORCH_MODES},
     )
 
+    cache: str = field(
+        default="none",
+        metadata={"help": "step caching: none, or teacache (skip the transformer's blocks on steps whose timestep "
+                          "embedding barely changed, reusing the last residual; approximate: see "
+                          "docs/step-caching.md)", "choices": CACHE_MODES},
+    )
+    cache_threshold: float = field(
+        default=0.08,
+        metadata={"help": "teacache: accumulated rescaled change under which a step reuses the residual (0: never; "
+                          "larger: more steps skipped, lower quality)"},
+    )
+    cache_warmup_steps: int | None = field(
+        default=None,
+        metadata={"help": "teacache: first steps that always run (default: a tenth of the steps, at least 1)"},
+    )
     ulysses_degree: int = field(
         default=1,
         metadata={"help": "sequence parallel: split attention heads over this many ranks (all-to-all around "
@@ -194,6 +210,10 @@ class RuntimeArgs:
         from composer.parallel.state import layout_errors
 
         errors += layout_errors(self)
+        if self.cache_threshold < 0:
+            errors.append(f"cache_threshold = {self.cache_threshold}: expected a number >= 0")
+        if self.cache_warmup_steps is not None and self.cache_warmup_steps < 1:
+            errors.append(f"cache_warmup_steps = {self.cache_warmup_steps}: expected a positive integer (or unset)")
         if self.dist_timeout <= 0:
             errors.append(f"dist_timeout = {self.dist_timeout}: expected a positive number of seconds")
         import torch

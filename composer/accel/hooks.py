@@ -6,6 +6,7 @@ Order (each hook sees what the ones before it made):
     attention  every Attention module on the runtime's backend (`attention_backend`)
     parallel   tensor parallel (the transformer loaded as this rank's slices), sequence parallel (tokens split
                over ranks, attention across them), CFG parallel (guidance branches on two rank groups)
+    cache      step caching (teacache): steps whose input barely changed reuse the blocks' last residual
     offload    model: components on the device only while their stage runs; layerwise / disk: transformer
                blocks streamed to the device one block ahead
     compile    torch.compile of the transformer(s): each repeated block (regional) or the whole model
@@ -43,6 +44,8 @@ HOOKS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     # tensor parallel loads the transformer(s) itself (load_module); sequence / CFG parallel wrap attention and
     # engines: after the backend is chosen, before offload and compile see the modules
     ("composer.accel.parallel", "ParallelHook", lambda runtime: _parallel(runtime)),
+    # step caching: the model's block loop may reuse a residual; an engine hook plans each loop's skips
+    ("composer.accel.step_cache", "StepCacheHook", lambda runtime: runtime.cache != "none"),
     ("composer.accel.offload", "OffloadHook", lambda runtime: runtime.offload != "none"),
     ("composer.accel.compile", "CompileHook", lambda runtime: runtime.compile != "none"),
     # always on: a request's CancelToken is checked before each block; last, so offload's block hooks run first

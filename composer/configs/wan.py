@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from composer.configs.base import PipelineConfig, SamplingParam
 from composer.registry.configs import register_configs
@@ -21,6 +21,12 @@ class WanT2VConfig(PipelineConfig):
     """Wan2.1 T2V: UMT5 prompts of 512 tokens, zero-padded past the prompt's length."""
 
     text_encoder_max_length: int = 512
+    # TeaCache's polynomial per transformer width (1536: Wan2.1 1.3B, 5120: 14B), fitted by the TeaCache authors
+    # for the timestep projection as the signal with the first steps retained ("ret_steps"), highest power first
+    teacache_coefficients: dict[int, tuple[float, ...]] = field(default_factory=lambda: {
+        1536: (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02),
+        5120: (-3.03318725e05, 4.90537029e04, -2.65530556e03, 5.87365115e01, -3.15583525e-01),
+    })
 
 
 @dataclass

@@ -36,6 +36,7 @@ class StepInfo:
     timestep: float
     run: int
     latents: torch.Tensor
+    timesteps: tuple[float, ...] = ()  # the loop's whole schedule (what a step cache plans from)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ModelCall:
     inputs: ModelInputs
     kind: str = "step"
     step: StepInfo | None = None
+    branches: tuple[int, ...] = (0,)  # the guidance branches in this call's rows (0: prompt, 1: negative)
 
 
 class EngineHook:
@@ -102,14 +104,15 @@ class DenoisingEngine:
         return out[:, :, prefix:] if prefix else out
 
     def call_model(self, latents: torch.Tensor, timestep: torch.Tensor, inputs: ModelInputs,
-                   kind: str = "step") -> torch.Tensor:
-        """The one place a pipeline calls its transformer; `around_model` hooks wrap it."""
+                   kind: str = "step", branches: tuple[int, ...] = (0,)) -> torch.Tensor:
+        """The one place a pipeline calls its transformer; `around_model` hooks wrap it. `branches`: the guidance
+        branches the call's rows hold, in order."""
         call: Callable[[ModelCall], torch.Tensor] = self._call_transformer
         for hook in reversed(self.hooks):  # the first hook added is the outermost
             around = getattr(hook, "around_model", None)
             if around is not None:
                 call = _wrap(around, call)
-        return call(ModelCall(latents, timestep, inputs, kind, self._step))
+        return call(ModelCall(latents, timestep, inputs, kind, self._step, branches))
 
     def text_inputs(self, text: torch.Tensor) -> ModelInputs:
         """Conditioning for a text embedding [B, L, D]: each block's cross-attention k/v computed once here and
@@ -128,14 +131,15 @@ class DenoisingEngine:
                          "(guidance_scale <= 1): both rank groups compute the same single branch", logging.WARNING)
             return [self.call_model(latents, timestep, branches[0], kind)]
         if self.branch_parallel is not None:  # this rank's branch; a context pass's output is not used
-            return self.branch_parallel.run(lambda b: self.call_model(latents, timestep, b, kind), branches,
-                                            exchange=kind != "context")
+            index = self.branch_parallel.index
+            return self.branch_parallel.run(lambda b: self.call_model(latents, timestep, b, kind, (index,)),
+                                            branches, exchange=kind != "context")
         if self.batched_cfg:
             n = len(branches)
             merged = merged if merged is not None else ModelInputs.batched(branches)
-            out = self.call_model(torch.cat([latents] * n), torch.cat([timestep] * n), merged, kind)
+            out = self.call_model(torch.cat([latents] * n), torch.cat([timestep] * n), merged, kind, tuple(range(n)))
             return list(out.chunk(n))
-        return [self.call_model(latents, timestep, b, kind) for b in branches]
+        return [self.call_model(latents, timestep, b, kind, (i,)) for i, b in enumerate(branches)]
 
     def predict(self, latents: torch.Tensor, timestep: torch.Tensor, cond: ModelInputs,
                 uncond: ModelInputs | None = None, guidance: ClassifierFreeGuidance | None = None,
@@ -164,10 +168,11 @@ class DenoisingEngine:
         merged = ModelInputs.batched([cond, uncond]) if guidance is not None and self.batched_cfg else None
         timesteps = steps.timesteps
         num_steps = len(timesteps)
+        schedule = tuple(float(t) for t in timesteps)
         # closed (and cleared) even when a step raises, e.g. a cancelled request: no stale bar before its message
         with tqdm(timesteps, desc="denoising", unit="step", disable=not progress, leave=False) as bar:
             for index, t in enumerate(bar):
-                info = StepInfo(index, num_steps, float(t), run, latents)
+                info = StepInfo(index, num_steps, float(t), run, latents, schedule)
                 for hook in self.hooks:
                     if hasattr(hook, "before_step"):
                         hook.before_step(info)

@@ -207,6 +207,9 @@ class WanTransformer3DModel(nn.Module):
     # sequence-parallel ranks after patchify (RoPE and per-frame modulation then act on the local part) and
     # gathers them before unpatchify. None on one device.
     sequence_parallel = None
+    # Set by the step-cache hook (composer.accel.step_cache): decides per call whether the repeated blocks run or
+    # an earlier step's residual stands in for them. None: every block runs.
+    step_cache = None
     # Kept in fp32 whatever the load dtype, as the reference keeps them.
     keep_in_fp32 = (r"^condition_embedder\.time_embedder\.", r"scale_shift_table$", r"^blocks\.\d+\.norm2\.")
     # Tensor parallelism (composer/parallel/tensor.py): module name -> how its weight is split over the ranks.
@@ -314,9 +317,14 @@ class WanTransformer3DModel(nn.Module):
             act_dtype = cross_kv[0][0].dtype
         temb, timestep_proj = self.condition_embedder.embed_timestep(timestep, act_dtype)
 
-        for i, block in enumerate(self.blocks):
-            layer_cache = kv_cache.layer(i) if kv_cache is not None else None
-            x = block(x, contexts[i], timestep_proj, rotary, attn_mask, layer_cache)
+        def run_blocks(x: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
+            for i in range(start, len(self.blocks) if end is None else end):
+                layer_cache = kv_cache.layer(i) if kv_cache is not None else None
+                x = self.blocks[i](x, contexts[i], timestep_proj, rotary, attn_mask, layer_cache)
+            return x
+
+        # a step cache (composer.accel.step_cache) may reuse an earlier step's residual instead of the blocks
+        x = run_blocks(x) if self.step_cache is None else self.step_cache.run_blocks(run_blocks, x, len(self.blocks))
 
         # output norm + modulation, per frame when timesteps are per frame
         shift, scale = (self.scale_shift_table.unsqueeze(1) + temb.unsqueeze(2)).chunk(2, dim=2)  # [B, T, 1, D]

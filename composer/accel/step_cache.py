@@ -1,0 +1,225 @@
+"""Step caching (`cache = teacache`): skip the transformer's blocks on steps whose input barely changed, reusing
+the residual (blocks' output - input) of the last step that ran them.
+
+TeaCache (Liu et al., "Timestep Embedding Tells: It's Time to Cache for Video Diffusion Model", 2024): the
+signal is the timestep-modulated input of the blocks. Between consecutive steps its relative L1 change is
+rescaled by a polynomial fitted per model (`teacache_coefficients` in the family's config, keyed by the
+transformer's hidden size) and accumulated; while the sum stays under `cache_threshold` the step reuses the
+cached residual, otherwise the blocks run and the sum restarts. The first `cache_warmup_steps` steps and the
+last step always run.
+
+**Planned before the loop.** For Wan the modulated input (the timestep projection) depends on the timestep
+alone, so the whole schedule is decided from the timesteps when a loop starts: no device-to-host sync per
+step. `plan_schedule` and `TeaCachePlanner.decide` are the same rule (a test checks they agree), so a model
+whose signal depends on the latents (e.g. a modulated first-block input) can decide step by step instead.
+
+State is per guidance branch set (the rows of one transformer call: both branches when CFG is batched, one
+each when sequential or CFG-parallel) and per run (a text-to-video loop; each causal block's few steps), and
+is reset when a run starts, so nothing leaks between videos. A causal "context" pass (writing the KV cache)
+always runs its blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from composer.engine import EngineHook
+from composer.logging import get_logger, log_once
+
+logger = get_logger(__name__)
+
+# Used where the family's config has no coefficients for a model: the raw relative change, no rescaling.
+IDENTITY = (0.0, 0.0, 0.0, 1.0, 0.0)
+
+
+def rescale(coefficients: Sequence[float], value: float) -> float:
+    """The polynomial (highest power first, as numpy.poly1d) at `value`."""
+    out = 0.0
+    for c in coefficients:
+        out = out * value + c
+    return out
+
+
+def relative_l1(now: torch.Tensor, before: torch.Tensor) -> float:
+    """mean |now - before| / mean |before|, in fp32."""
+    before = before.float()
+    return float((now.float() - before).abs().mean() / before.abs().mean().clamp_min(1e-12))
+
+
+@dataclass
+class TeaCachePlanner:
+    """TeaCache's rule, one step at a time: feed each step's signal to `decide`; True means run the blocks."""
+
+    threshold: float
+    coefficients: Sequence[float] = IDENTITY
+    warmup_steps: int = 1
+    num_steps: int = 0
+    _previous: torch.Tensor | None = None
+    _accumulated: float = 0.0
+
+    def decide(self, index: int, signal: torch.Tensor) -> bool:
+        run = True
+        if self._previous is not None and self.warmup_steps <= index < self.num_steps - 1:
+            self._accumulated += rescale(self.coefficients, relative_l1(signal, self._previous))
+            if self._accumulated < self.threshold:
+                run = False
+            else:
+                self._accumulated = 0.0
+        elif self._previous is not None:
+            self._accumulated = 0.0
+        self._previous = signal
+        return run
+
+
+def plan_schedule(signals: Sequence[torch.Tensor], threshold: float, coefficients: Sequence[float] = IDENTITY,
+                  warmup_steps: int = 1) -> list[bool]:
+    """Whether each step runs the blocks (True) or reuses the cached residual, decided for the whole loop."""
+    planner = TeaCachePlanner(threshold, coefficients, warmup_steps, len(signals))
+    return [planner.decide(i, s) for i, s in enumerate(signals)]
+
+
+@dataclass
+class StepCacheStats:
+    """What the cache did over the last request: step calls made and how many reused the residual."""
+
+    calls: int = 0
+    skipped: int = 0
+    per_run: dict[int, list[bool]] = field(default_factory=dict)  # run -> the plan (True: blocks ran)
+
+    def summary(self) -> str:
+        share = self.skipped / self.calls if self.calls else 0.0
+        return f"{self.skipped} of {self.calls} transformer calls reused the cached residual ({share:.0%})"
+
+
+class ResidualCache:
+    """What a model's `run_blocks` consults (`model.step_cache`): run the blocks and keep their residual, or
+    add the kept residual, for the call in progress (set by the engine hook)."""
+
+    def __init__(self):
+        self.key: tuple | None = None  # (run, branches) of the call in progress; None: run, keep nothing
+        self.reuse = False  # this call may reuse the residual kept under `key`
+        self.residuals: dict[tuple, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self.residuals.clear()
+        self.key, self.reuse = None, False
+
+    def run_blocks(self, run: Callable[..., torch.Tensor], x: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        kept = self.residuals.get(self.key) if self.key is not None else None
+        if self.reuse and kept is not None and kept.shape == x.shape:
+            return x + kept
+        out = run(x)
+        if self.key is not None:
+            self.residuals[self.key] = out - x
+        return out
+
+
+class TeaCacheEngineHook(EngineHook):
+    """Plans each loop's skips from its timesteps (before its first step) and tells the model's ResidualCache
+    what each step call may do."""
+
+    def __init__(self, model: torch.nn.Module, cache: ResidualCache, threshold: float,
+                 coefficients: Sequence[float], warmup_steps: int | None):
+        self.model = model
+        self.cache = cache
+        self.threshold = threshold
+        self.coefficients = tuple(coefficients)
+        self.warmup_steps = warmup_steps
+        self.stats = StepCacheStats()
+        self._plan: list[bool] = []
+        self._run: int | None = None
+
+    def signal(self, timestep: float) -> torch.Tensor:
+        """The blocks' timestep-modulated input for one timestep: the model's timestep projection."""
+        model = self.model
+        t = torch.tensor([timestep], device=model.device)
+        return model.condition_embedder.embed_timestep(t, model.dtype)[1]
+
+    def before_step(self, info) -> None:
+        if info.index == 0:  # a loop starts: plan it, forget every residual of the runs before
+            if info.run == 0:
+                self.stats = StepCacheStats()
+            self.cache.reset()
+            with torch.no_grad():
+                signals = [self.signal(t) for t in info.timesteps]
+            warmup = self.warmup_steps if self.warmup_steps is not None else max(1, round(0.1 * len(signals)))
+            self._plan = plan_schedule(signals, self.threshold, self.coefficients, warmup)
+            self._run = info.run
+            self.stats.per_run[info.run] = list(self._plan)
+
+    def around_model(self, call, model_call):
+        step = model_call.step
+        if model_call.kind != "step" or step is None:  # context passes always run their blocks, keep nothing
+            self.cache.key, self.cache.reuse = None, False
+            return call(model_call)
+        self.cache.key = (step.run, model_call.branches)
+        self.cache.reuse = not self._plan[step.index] if step.index < len(self._plan) else False
+        self.stats.calls += 1
+        try:
+            out = call(model_call)
+        finally:
+            reused = self.cache.reuse
+            self.cache.key, self.cache.reuse = None, False
+        self.stats.skipped += int(reused)
+        return out
+
+    def after_step(self, info) -> None:
+        if info.index == info.num_steps - 1 and info.run == self._run:
+            logger.info("teacache: %s", self.stats.summary())
+
+
+class StepCacheHook:
+    """Hook phase: `cache = teacache` on every denoising transformer (the model's `step_cache` slot and an
+    engine hook on each of its engines)."""
+
+    name = "cache"
+
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+        self.hooks: list[TeaCacheEngineHook] = []
+        self._models: dict[int, tuple[torch.nn.Module, ResidualCache, tuple[float, ...]]] = {}
+
+    @classmethod
+    def from_runtime(cls, runtime: Any) -> StepCacheHook:
+        return cls(runtime)
+
+    def _coefficients(self, pipeline: Any, model: torch.nn.Module) -> tuple[float, ...]:
+        table = getattr(pipeline.config, "teacache_coefficients", None) or {}
+        width = getattr(getattr(model, "config", None), "hidden_size", None)
+        if width in table:
+            return tuple(table[width])
+        log_once(logger, f"teacache-uncalibrated-{width}", f"teacache: no coefficients for this model (hidden size "
+                 f"{width}) in the family's config: the raw relative change is used; pick cache_threshold by "
+                 "measuring (benchmarks) or add fitted coefficients")
+        return IDENTITY
+
+    def apply(self, pipeline: Any) -> str:
+        lines = []
+        for name, model in pipeline.denoisers().items():
+            if not hasattr(type(model), "step_cache"):
+                lines.append(f"{name}: no step_cache slot (not cached)")
+                continue
+            cache = ResidualCache()
+            model.step_cache = cache
+            coefficients = self._coefficients(pipeline, model)
+            self._models[id(model)] = (model, cache, coefficients)
+            calibrated = "fitted coefficients" if coefficients != IDENTITY else "uncalibrated"
+            lines.append(f"{name} ({calibrated})")
+        r = self.runtime
+        warmup = r.cache_warmup_steps if r.cache_warmup_steps is not None else "a tenth of the"
+        return (f"teacache, threshold {r.cache_threshold}, warmup {warmup} steps: "
+                + "; ".join(lines))
+
+    def configure_engine(self, engine) -> None:
+        found = self._models.get(id(engine.transformer))
+        if found is None:
+            return
+        model, cache, coefficients = found
+        hook = TeaCacheEngineHook(model, cache, self.runtime.cache_threshold, coefficients,
+                                  self.runtime.cache_warmup_steps)
+        self.hooks.append(hook)
+        engine.add_hook(hook)
