@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drift-prompts", type=int, default=8, help="long rollouts for the drift figure (0: skip)")
     p.add_argument("--drift-frames", type=int, default=129, help="frames per long rollout")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--runtime", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="runtime settings for both models, as from_pretrained keywords (e.g. cache=teacache "
+                        "cache_threshold=0.2): what an approximation costs in prompt score")
     return p
 
 
@@ -77,6 +80,17 @@ def check_options(args: argparse.Namespace) -> None:
         raise ConfigError("invalid options:\n  " + "\n  ".join(errors))
 
 
+def runtime_settings(pairs: list[str]) -> dict[str, str]:
+    """KEY=VALUE pairs -> keywords (RuntimeArgs checks and converts the values)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--runtime takes KEY=VALUE pairs, got {pair!r}")
+        out[key.replace("-", "_")] = value
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Score, print the reports, and write the JSON when asked."""
     from composer.generator import VideoGenerator
@@ -85,18 +99,20 @@ def run(args: argparse.Namespace) -> int:
     from demo.evaluate import demo_prompts, measure_drift, score_prompts
 
     prompts = demo_prompts(args.num_prompts, args.seed)
+    runtime = runtime_settings(args.runtime)
     overrides = {k: v for k, v in (("num_inference_steps", args.num_inference_steps),
                                    ("guidance_scale", args.guidance_scale)) if v is not None}
     results: dict = {}
     # the score reads the shapes world (64x64, 17 frames), so a folder whose name the registry does not know is
     # still sampled as a shapes model, not with the defaults of the architecture's real checkpoints
-    gen = VideoGenerator.from_pretrained(folder(args.model_path, T2V_NAME), progress=False, model_family=T2V_NAME)
+    gen = VideoGenerator.from_pretrained(folder(args.model_path, T2V_NAME), progress=False, model_family=T2V_NAME,
+                                         **runtime)
     t2v = score_prompts(gen, prompts, args.seed, **overrides)
     print(t2v.report())
     results["t2v"] = t2v.score.summary()
     if args.causal or args.drift_prompts:
         causal = VideoGenerator.from_pretrained(folder(args.causal_model_path, CAUSAL_NAME), progress=False,
-                                                model_family=CAUSAL_NAME)
+                                                model_family=CAUSAL_NAME, **runtime)
         causal_overrides = {} if args.causal_guidance_scale is None else {"guidance_scale": args.causal_guidance_scale}
         if args.causal:
             scored = score_prompts(causal, prompts, args.seed, **causal_overrides)
