@@ -24,7 +24,7 @@ DTYPES: dict[str, str] = {
 OFFLOAD_MODES = ("none", "model", "layerwise", "disk")
 COMPILE_MODES = ("none", "regional", "full")
 CFG_MODES = ("batched", "sequential")
-CACHE_MODES = ("none", "teacache")
+CACHE_MODES = ("none", "teacache", "dbcache")
 COMPILE_TORCH_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -122,18 +122,42 @@ class RuntimeArgs:
 
     cache: str = field(
         default="none",
-        metadata={"help": "step caching: none, or teacache (skip the transformer's blocks on steps whose timestep "
-                          "embedding barely changed, reusing the last residual; approximate: see "
-                          "docs/step-caching.md)", "choices": CACHE_MODES},
+        metadata={"help": "step caching: none; teacache (skip the transformer's blocks on steps whose timestep "
+                          "embedding barely changed, reusing the last residual); dbcache (skip the middle blocks on "
+                          "steps whose first blocks' residual barely changed). Approximate: see docs/step-caching.md",
+                  "choices": CACHE_MODES},
     )
     cache_threshold: float = field(
         default=0.08,
-        metadata={"help": "teacache: accumulated rescaled change under which a step reuses the residual (0: never; "
-                          "larger: more steps skipped, lower quality)"},
+        metadata={"help": "teacache: accumulated rescaled change under which a step reuses the residual; dbcache: "
+                          "relative L1 change of the first blocks' residual under which the middle blocks are skipped "
+                          "(0: never; larger: more steps skipped, lower quality)"},
     )
     cache_warmup_steps: int | None = field(
         default=None,
-        metadata={"help": "teacache: first steps that always run (default: a tenth of the steps, at least 1)"},
+        metadata={"help": "teacache, dbcache: first steps that always run (default: a tenth of the steps, at "
+                          "least 1)"},
+    )
+    cache_fn_blocks: int = field(
+        default=1,
+        metadata={"help": "dbcache: first blocks that always run; their residual's change decides the step"},
+    )
+    cache_bn_blocks: int = field(
+        default=0,
+        metadata={"help": "dbcache: last blocks that always run (after the middle ones, run or cached)"},
+    )
+    cache_max_cached_steps: int | None = field(
+        default=None,
+        metadata={"help": "dbcache: at most this many cached steps per denoising loop (default: no limit)"},
+    )
+    cache_max_consecutive: int | None = field(
+        default=None,
+        metadata={"help": "dbcache: at most this many cached steps in a row (default: no limit)"},
+    )
+    cache_taylorseer: bool = field(
+        default=False,
+        metadata={"help": "dbcache: extrapolate the cached middle residual to the step (first-order TaylorSeer "
+                          "from the last two computed steps) instead of reusing the last one as is"},
     )
     ulysses_degree: int = field(
         default=1,
@@ -214,6 +238,20 @@ class RuntimeArgs:
             errors.append(f"cache_threshold = {self.cache_threshold}: expected a number >= 0")
         if self.cache_warmup_steps is not None and self.cache_warmup_steps < 1:
             errors.append(f"cache_warmup_steps = {self.cache_warmup_steps}: expected a positive integer (or unset)")
+        if self.cache_fn_blocks < 1:
+            errors.append(f"cache_fn_blocks = {self.cache_fn_blocks}: expected a positive integer (dbcache decides "
+                          "from the first blocks' residual, so at least one block always runs)")
+        if self.cache_bn_blocks < 0:
+            errors.append(f"cache_bn_blocks = {self.cache_bn_blocks}: expected an integer >= 0")
+        if self.cache_max_cached_steps is not None and self.cache_max_cached_steps < 0:
+            errors.append(f"cache_max_cached_steps = {self.cache_max_cached_steps}: expected an integer >= 0 "
+                          "(or unset: no limit)")
+        if self.cache_max_consecutive is not None and self.cache_max_consecutive < 1:
+            errors.append(f"cache_max_consecutive = {self.cache_max_consecutive}: expected a positive integer "
+                          "(or unset: no limit)")
+        if self.cache_taylorseer and self.cache != "dbcache":
+            errors.append(f"cache_taylorseer is on with cache = {self.cache!r}: TaylorSeer extrapolates dbcache's "
+                          "residual; set cache = dbcache (or turn cache_taylorseer off)")
         if self.dist_timeout <= 0:
             errors.append(f"dist_timeout = {self.dist_timeout}: expected a positive number of seconds")
         import torch

@@ -174,7 +174,7 @@ class TeaCacheEngineHook(EngineHook):
 
 class StepCacheHook:
     """Hook phase: `cache = teacache` on every denoising transformer (the model's `step_cache` slot and an
-    engine hook on each of its engines)."""
+    engine hook on each of its engines); `from_runtime` hands `cache = dbcache` to DBCacheHook."""
 
     name = "cache"
 
@@ -184,7 +184,12 @@ class StepCacheHook:
         self._models: dict[int, tuple[torch.nn.Module, ResidualCache, tuple[float, ...]]] = {}
 
     @classmethod
-    def from_runtime(cls, runtime: Any) -> StepCacheHook:
+    def from_runtime(cls, runtime: Any) -> Any:
+        """This hook for `cache = teacache`; composer.accel.dbcache's for `cache = dbcache`."""
+        if runtime.cache == "dbcache":
+            from composer.accel.dbcache import DBCacheHook
+
+            return DBCacheHook(runtime)
         return cls(runtime)
 
     def _coefficients(self, pipeline: Any, model: torch.nn.Module) -> tuple[float, ...]:
