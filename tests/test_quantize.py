@@ -131,3 +131,24 @@ def dequantized(target: torch.nn.Module, quantized: torch.nn.Module) -> None:
 def _named_block_linears(model):
     return [(n, m) for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and ".blocks." in f".{n}" and "lora_" not in n]
+
+
+# -- quantize once: the converted folder ----------------------------------------------------------------
+def test_a_quantized_folder_loads_to_the_same_outputs_as_quantizing_at_load(tiny_wan_dir, int8_result, tmp_path):
+    from composer.cli.main import main
+
+    out = tmp_path / "tiny-int8"
+    assert main(["convert", "quantize", "--model-path", str(tiny_wan_dir), "--quantize", "int8",
+                 "--out", str(out)]) == 0
+    assert (out / "transformer" / "quantized.pt").is_file()
+    assert not list((out / "transformer").glob("*.safetensors"))  # the full-precision weights are not copied
+    assert (out / "vae").is_dir() and list((out / "vae").iterdir())
+    gen = _gen(out)  # quantize unset: the folder turns it on
+    assert gen.pipeline.applied_hooks[0].startswith("quantize: int8") and "read quantized" in \
+        gen.pipeline.applied_hooks[0]
+    assert all(is_quantized(m.weight) for m in block_linears(gen.pipeline.modules["transformer"]))
+    result = gen.generate_video(PROMPT, **REQUEST)
+    assert torch.equal(result.latents, int8_result.latents)
+    assert np.array_equal(result.frames, int8_result.frames)
+    with pytest.raises(ConfigError, match="holds int8 weights"):
+        _gen(out, quantize="fp8")

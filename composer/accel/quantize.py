@@ -123,6 +123,18 @@ class QuantizeHook:
     name = "quantize"
 
 
+    def load_module(self, pipeline: Any, name: str, folder: Any, spec: Any, dtype: torch.dtype | None):
+        """A denoiser of a folder written by `composer convert quantize`: its quantized weights, read as saved
+        (None otherwise: the usual loader, then `apply` quantizes)."""
+        from composer.loader.folder_settings import read_folder_settings
+
+        entry = read_folder_settings(pipeline.folder).quantization
+        if not entry or not name.startswith("transformer") or name not in entry.get("components", [name]):
+            return None
+        from composer.convert.quantize import load_quantized
+
+        return load_quantized(folder, spec, entry["file"], pipeline.load_device(name), dtype or torch.float32)
+
     def apply(self, pipeline: Any) -> str:
         mode = pipeline.runtime.quantize
         lines = []
