@@ -29,11 +29,16 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
 
 
-def timed(gen, request: dict, repeats: int):
-    """The last result and the median denoising-stage seconds of `repeats` runs (after one warmup)."""
-    gen.generate_video(**request)
-    runs = [gen.generate_video(**request) for _ in range(repeats)]
-    return runs[-1], statistics.median(r.timings.get("DenoisingStage", float("nan")) for r in runs)
+def timed_interleaved(gens: list, request: dict, repeats: int) -> list:
+    """(last result, median denoising-stage seconds) per generator: one warmup each, then the runs alternate
+    between them, so a machine whose load changes during the benchmark slows every variant alike."""
+    for gen in gens:
+        gen.generate_video(**request)
+    runs: list[list] = [[] for _ in gens]
+    for _ in range(repeats):
+        for i, gen in enumerate(gens):
+            runs[i].append(gen.generate_video(**request))
+    return [(r[-1], statistics.median(x.timings.get("DenoisingStage", float("nan")) for x in r)) for r in runs]
 
 
 def weight_bytes(model) -> tuple[int, int]:
@@ -48,22 +53,23 @@ def bench(label: str, model_path, runtime: dict, request: dict, modes: list[str]
     from composer import VideoGenerator
     from composer.errors import ConfigError
 
-    gen = VideoGenerator.from_pretrained(model_path, **runtime)
-    exact, t0 = timed(gen, request, repeats)
-    total0, lin0 = weight_bytes(gen.pipeline.modules["transformer"])
-    del gen
-    rows = [f"| {label} | none | {total0 / 2**20:.2f} | {lin0 / 2**20:.2f} | 1.00 ({t0:.2f} s) | exact |"]
+    gens, refused = {"none": VideoGenerator.from_pretrained(model_path, **runtime)}, {}
     for mode in modes:
         try:
-            gen = VideoGenerator.from_pretrained(model_path, quantize=mode, **runtime)
+            gens[mode] = VideoGenerator.from_pretrained(model_path, quantize=mode, **runtime)
         except ConfigError as exc:
-            rows.append(f"| {label} | {mode} | - | - | - | refused: {str(exc).split(':')[0]} |")
+            refused[mode] = str(exc).split(":")[0]
+    results = dict(zip(gens, timed_interleaved(list(gens.values()), request, repeats)))
+    sizes = {mode: weight_bytes(gen.pipeline.modules["transformer"]) for mode, gen in gens.items()}
+    (exact, t0), (total0, lin0) = results["none"], sizes["none"]
+    rows = [f"| {label} | none | {total0 / 2**20:.2f} | {lin0 / 2**20:.2f} | 1.00 ({t0:.2f} s) | exact |"]
+    for mode in modes:
+        if mode in refused:
+            rows.append(f"| {label} | {mode} | - | - | - | refused: {refused[mode]} |")
             continue
-        result, t = timed(gen, request, repeats)
-        total, lin = weight_bytes(gen.pipeline.modules["transformer"])
+        (result, t), (total, lin) = results[mode], sizes[mode]
         rows.append(f"| {label} | {mode} | {total / 2**20:.2f} ({total / total0:.2f}x) | {lin / 2**20:.2f} "
                     f"({lin / lin0:.2f}x) | {t / t0:.2f} ({t:.2f} s) | {psnr(result.frames, exact.frames):.1f} dB |")
-        del gen
     return rows
 
 
@@ -88,7 +94,7 @@ def main() -> None:
     request = dict(prompt=args.prompt, seed=args.seed, num_inference_steps=args.steps)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else (
         f"CPU, {torch.get_num_threads()} threads")
-    print(f"{device}, torch {torch.__version__}, {args.steps} steps, median of {args.repeats} runs after a warmup\n")
+    print(f"{device}, torch {torch.__version__}, {args.steps} steps, median of {args.repeats} interleaved runs after a warmup\n")
     print("| model | quantize | transformer MiB | block linears MiB | denoise time ratio | PSNR vs none |")
     print("|---|---|---|---|---|---|")
     for row in bench("shapes-t2v (embedded)", None, runtime, request, modes, args.repeats):
