@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(ENV_DIR)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(ENV_DIR)/torch-pin.txt
-	$(PIP) install -q -c $(ENV_DIR)/torch-pin.txt -e ".[dev,serve]"
+	$(PIP) install -q -c $(ENV_DIR)/torch-pin.txt -e ".[dev,serve,quant]"
 	$(PY) -c "import torch, composer; print('composer installed with torch', torch.__version__)"
 	touch $(STAMP)
 

@@ -23,7 +23,7 @@ import torch
 from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
-from composer.errors import InvalidInputError, UnsupportedError
+from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.loader.folder_settings import FolderSettings, read_folder_settings
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
@@ -98,6 +98,17 @@ def resolve_model(model_path: str | os.PathLike | None, model_family: str | None
     return ResolvedModel(model_path, index, pipeline_cls, configs, settings, stated)
 
 
+def _with_folder_quantization(runtime: RuntimeArgs, settings: FolderSettings) -> RuntimeArgs:
+    """A folder written by `composer convert quantize` turns the quantize hook on with its mode."""
+    if not settings.quantization:
+        return runtime
+    mode = settings.quantization["mode"]
+    if runtime.quantize not in ("none", mode):
+        raise ConfigError(f"quantize = {runtime.quantize} but {settings.path} says the folder holds {mode} weights: "
+                          f"leave quantize unset (or {mode}), or quantize the original folder")
+    return dataclasses.replace(runtime, quantize=mode)
+
+
 class VideoGenerator:
     """A loaded pipeline plus its sampling defaults: the family's, with what the model folder states over them."""
 
@@ -123,6 +134,7 @@ class VideoGenerator:
         """
         runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
         resolved = resolve_model(model_path, runtime.model_family)
+        runtime = _with_folder_quantization(runtime, resolved.settings)
         if runtime.num_gpus and runtime.num_gpus > 1 and not parallel_state.under_launcher():
             from composer.parallel.workers import WorkerVideoGenerator
 

@@ -25,6 +25,7 @@ OFFLOAD_MODES = ("none", "model", "layerwise", "disk")
 COMPILE_MODES = ("none", "regional", "full")
 CFG_MODES = ("batched", "sequential")
 CACHE_MODES = ("none", "teacache", "dbcache")
+QUANTIZE_MODES = ("none", "int8", "fp8")
 COMPILE_TORCH_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -103,6 +104,12 @@ class RuntimeArgs:
         default=False,
         metadata={"help": "merge the LoRA into the weights (a little faster per step; unfused adapters switch "
                           "cheaply between videos)"},
+    )
+    quantize: str = field(
+        default="none",
+        metadata={"help": "weight-only quantization of the transformer blocks' linear layers (torchao): none; int8 "
+                          "(about 1/4 of the fp32 weight memory; on CPU often slower than fp32); fp8 (GPUs with "
+                          "compute capability 8.9+). See docs/quantization.md", "choices": QUANTIZE_MODES},
     )
     offload: str = field(
         default="none",

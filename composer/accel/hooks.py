@@ -2,17 +2,16 @@
 
 Order (each hook sees what the ones before it made):
 
+    quantize   weight-only int8 / fp8 of the transformer blocks' linear layers (torchao)
     lora       adapters on the transformer(s) (unfused peft layers, or merged into the weights)
     attention  every Attention module on the runtime's backend (`attention_backend`)
     parallel   tensor parallel (the transformer loaded as this rank's slices), sequence parallel (tokens split
                over ranks, attention across them), CFG parallel (guidance branches on two rank groups)
-    cache      step caching (teacache): steps whose input barely changed reuse the blocks' last residual
+    cache      step caching (teacache, dbcache): steps whose input barely changed reuse the blocks' last residual
     offload    model: components on the device only while their stage runs; layerwise / disk: transformer
                blocks streamed to the device one block ahead
     compile    torch.compile of the transformer(s): each repeated block (regional) or the whole model
     cancel     the running request's CancelToken checked before each repeated block and each step
-
-(quantization goes before lora, as it lands.)
 
 A hook is a class with `name` and `apply(pipeline) -> str` (what it did, for the log), listed in `HOOKS` with
 the condition that turns it on; optionally `from_runtime(runtime)` (its constructor), `load_device(pipeline, module_name,
@@ -38,6 +37,8 @@ logger = get_logger(__name__)
 
 # Application order. A hook's module is imported only when the runtime turns it on (LoRA's pulls in peft).
 HOOKS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
+    # first: LoRA's PEFT layers wrap the quantized linears, offload and compile see them
+    ("composer.accel.quantize", "QuantizeHook", lambda runtime: runtime.quantize != "none"),
     ("composer.accel.lora", "LoraHook", lambda runtime: bool(runtime.lora_path)),
     # always on: every pipeline resolves its backend here, so the log says which one runs
     ("composer.accel.attention", "AttentionBackendHook", lambda runtime: True),
@@ -79,6 +80,8 @@ def enabled_hooks(runtime: Any) -> list[Any]:
 
 def check_combination(runtime: Any) -> None:
     """Refuse settings that do not work together, before anything loads."""
+    if runtime.quantize != "none":
+        _check_quantize(runtime)
     if runtime.tp_size > 1 and runtime.offload == "disk":
         raise ConfigError(
             "tp_size > 1 with offload = disk is not supported: tensor parallel reads each rank's slices of the "
@@ -89,6 +92,23 @@ def check_combination(runtime: Any) -> None:
             "lora_path with offload = disk is not supported: the disk tier streams the transformer's blocks "
             "straight from the checkpoint, so adapters cannot be added to them; use offload = layerwise"
         )
+
+
+def _check_quantize(runtime: Any) -> None:
+    from composer.accel.quantize import check_supported
+
+    q = f"quantize = {runtime.quantize}"
+    if runtime.lora_path and runtime.lora_fuse:
+        raise ConfigError(f"lora_fuse with {q} is not supported: merging a LoRA into quantized weights would "
+                          "re-quantize them (another model); use unfused LoRA (lora_fuse off), which runs beside "
+                          "the quantized layers")
+    if runtime.offload == "disk":
+        raise ConfigError(f"{q} with offload = disk is not supported: the disk tier streams the blocks' full "
+                          "weights from the checkpoint; use offload = layerwise")
+    if runtime.tp_size > 1:
+        raise ConfigError(f"{q} with tp_size > 1 is not supported: tensor parallel slices the linears itself; "
+                          "use sequence parallel (ulysses_degree / ring_degree) or no quantization")
+    check_supported(runtime)
 
 
 def apply_hooks(pipeline: Any, hooks: list[Any]) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,7 +144,9 @@ class LoraAdapters:
         names = [f"lora{i}" for i in range(len(files))]
         for adapter, file in zip(names, files):
             self._drop_peft_config()  # else PEFT warns about "multiple adapters": that is what we want
-            inject_adapter_in_model(_peft_config(file), self.model, adapter_name=adapter)
+            with warnings.catch_warnings():  # quantized base layers (quantize hook): merge is refused up front
+                warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated without")
+                inject_adapter_in_model(_peft_config(file), self.model, adapter_name=adapter)
             self._wrapped.update(file.modules)
             with torch.no_grad():  # PEFT creates the layers in the base weight's dtype and device
                 for name, lora in file.modules.items():

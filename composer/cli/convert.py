@@ -1,4 +1,5 @@
-"""`composer convert self-forcing`: turn a Self-Forcing / CausVid checkpoint into a causal model folder."""
+"""`composer convert self-forcing`: turn a Self-Forcing / CausVid checkpoint into a causal model folder.
+`composer convert quantize`: write a copy of a model folder whose transformer holds quantized weights."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 
 def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="convert checkpoints of other formats into composer model folders")
-    kinds = p.add_subparsers(dest="kind", required=True, metavar="{self-forcing}")
+    kinds = p.add_subparsers(dest="kind", required=True, metavar="{self-forcing,quantize}")
     sf = kinds.add_parser(
         "self-forcing",
         allow_abbrev=False,
@@ -27,6 +28,27 @@ def add_parser(sub) -> None:
     sf.add_argument("--local-attn-size", type=int, default=-1, help="frames attended (sink included); -1: all")
     sf.add_argument("--sink-size", type=int, default=0, help="first frames kept in the window")
     sf.set_defaults(run=run)
+    q = kinds.add_parser(
+        "quantize",
+        allow_abbrev=False,
+        help="model folder -> a copy whose transformer(s) hold weight-only quantized weights (torchao), loaded "
+             "as they are: quantize once, load many times (docs/quantization.md)",
+    )
+    q.add_argument("--model-path", default=None, help="model folder or hub id (default: the embedded model)")
+    q.add_argument("--quantize", required=True, choices=["int8", "fp8"], help="int8; fp8 on a GPU with fp8 support")
+    q.add_argument("--out", required=True, help="folder to write")
+    q.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="precision of what stays unquantized and of the scales (default fp32)")
+    q.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    q.set_defaults(run=run_quantize)
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    from composer.convert.quantize import quantize_folder
+
+    out = quantize_folder(args.model_path, args.out, args.quantize, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {out}: composer generate --model-path {out} --prompt ...")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,7 +3,10 @@ folder does not fall back to another family's defaults.
 
     {"family": "shapes-t2v", "sampling": {"height": 64, "width": 64, "num_frames": 17}}
 
-Both keys are optional. The family is used when the path or hub id does not identify one (the runtime option
+A third key, `quantization`, is written by `composer convert quantize` (composer/convert/quantize.py): the
+denoisers hold quantized weights and load with that `quantize` mode.
+
+Every key is optional. The family is used when the path or hub id does not identify one (the runtime option
 `model_family` still wins); `sampling` values win over the family's defaults and the scheduler-derived folder
 defaults, and lose to the user's (preset, flags, keywords). The sampling keys are checked against the family's
 SamplingParam once the family is known (`SamplingParam.with_folder_defaults(values, source=path)`).
@@ -20,7 +23,7 @@ from typing import Any
 from composer.errors import ConfigError
 
 FILE_NAME = "composer.json"
-KEYS = ("family", "sampling")
+KEYS = ("family", "sampling", "quantization")
 # A request's own fields: a model has no default prompt, seed or output file.
 REQUEST_ONLY = ("prompt", "seed", "output_path", "num_videos_per_prompt")
 
@@ -32,6 +35,8 @@ class FolderSettings:
     path: Path | None = None
     family: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    # written by `composer convert quantize`: the denoisers hold quantized weights (composer/convert/quantize.py)
+    quantization: dict[str, Any] | None = None
 
 
 def read_folder_settings(folder: Path) -> FolderSettings:
@@ -61,6 +66,22 @@ def read_folder_settings(folder: Path) -> FolderSettings:
     for key in REQUEST_ONLY:
         if key in sampling:
             errors.append(f"sampling.{key}: a request's own setting, not a model default; remove it")
+    quantization = raw.get("quantization")
+    if quantization is not None:
+        errors += _quantization_errors(quantization)
     if errors:
         raise ConfigError(f"invalid {path}:\n  " + "\n  ".join(errors))
-    return FolderSettings(path=path, family=family, sampling=dict(sampling))
+    return FolderSettings(path=path, family=family, sampling=dict(sampling), quantization=quantization)
+
+
+def _quantization_errors(entry: Any) -> list[str]:
+    from composer.runtime import QUANTIZE_MODES
+
+    if not isinstance(entry, dict):
+        return [f"quantization = {entry!r}: expected the object `composer convert quantize` writes"]
+    errors = []
+    if entry.get("mode") not in QUANTIZE_MODES[1:]:
+        errors.append(f"quantization.mode = {entry.get('mode')!r}: expected one of {', '.join(QUANTIZE_MODES[1:])}")
+    if not isinstance(entry.get("file"), str):
+        errors.append(f"quantization.file = {entry.get('file')!r}: expected the quantized weights' file name")
+    return errors
