@@ -5,7 +5,10 @@ Each query token attends to the keys in a window of frames x rows x cols around 
 query sees exactly min(window, grid) positions per axis; a window covering the grid is exact dense attention.
 
 Computed with `torch.nn.attention.flex_attention` (compiled) and a BlockMask built once per (grid, window,
-device) and shared by every layer. Where flex_attention cannot run (no compiler, unsupported head size...) the
+device) and shared by every layer. flex_attention skips whole 128 x 128 blocks of (query, key) pairs, and in
+frame-major order a 128-token block is a strip of rows that nearly every window touches; so, as sliding tile
+attention does, tokens are reordered into tiles of TILE (1 frame x 8 rows x 16 cols) before the call and put
+back after it: a block is then a compact patch and a window skips most of them. Where flex_attention cannot run (no compiler, unsupported head size...) the
 same boolean mask goes to SDPA, said once in the log. Only self-attention over a whole grid takes it: the model
 passes the token grid for its full passes; cross-attention, KV-cached and sequence-parallel passes get none
 and run on SDPA (`unusable_reason`).
@@ -24,6 +27,7 @@ from composer.logging import get_logger, log_once
 logger = get_logger(__name__)
 
 Grid = tuple[int, int, int]
+TILE = (1, 8, 16)  # frames, rows, cols: 128 tokens, flex_attention's block size
 _MAX_CACHED = 8
 _block_masks: OrderedDict[tuple, object] = OrderedDict()  # (grid, window, device) -> BlockMask
 _dense_masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # same key -> [S, S] bool (SDPA fallback)
@@ -49,13 +53,27 @@ def _axis_visible(q: torch.Tensor, k: torch.Tensor, size: int, width: int) -> to
     return (k >= start) & (k < start + width)
 
 
-def window_mask_mod(grid: Grid, window: Grid):
-    """flex_attention mask_mod: True where query token q_idx may attend to key token kv_idx."""
+def tile_order(grid: Grid, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Token indices (frame-major) listed tile by tile: position i of the tiled sequence holds token order[i]."""
+    frames, rows, cols = grid
+    f, r, c = torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij")
+    tf, tr, tc = TILE
+    tiles_r, tiles_c = -(-rows // tr), -(-cols // tc)
+    tile = ((f // tf) * tiles_r + r // tr) * tiles_c + c // tc
+    within = ((f % tf) * tr + r % tr) * tc + c % tc
+    return torch.argsort((tile * math.prod(TILE) + within).flatten()).to(device)
+
+
+def window_mask_mod(grid: Grid, window: Grid, order: torch.Tensor | None = None):
+    """flex_attention mask_mod: True where query token q_idx may attend to key token kv_idx (positions in the
+    tiled sequence when `order` is given, frame-major token indices otherwise)."""
     frames, rows, cols = grid
     wf, wr, wc = window
     per_frame = rows * cols
 
     def mask_mod(batch, head, q_idx, kv_idx):
+        if order is not None:
+            q_idx, kv_idx = order[q_idx], order[kv_idx]
         return (_axis_visible(q_idx // per_frame, kv_idx // per_frame, frames, wf)
                 & _axis_visible(q_idx // cols % rows, kv_idx // cols % rows, rows, wr)
                 & _axis_visible(q_idx % cols, kv_idx % cols, cols, wc))
@@ -79,14 +97,17 @@ def _cached(cache: OrderedDict, key: tuple, build):
 
 
 def block_mask(grid: Grid, window: Grid, device: torch.device):
-    """The flex_attention BlockMask for (grid, window, device), built once and reused by every layer and step."""
+    """(BlockMask over the tiled sequence, tile order, its inverse) for (grid, window, device), built once and
+    reused by every layer and step."""
     from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415 - torch >= 2.5 only
 
     def build():
         global block_mask_builds
         block_mask_builds += 1
         seq = math.prod(grid)
-        return create_block_mask(window_mask_mod(grid, window), None, None, seq, seq, device=str(device))
+        order = tile_order(grid, device)
+        mask = create_block_mask(window_mask_mod(grid, window, order), None, None, seq, seq, device=str(device))
+        return mask, order, torch.argsort(order)
 
     return _cached(_block_masks, (grid, window, str(device)), build)
 
@@ -131,8 +152,9 @@ class Backend:
         global _flex_failed
         if _flex_failed is None:
             try:
-                out = self._flex(q, k, v, block_mask=block_mask(grid, window, query.device))
-                return out.transpose(1, 2)
+                mask, order, inverse = block_mask(grid, window, query.device)
+                out = self._flex(q[:, :, order], k[:, :, order], v[:, :, order], block_mask=mask)
+                return out[:, :, inverse].transpose(1, 2)
             except Exception as exc:  # noqa: BLE001 - any compile/kernel failure: the dense path is exact
                 _flex_failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 log_once(logger, "sliding_window:flex", f"flex_attention is unusable here ({_flex_failed}): "
