@@ -97,9 +97,10 @@ def _cached(cache: OrderedDict, key: tuple, build):
 
 
 def block_mask(grid: Grid, window: Grid, device: torch.device):
-    """(BlockMask over the tiled sequence, tile order, its inverse) for (grid, window, device), built once and
-    reused by every layer and step."""
-    from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415 - torch >= 2.5 only
+    """(BlockMask over the tiled sequence, tile order, its inverse, compiled flex_attention) for (grid, window,
+    device), built once and reused by every layer and step. Each entry compiles its own flex_attention: one
+    compiled function for every mask would reach dynamo's recompile limit (8) and silently run eagerly."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: PLC0415
 
     def build():
         global block_mask_builds
@@ -107,7 +108,7 @@ def block_mask(grid: Grid, window: Grid, device: torch.device):
         seq = math.prod(grid)
         order = tile_order(grid, device)
         mask = create_block_mask(window_mask_mod(grid, window, order), None, None, seq, seq, device=str(device))
-        return mask, order, torch.argsort(order)
+        return mask, order, torch.argsort(order), torch.compile(flex_attention, dynamic=False)
 
     return _cached(_block_masks, (grid, window, str(device)), build)
 
@@ -116,21 +117,20 @@ class Backend:
     name = "sliding_window"
     priority = -10  # approximate attention: never chosen by `auto`, only by name
 
-    def __init__(self, flex_attention, window: tuple[int, ...] | None = None):
-        self._flex = flex_attention
+    def __init__(self, window: tuple[int, ...] | None = None):
         self.window = None if window is None else tuple(window)
 
     @classmethod
     def load(cls) -> Backend:
         try:
-            from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
+            import torch.nn.attention.flex_attention  # noqa: F401, PLC0415
         except ImportError as exc:
             raise ImportError("torch.nn.attention.flex_attention is missing (torch >= 2.5 needed)") from exc
-        return cls(torch.compile(flex_attention, dynamic=False))
+        return cls()
 
     def with_window(self, window: tuple[int, ...] | None) -> Backend:
         """This backend with `window` (frames, rows, cols); None: every frame x half of each side."""
-        return Backend(self._flex, window)
+        return Backend(window)
 
     def unusable_reason(self, query: torch.Tensor, attn_mask: torch.Tensor | None,
                         token_grid: Grid | None = None) -> str | None:
@@ -152,8 +152,8 @@ class Backend:
         global _flex_failed
         if _flex_failed is None:
             try:
-                mask, order, inverse = block_mask(grid, window, query.device)
-                out = self._flex(q[:, :, order], k[:, :, order], v[:, :, order], block_mask=mask)
+                mask, order, inverse, flex = block_mask(grid, window, query.device)
+                out = flex(q[:, :, order], k[:, :, order], v[:, :, order], block_mask=mask)
                 return out[:, :, inverse].transpose(1, 2)
             except Exception as exc:  # noqa: BLE001 - any compile/kernel failure: the dense path is exact
                 _flex_failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
