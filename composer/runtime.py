@@ -69,6 +69,12 @@ class RuntimeArgs:
         metadata={"help": "attention backend; auto: the fastest one usable here (flash-attn when installed, else SDPA)",
                   "choices": attention_backend_choices},
     )
+    attention_window: list[int] | None = field(
+        default=None,
+        metadata={"help": "attention_backend = sliding_window: the window each token attends within, as latent "
+                          "tokens FRAMES ROWS COLS (clipped to the video's grid; default: every frame x half of "
+                          "each side); see docs/sparse-attention.md"},
+    )
     progress: bool = field(default=True, metadata={"help": "show progress bars for long steps"})
     kv_cache_offload: bool = field(
         default=False,
@@ -230,6 +236,13 @@ class RuntimeArgs:
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 errors.append(f"{name} = {value!r}: expected one of {', '.join(allowed)}")
+        if self.attention_window is not None:
+            if self.attention_backend != "sliding_window":
+                errors.append(f"attention_window = {self.attention_window} is set but attention_backend = "
+                              f"{self.attention_backend!r}: the window applies to attention_backend = sliding_window")
+            if len(self.attention_window) != 3 or any(w < 1 for w in self.attention_window):
+                errors.append(f"attention_window = {self.attention_window}: expected three positive integers, "
+                              "frames rows cols (in latent tokens)")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             errors.append(f"max_batch_size = {self.max_batch_size}: expected a positive integer (or unset: no limit)")
         if self.lora_scale is not None:

@@ -19,7 +19,7 @@ class AttentionBackendHook:
         used: dict[str, list[str]] = {}
         for name, module in pipeline.modules.items():
             if isinstance(module, nn.Module):
-                for backend in set_attention_backend(module, wanted):
+                for backend in set_attention_backend(module, wanted, pipeline.runtime.attention_window):
                     used.setdefault(backend, []).append(name)
         if not used:
             return f"{wanted} (no composer attention modules)"

@@ -20,7 +20,7 @@ ROLES = ("self", "cross")
 class Attention(nn.Module):
     """softmax(q k^T / sqrt(d)) v over [batch, seq, heads, head_dim] tensors, on the selected backend."""
 
-    def __init__(self, role: str = "self", backend: str = AUTO):
+    def __init__(self, role: str = "self", backend: str = AUTO, window: list[int] | None = None):
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"attention role must be one of {ROLES}, got {role!r}")
@@ -28,16 +28,21 @@ class Attention(nn.Module):
         # A sequence-parallel strategy (composer.parallel.sequence) computing self-attention across ranks; set
         # by the parallel hook. Cross-attention needs none: local queries attend to the whole text.
         self.parallel = None
-        self.set_backend(backend)
+        self.set_backend(backend, window)
 
-    def set_backend(self, name: str) -> None:
+    def set_backend(self, name: str, window: list[int] | None = None) -> None:
+        """`window`: (frames, rows, cols) for a windowed backend (`attention_window`); others ignore it."""
         self.backend_name = name
+        self.window = None if window is None else tuple(window)
         self._backend = None  # resolved on first use (or by the attention-backend hook at load)
 
     @property
     def backend(self):
         if self._backend is None:
-            self._backend = resolve_backend(self.backend_name)
+            backend = resolve_backend(self.backend_name)
+            if hasattr(backend, "with_window"):
+                backend = backend.with_window(self.window)
+            self._backend = backend
         return self._backend
 
     def forward(
@@ -47,9 +52,12 @@ class Attention(nn.Module):
         value: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         kv_cache=None,
+        token_grid: tuple[int, int, int] | None = None,
     ) -> torch.Tensor:
         """`kv_cache` (self role only): a layer handle of `composer.cache.KVCache` positioned on this pass;
-        `update(k, v)` stores this pass's keys/values and returns every key/value the pass may see."""
+        `update(k, v)` stores this pass's keys/values and returns every key/value the pass may see.
+        `token_grid` (self role): the (frames, rows, cols) the tokens lie on, frame-major, for a windowed
+        backend; only a pass over the whole grid (no KV cache, one device) hands it on."""
         if kv_cache is not None:
             if self.role != "self":
                 raise ValueError("only self-attention keeps a KV cache; cross-attention takes precomputed text k/v")
@@ -58,18 +66,19 @@ class Attention(nn.Module):
             key, value = kv_cache.update(key, value)
         elif self.parallel is not None and self.role == "self":
             return self.parallel.attention(self.backend, query, key, value, attn_mask)
-        return run_attention(self.backend, query, key, value, attn_mask)
+        grid = token_grid if self.role == "self" else None
+        return run_attention(self.backend, query, key, value, attn_mask, grid)
 
     def extra_repr(self) -> str:
         return f"role={self.role}, backend={self.backend_name}"
 
 
-def set_attention_backend(model: nn.Module, name: str) -> list[str]:
-    """Point every Attention module of `model` at backend `name` (`auto` or a registered backend); returns
-    the names of the backends they resolved to."""
+def set_attention_backend(model: nn.Module, name: str, window: list[int] | None = None) -> list[str]:
+    """Point every Attention module of `model` at backend `name` (`auto` or a registered backend; `window`
+    for a windowed one); returns the names of the backends they resolved to."""
     used = []
     for module in model.modules():
         if isinstance(module, Attention):
-            module.set_backend(name)
+            module.set_backend(name, window)
             used.append(module.backend.name)
     return sorted(set(used))

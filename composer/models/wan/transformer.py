@@ -56,12 +56,14 @@ class WanSelfAttention(nn.Module):
         return apply_rotary(q, *rotary), apply_rotary(k, *rotary), v
 
     def forward(
-        self, x: torch.Tensor, rotary: Rotary, attn_mask: torch.Tensor | None = None, kv_cache=None
+        self, x: torch.Tensor, rotary: Rotary, attn_mask: torch.Tensor | None = None, kv_cache=None,
+        token_grid: tuple[int, int, int] | None = None,
     ) -> torch.Tensor:
         """`kv_cache`: a layer handle of composer.cache.KVCache; this pass's k/v are written into it and q
-        attends to every key it holds that the window lets it see."""
+        attends to every key it holds that the window lets it see. `token_grid`: the (frames, rows, cols) of
+        x's tokens, for a spatially windowed attention backend."""
         q, k, v = self.project_qkv(x, rotary)
-        return self.to_out(self.attention(q, k, v, attn_mask, kv_cache).flatten(2))
+        return self.to_out(self.attention(q, k, v, attn_mask, kv_cache, token_grid).flatten(2))
 
 
 class WanCrossAttention(nn.Module):
@@ -124,9 +126,10 @@ class WanTransformerBlock(nn.Module):
         rotary: Rotary,
         attn_mask: torch.Tensor | None = None,
         kv_cache=None,
+        token_grid: tuple[int, int, int] | None = None,
     ) -> torch.Tensor:
         """x [B, S, D]; timestep_proj [B, T, 6, D] with T = 1 (one timestep for all tokens) or T = frames
-        (one per latent frame, the tokens of a frame being contiguous)."""
+        (one per latent frame, the tokens of a frame being contiguous); token_grid: x's (frames, rows, cols)."""
         t = timestep_proj.shape[1]
         mods = (self.scale_shift_table.unsqueeze(1) + timestep_proj.float()).chunk(6, dim=2)  # each [B, T, 1, D]
         shift1, scale1, gate1, shift2, scale2, gate2 = mods
@@ -135,7 +138,7 @@ class WanTransformerBlock(nn.Module):
             return h.unflatten(1, (t, -1))
 
         h = (self.norm1(per_frame(x).float()) * (1 + scale1) + shift1).flatten(1, 2).type_as(x)
-        attn = self.attn1(h, rotary, attn_mask, kv_cache)
+        attn = self.attn1(h, rotary, attn_mask, kv_cache, token_grid)
         x = (per_frame(x).float() + per_frame(attn) * gate1).flatten(1, 2).type_as(x)
 
         h = self.norm2(x.float()).type_as(x)
@@ -308,6 +311,8 @@ class WanTransformer3DModel(nn.Module):
         shards = self.sequence_parallel
         if shards is not None:  # this rank's part of every frame, split once for all blocks
             x, rotary = shards.split(x, rotary, frames=grid[0])
+        # the token grid, for a windowed attention backend: only a pass holding every token of the grid
+        token_grid = grid if shards is None and kv_cache is None else None
         if cross_kv is None:
             context = self.condition_embedder.embed_text(encoder_hidden_states)
             contexts = [context] * len(self.blocks)
@@ -320,7 +325,7 @@ class WanTransformer3DModel(nn.Module):
         def run_blocks(x: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
             for i in range(start, len(self.blocks) if end is None else end):
                 layer_cache = kv_cache.layer(i) if kv_cache is not None else None
-                x = self.blocks[i](x, contexts[i], timestep_proj, rotary, attn_mask, layer_cache)
+                x = self.blocks[i](x, contexts[i], timestep_proj, rotary, attn_mask, layer_cache, token_grid)
             return x
 
         # a step cache (composer.accel.step_cache) may reuse an earlier step's residual instead of the blocks

@@ -7,8 +7,11 @@ inside its class, so a missing install is a fallback said once in the log, never
 A backend module defines `Backend`, a class with:
   - `priority` (int): `auto` picks the available backend with the highest one;
   - `load()` (classmethod) -> an instance, raising ImportError when its library is not installed;
-  - `unusable_reason(query, attn_mask)` -> None, or why these inputs need SDPA instead;
-  - `__call__(query, key, value, attn_mask)` on [batch, seq, heads, head_dim] tensors.
+  - `unusable_reason(query, attn_mask, token_grid)` -> None, or why these inputs need SDPA instead;
+  - `__call__(query, key, value, attn_mask, token_grid)` on [batch, seq, heads, head_dim] tensors;
+  - optionally `with_window(window)`: the backend with an `attention_window` setting (sliding_window).
+`token_grid` is the (frames, rows, cols) of a self-attention pass over a whole video's tokens, None otherwise
+(cross-attention, KV-cached and sequence-parallel passes); only a spatially sparse backend reads it.
 """
 
 from __future__ import annotations
@@ -69,10 +72,10 @@ def resolve_backend(name: str):
     return backend
 
 
-def run_attention(backend, query, key, value, attn_mask=None):
+def run_attention(backend, query, key, value, attn_mask=None, token_grid=None):
     """Run `backend`, or SDPA when these inputs do not suit it (said once per reason)."""
-    reason = backend.unusable_reason(query, attn_mask)
+    reason = backend.unusable_reason(query, attn_mask, token_grid)
     if reason is not None:
         log_once(logger, f"{backend.name}:{reason}", f"{backend.name} attention unusable ({reason}): using {FALLBACK}")
         backend = _load(FALLBACK)
-    return backend(query, key, value, attn_mask)
+    return backend(query, key, value, attn_mask, token_grid)

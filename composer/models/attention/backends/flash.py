@@ -23,7 +23,9 @@ class Backend:
                 raise ImportError("flash-attn is not installed") from exc
         return cls(flash_attn_func)
 
-    def unusable_reason(self, query: torch.Tensor, attn_mask: torch.Tensor | None) -> str | None:
+    def unusable_reason(
+        self, query: torch.Tensor, attn_mask: torch.Tensor | None, token_grid: tuple[int, int, int] | None = None
+    ) -> str | None:
         if query.device.type != "cuda":
             return f"inputs are on {query.device.type}"
         if query.dtype not in (torch.float16, torch.bfloat16):
@@ -35,7 +37,8 @@ class Backend:
         return None
 
     def __call__(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+        token_grid: tuple[int, int, int] | None = None,
     ) -> torch.Tensor:
         out = self._fn(query, key, value)
         return out[0] if isinstance(out, tuple) else out

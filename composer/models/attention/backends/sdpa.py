@@ -15,11 +15,14 @@ class Backend:
     def load(cls) -> Backend:
         return cls()
 
-    def unusable_reason(self, query: torch.Tensor, attn_mask: torch.Tensor | None) -> str | None:
+    def unusable_reason(
+        self, query: torch.Tensor, attn_mask: torch.Tensor | None, token_grid: tuple[int, int, int] | None = None
+    ) -> str | None:
         return None
 
     def __call__(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+        token_grid: tuple[int, int, int] | None = None,
     ) -> torch.Tensor:
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attn_mask
