@@ -62,6 +62,12 @@ class ComposedPipeline:
         self.create_stages()
 
     # -- loading -------------------------------------------------------------------------------------
+    @classmethod
+    def for_folder(cls, index: ModelIndex) -> type[ComposedPipeline]:
+        """The class that runs this folder: this one, or a variant for folders whose model_index.json names the
+        same `_class_name` but needs other stages (diffusers' WanPipeline serves Wan2.1 and Wan2.2 alike)."""
+        return cls
+
     def check_supported(self) -> None:
         """Refuse folders this pipeline class recognises but cannot run (raise UnsupportedError)."""
 
