@@ -400,3 +400,25 @@ def test_step_cache_and_engines_cover_both_experts(a14b_dir):
     assert {id(e.transformer) for e in gen.pipeline.engines} == {id(m) for m in gen.pipeline.denoisers().values()}
     frames = gen.generate_video(PROMPT, seed=1, **{k: v for k, v in A14B_CASES["no-cfg"].items() if k != "seed"})
     assert np.isfinite(frames.frames).all()
+
+
+def test_presets_load_with_the_family_knobs():
+    from pathlib import Path
+
+    from composer.presets import load_preset
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    a14b = load_preset(configs / "wan2.2-t2v-a14b.yaml")
+    assert a14b.model_path == "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
+    assert a14b.sampling["guidance_scale_2"] == 3.0 and "flow_shift" not in a14b.sampling
+    ti2v = load_preset(configs / "wan2.2-ti2v-5b.yaml")
+    assert (ti2v.sampling["width"], ti2v.sampling["height"], ti2v.sampling["num_frames"]) == (1280, 704, 121)
+
+
+def test_bad_guidance_scale_2_is_refused_before_any_work(a14b_gen, ti2v_gen):
+    from composer.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"guidance_scale_2 = -1\.0: expected a finite number >= 0"):
+        a14b_gen.generate_video(PROMPT, guidance_scale_2=-1.0, height=32, width=32, num_frames=1)
+    with pytest.raises(ConfigError, match="unknown sampling parameter 'guidance_scale_2'"):
+        ti2v_gen.generate_video(PROMPT, guidance_scale_2=2.0, height=32, width=32, num_frames=1)
