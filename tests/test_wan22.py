@@ -422,3 +422,34 @@ def test_bad_guidance_scale_2_is_refused_before_any_work(a14b_gen, ti2v_gen):
         a14b_gen.generate_video(PROMPT, guidance_scale_2=-1.0, height=32, width=32, num_frames=1)
     with pytest.raises(ConfigError, match="unknown sampling parameter 'guidance_scale_2'"):
         ti2v_gen.generate_video(PROMPT, guidance_scale_2=2.0, height=32, width=32, num_frames=1)
+
+
+# -- several processes ----------------------------------------------------------------------------------------
+# layout -> (runtime degrees, the folders it runs: both experts under Ulysses and under CFG parallel, TI2V under
+# Ulysses); one set of processes per layout (a process runs one layout)
+LAYOUTS = {"ulysses2": (dict(ulysses_degree=2), ("a14b", "ti2v")), "cfg2": (dict(cfg_parallel=True), ("a14b",))}
+
+
+def _request(kind: str) -> dict:
+    return dict(A14B_CASES["cfg-two-scales"] if kind == "a14b" else TI2V_CASES["cfg"])
+
+
+def _parallel_worker(rank, world, folders, runtime, out_dir):
+    for kind, folder in folders.items():
+        gen = VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False, **runtime)
+        frames = gen.generate_video(PROMPT, **_request(kind)).frames
+        torch.save(torch.from_numpy(frames), f"{out_dir}/{kind}-rank{rank}.pt")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_layouts_equal_one_process(layout, a14b_dir, ti2v_dir, a14b_gen, ti2v_gen, tmp_path):
+    from composer.testing.distributed import spawn
+
+    runtime, kinds = LAYOUTS[layout]
+    folders = {k: str({"a14b": a14b_dir, "ti2v": ti2v_dir}[k]) for k in kinds}
+    spawn(_parallel_worker, 2, folders, runtime, str(tmp_path), timeout_s=600)
+    for kind in kinds:
+        expected = {"a14b": a14b_gen, "ti2v": ti2v_gen}[kind].generate_video(PROMPT, **_request(kind)).frames
+        for rank in range(2):
+            got = torch.load(tmp_path / f"{kind}-rank{rank}.pt").numpy()
+            assert max_uint8_diff(got, expected) <= 1, f"{layout} {kind} rank {rank}"
