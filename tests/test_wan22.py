@@ -350,11 +350,12 @@ def test_model_offload_keeps_only_the_running_expert_on_the_device(a14b_dir, a14
     assert not any(offload.is_on_device(m) for m in experts.values())  # both back on the host afterwards
 
 
-def test_layerwise_offload_streams_both_experts(a14b_dir, a14b_gen):
+@pytest.mark.parametrize("mode", ["layerwise", "disk"])
+def test_block_offload_streams_both_experts(a14b_dir, a14b_gen, mode):
     case = dict(A14B_CASES["no-cfg"])
     seed = case.pop("seed")
     expected = a14b_gen.generate_video(PROMPT, seed=seed, **case).frames
-    gen = VideoGenerator.from_pretrained(a14b_dir, dtype="fp32", progress=False, offload="layerwise")
+    gen = VideoGenerator.from_pretrained(a14b_dir, dtype="fp32", progress=False, offload=mode)
     done = next(h for h in gen.pipeline.hooks if h.name == "offload").done
     assert set(done) == {"transformer", "transformer_2"}
     assert (gen.generate_video(PROMPT, seed=seed, **case).frames == expected).all()
@@ -391,6 +392,16 @@ def test_unfused_lora_applies_to_both_experts(tmp_path, a14b_dir, a14b_gen):
     ref = diffusers_frames(pipe, PROMPT, seed, **case)
     assert max_uint8_diff(ours, ref) <= 1
     assert max_uint8_diff(ours, a14b_gen.generate_video(PROMPT, seed=seed, **case).frames) > 1  # the LoRA shows
+
+
+def test_compile_attention_and_cancel_hooks_cover_both_experts(a14b_dir):
+    """The hooks act on every denoiser: compile wraps both experts' blocks (compiled on first use, not run here)."""
+    gen = VideoGenerator.from_pretrained(a14b_dir, dtype="fp32", progress=False, compile="regional")
+    lines = dict(line.split(": ", 1) for line in gen.pipeline.applied_hooks)
+    for hook in ("attention", "compile", "cancel"):
+        assert "transformer_2" in lines[hook] and "transformer" in lines[hook].replace("transformer_2", ""), hook
+    for expert in gen.pipeline.denoisers().values():  # compile_module sets a compiled forward on each block
+        assert all("forward" in vars(block) for block in expert.blocks)
 
 
 def test_step_cache_and_engines_cover_both_experts(a14b_dir):
