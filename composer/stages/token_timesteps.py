@@ -5,7 +5,10 @@ In text-to-video mode every token is denoised (the mask is all ones). Image-to-v
 conditions on the first frame: its tokens get mask 0, so timestep 0, and hold the clean image latents. That is
 the extension point: attach a `TimestepMask` with the conditioning frame zeroed to the request
 (`batch.attach(...)` in the pipeline's `prepare`) and put the clean latents back on the masked tokens before each
-model call and after the last step, as diffusers' WanImageToVideoPipeline does with `expand_timesteps`.
+model call and after the last step, as diffusers' WanImageToVideoPipeline does with `expand_timesteps`. Putting
+them back into the initial noise and after every scheduler step (in `TokenTimestepSteps.step`) gives the same
+model inputs and result: flow schedulers update every element on its own, so what the masked elements hold
+between steps changes nothing else.
 
 The transformer is given the timesteps at the coarsest layout that is exact: [B] when the mask is all ones, [B, F]
 (per latent frame) when it is constant over each frame (first-frame conditioning), [B, S] (per token) otherwise.
