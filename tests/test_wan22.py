@@ -350,6 +350,29 @@ def test_model_offload_keeps_only_the_running_expert_on_the_device(a14b_dir, a14
     assert not any(offload.is_on_device(m) for m in experts.values())  # both back on the host afterwards
 
 
+def test_model_offload_leaves_an_expert_without_steps_on_the_host(a14b_dir, a14b_gen):
+    """One step (t = 999): the low-noise expert has nothing to do, and never visits the device."""
+    case = dict(A14B_CASES["no-cfg"], num_inference_steps=1)
+    seed = case.pop("seed")
+    expected = a14b_gen.generate_video(PROMPT, seed=seed, **case).frames
+    gen = VideoGenerator.from_pretrained(a14b_dir, dtype="fp32", progress=False, offload="model")
+    offload = next(h for h in gen.pipeline.hooks if h.name == "offload").models
+    visits = []
+    original = offload.prefetch
+
+    def prefetch(modules):  # on_device's first move: every component it brings to the device
+        modules = list(modules)
+        visits.extend(id(m) for m in modules)
+        original(modules)
+
+    offload.prefetch = prefetch
+    result = gen.generate_video(PROMPT, seed=seed, **case)
+    assert (result.frames == expected).all()
+    modules = gen.pipeline.modules
+    assert id(modules["transformer"]) in visits and id(modules["transformer_2"]) not in visits
+    assert "DenoisingStage(transformer_2)" not in result.timings
+
+
 @pytest.mark.parametrize("mode", ["layerwise", "disk"])
 def test_block_offload_streams_both_experts(a14b_dir, a14b_gen, mode):
     case = dict(A14B_CASES["no-cfg"])

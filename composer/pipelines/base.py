@@ -197,6 +197,8 @@ class ComposedPipeline:
         with self._running(batch):
             for stage in self.stages:
                 self.check_cancelled()
+                if stage.skips(batch):  # nothing to do for this request: its modules need not visit the device
+                    continue
                 with self._scope(stage):
                     batch = stage(batch)
         return batch
@@ -223,6 +225,8 @@ class ComposedPipeline:
                 if stage.streams:
                     pieces = self._stream_stage(stage, batch, pieces)
                 elif pieces is None:
+                    if stage.skips(batch):
+                        continue
                     with self._scope(stage):
                         batch = stage(batch)
                 else:

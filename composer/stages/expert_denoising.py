@@ -58,6 +58,9 @@ class ExpertDenoisingStage(DenoisingStage):
         mine = batch.timesteps[:switch] if self.high_noise else batch.timesteps[switch:]
         return SchedulerSteps(batch.scheduler, mine)
 
+    def skips(self, batch: ForwardBatch) -> bool:
+        return len(self.steps(batch).timesteps) == 0
+
     def guidance_scale(self, batch: ForwardBatch) -> float:
         if self.high_noise:
             return batch.guidance_scale
