@@ -459,9 +459,10 @@ def test_bad_guidance_scale_2_is_refused_before_any_work(a14b_gen, ti2v_gen):
 
 
 # -- several processes ----------------------------------------------------------------------------------------
-# layout -> (runtime degrees, the folders it runs: both experts under Ulysses and under CFG parallel, TI2V under
-# Ulysses); one set of processes per layout (a process runs one layout)
-LAYOUTS = {"ulysses2": (dict(ulysses_degree=2), ("a14b", "ti2v")), "cfg2": (dict(cfg_parallel=True), ("a14b",))}
+# layout -> (runtime degrees, the folders it runs: both experts under Ulysses, CFG parallel and tensor parallel
+# (each rank reads its slices of both experts), TI2V under Ulysses); one set of processes per layout
+LAYOUTS = {"ulysses2": (dict(ulysses_degree=2), ("a14b", "ti2v")), "cfg2": (dict(cfg_parallel=True), ("a14b",)),
+           "tp2": (dict(tp_size=2), ("a14b",))}
 
 
 def _request(kind: str) -> dict:
