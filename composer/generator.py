@@ -87,7 +87,7 @@ def resolve_model(model_path: str | os.PathLike | None, model_family: str | None
     model_path = str(model_path)
     folder = resolve_model_path(model_path)
     index = read_model_index(folder)
-    pipeline_cls = get_pipeline_class(index.class_name)
+    pipeline_cls = get_pipeline_class(index.class_name).for_folder(index)
     settings = read_folder_settings(folder)
     configs = resolve_configs(
         model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,

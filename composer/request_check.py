@@ -126,7 +126,8 @@ def check_request(
             result.add_failure("flow_shift", sp.flow_shift, "unset (the model folder fixes the schedule's shift)")
     if sp.seed is not None:
         result.add_check("seed", sp.seed, V.int_in_range(0, SEED_MAX))
-    for name, rule in (("rollout_blocks", V.positive_int), ("overlap_frames", V.int_in_range(0, 10**6))):
+    for name, rule in (("rollout_blocks", V.positive_int), ("overlap_frames", V.int_in_range(0, 10**6)),
+                       ("guidance_scale_2", V.non_negative_number)):
         if getattr(sp, name, None) is not None:
             result.add_check(name, getattr(sp, name), rule)
     result.add_check("fps", sp.fps, V.positive_int)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from composer.batch import ForwardBatch
-from composer.engine import ClassifierFreeGuidance, DenoisingEngine, SchedulerSteps
+from composer.engine import ClassifierFreeGuidance, DenoisingEngine, SchedulerSteps, StepRule
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
@@ -29,14 +29,25 @@ class DenoisingStage(Stage):
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
         result.add_check("latents", batch.latents, V.ndim(5), V.all_finite)
 
+    def steps(self, batch: ForwardBatch) -> StepRule:
+        """The steps this stage runs: every timestep of the request's scheduler (a subclass may take some, or
+        give the transformer its timesteps in another layout)."""
+        return SchedulerSteps(batch.scheduler, batch.timesteps)
+
+    def guidance_scale(self, batch: ForwardBatch) -> float:
+        """The CFG scale of this stage's steps (used when the request has CFG: guidance_scale > 1)."""
+        return batch.guidance_scale
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        steps = self.steps(batch)
+        if len(steps.timesteps) == 0:  # a stage with none of the request's timesteps (one expert of two)
+            return batch
         dtype = self.engine.transformer.dtype
         cond = self.engine.text_inputs(batch.prompt_embeds.to(dtype))
         uncond, guidance = None, None
         if batch.do_classifier_free_guidance:
             uncond = self.engine.text_inputs(batch.negative_prompt_embeds.to(dtype))
-            guidance = ClassifierFreeGuidance(batch.guidance_scale)
-        steps = SchedulerSteps(batch.scheduler, batch.timesteps)
+            guidance = ClassifierFreeGuidance(self.guidance_scale(batch))
         batch.latents = self.engine.run(batch.latents, steps, cond, uncond, guidance, progress=self.progress)
         return batch

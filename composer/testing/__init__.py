@@ -1,5 +1,6 @@
 """Tiny models in exact diffusers layout, built locally (tests, the demo, benchmarks)."""
 
 from composer.testing.tiny_wan import TinyWanSpec, build_tiny_wan
+from composer.testing.tiny_wan22 import TinyWan22Spec, build_tiny_wan22_a14b, build_tiny_wan22_ti2v
 
-__all__ = ["TinyWanSpec", "build_tiny_wan"]
+__all__ = ["TinyWan22Spec", "TinyWanSpec", "build_tiny_wan", "build_tiny_wan22_a14b", "build_tiny_wan22_ti2v"]

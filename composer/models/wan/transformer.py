@@ -1,4 +1,5 @@
-"""Wan2.1 diffusion transformer (DiT), composer's own implementation, loading diffusers' weights.
+"""Wan diffusion transformer (DiT) for Wan2.1 and Wan2.2 (the A14B experts, TI2V-5B), composer's own
+implementation, loading diffusers' weights.
 
     x: [B, C, F, H, W] latents -> patchify (Conv3d) -> tokens [B, S, D]
     for each block (timestep modulation from a shared projection + a learned per-block table):
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.errors import InvalidInputError, UnsupportedError
 from composer.models.attention import Attention
 from composer.models.layers.embeddings import sinusoidal_timestep_embedding
 from composer.models.layers.norm import FP32LayerNorm
@@ -128,13 +130,14 @@ class WanTransformerBlock(nn.Module):
         kv_cache=None,
         token_grid: tuple[int, int, int] | None = None,
     ) -> torch.Tensor:
-        """x [B, S, D]; timestep_proj [B, T, 6, D] with T = 1 (one timestep for all tokens) or T = frames
-        (one per latent frame, the tokens of a frame being contiguous); token_grid: x's (frames, rows, cols)."""
+        """x [B, S, D]; timestep_proj [B, T, 6, D]: T = 1 (one timestep for all tokens), T = frames (one per
+        latent frame, the tokens of a frame being contiguous) or T = S (one per token, Wan2.2 TI2V): T
+        contiguous groups of S / T tokens, each modulated by its own row; token_grid: x's (frames, rows, cols)."""
         t = timestep_proj.shape[1]
         mods = (self.scale_shift_table.unsqueeze(1) + timestep_proj.float()).chunk(6, dim=2)  # each [B, T, 1, D]
         shift1, scale1, gate1, shift2, scale2, gate2 = mods
 
-        def per_frame(h: torch.Tensor) -> torch.Tensor:  # [B, S, D] -> [B, T, S/T, D]
+        def per_frame(h: torch.Tensor) -> torch.Tensor:  # [B, S, D] -> [B, T, S/T, D] (a group per timestep)
             return h.unflatten(1, (t, -1))
 
         h = (self.norm1(per_frame(x).float()) * (1 + scale1) + shift1).flatten(1, 2).type_as(x)
@@ -182,8 +185,8 @@ class WanConditionEmbedder(nn.Module):
         self.text_embedder = WanTextProjection(config.text_dim, dim)
 
     def embed_timestep(self, timestep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """timestep [B] or [B, F] (per latent frame) -> temb [B, T, D] and timestep_proj [B, T, 6, D] in
-        `dtype` (the activations' dtype), T being 1 or F."""
+        """timestep [B], [B, F] (per latent frame) or [B, S] (per token) -> temb [B, T, D] and timestep_proj
+        [B, T, 6, D] in `dtype` (the activations' dtype), T being 1, F or S."""
         grid = timestep.shape if timestep.ndim == 2 else (timestep.shape[0], 1)
         freq = sinusoidal_timestep_embedding(timestep.flatten(), self.freq_dim)
         weight_dtype = self.time_embedder.linear_1.weight.dtype
@@ -195,8 +198,22 @@ class WanConditionEmbedder(nn.Module):
         return self.text_embedder(text)
 
 
+def check_timestep_layout(timestep: torch.Tensor, batch: int, grid: tuple[int, int, int], sharded: bool) -> None:
+    """Refuse a timestep the blocks cannot spread over the tokens: [B], [B, frames] or [B, tokens] (metadata only,
+    no device sync). Per-token timesteps are not split over sequence-parallel ranks (per-frame ones are)."""
+    frames, tokens = grid[0], math.prod(grid)
+    per = {1: "one", frames: "per frame", tokens: "per token"}
+    groups = 1 if timestep.ndim == 1 else timestep.shape[1] if timestep.ndim == 2 else None
+    if timestep.shape[0] != batch or groups not in per:
+        raise InvalidInputError(f"timestep of shape {list(timestep.shape)} for {batch} rows of {frames} latent frames "
+                                f"({tokens} tokens): expected [{batch}], [{batch}, {frames}] or [{batch}, {tokens}]")
+    if sharded and groups not in (1, frames):
+        raise UnsupportedError("per-token timesteps under sequence parallelism are not supported: give one timestep "
+                               "per latent frame (a conditioning-frame mask is constant over each frame)")
+
+
 class WanTransformer3DModel(nn.Module):
-    """Wan2.1 DiT. Loads diffusers `WanTransformer3DModel` checkpoints and the original Wan release's."""
+    """Wan2.1 / Wan2.2 DiT. Loads diffusers `WanTransformer3DModel` checkpoints and the original Wan release's."""
 
     class_names = ("WanTransformer3DModel", "WanModel")
     config_class = WanTransformerConfig
@@ -290,8 +307,9 @@ class WanTransformer3DModel(nn.Module):
         attn_mask: torch.Tensor | None = None,
         kv_cache=None,
     ) -> torch.Tensor:
-        """hidden_states [B, C, F, H, W], timestep [B] (or [B, F]: one per latent frame), and the text as
-        encoder_hidden_states [B, L, text_dim] or its precomputed `cross_kv` -> prediction [B, C, F, H, W].
+        """hidden_states [B, C, F, H, W], timestep [B] (or [B, F]: one per latent frame, or [B, S]: one per
+        token, as Wan2.2 TI2V's `expand_timesteps` gives it), and the text as encoder_hidden_states
+        [B, L, text_dim] or its precomputed `cross_kv` -> prediction [B, C, F, H, W].
 
         Causal generation uses the keyword-only arguments: `frame_offset` (absolute index of the first frame,
         for RoPE), `attn_mask` (a [S, S] boolean mask over tokens) and `kv_cache` (a composer.cache.KVCache:
@@ -309,6 +327,7 @@ class WanTransformer3DModel(nn.Module):
         x, grid = self.patchify(hidden_states)
         rotary = self.rotary(grid, x.device, frame_offset)
         shards = self.sequence_parallel
+        check_timestep_layout(timestep, x.shape[0], grid, sharded=shards is not None)
         if shards is not None:  # this rank's part of every frame, split once for all blocks
             x, rotary = shards.split(x, rotary, frames=grid[0])
         # the token grid, for a windowed attention backend: only a pass holding every token of the grid
@@ -331,7 +350,7 @@ class WanTransformer3DModel(nn.Module):
         # a step cache (composer.accel.step_cache) may reuse an earlier step's residual instead of the blocks
         x = run_blocks(x) if self.step_cache is None else self.step_cache.run_blocks(run_blocks, x, len(self.blocks))
 
-        # output norm + modulation, per frame when timesteps are per frame
+        # output norm + modulation, per frame (or token) when timesteps are per frame (or token)
         shift, scale = (self.scale_shift_table.unsqueeze(1) + temb.unsqueeze(2)).chunk(2, dim=2)  # [B, T, 1, D]
         h = x.unflatten(1, (temb.shape[1], -1))
         x = self.proj_out((self.norm_out(h.float()) * (1 + scale) + shift).flatten(1, 2).type_as(x))
