@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from composer.batch import ForwardBatch
-from composer.engine import ClassifierFreeGuidance, DenoisingEngine, SchedulerSteps
+from composer.engine import ClassifierFreeGuidance, DenoisingEngine, ModelInputs, SchedulerSteps
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
@@ -29,13 +29,17 @@ class DenoisingStage(Stage):
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
         result.add_check("latents", batch.latents, V.ndim(5), V.all_finite)
 
+    def branch_inputs(self, batch: ForwardBatch, text: torch.Tensor) -> ModelInputs:
+        """One guidance branch's conditioning, from its text embedding (an image-conditioned stage adds the image)."""
+        return self.engine.text_inputs(text)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         dtype = self.engine.transformer.dtype
-        cond = self.engine.text_inputs(batch.prompt_embeds.to(dtype))
+        cond = self.branch_inputs(batch, batch.prompt_embeds.to(dtype))
         uncond, guidance = None, None
         if batch.do_classifier_free_guidance:
-            uncond = self.engine.text_inputs(batch.negative_prompt_embeds.to(dtype))
+            uncond = self.branch_inputs(batch, batch.negative_prompt_embeds.to(dtype))
             guidance = ClassifierFreeGuidance(batch.guidance_scale)
         steps = SchedulerSteps(batch.scheduler, batch.timesteps)
         batch.latents = self.engine.run(batch.latents, steps, cond, uncond, guidance, progress=self.progress)
