@@ -252,3 +252,47 @@ def test_cli_image_errors_are_one_line_exit_1(cli, i2v_dir, tiny_wan_dir, tmp_pa
         assert message in stderr, stderr
         assert "Traceback" not in stderr
         assert len(stderr.strip().splitlines()) == 1 or "invalid request" in stderr, stderr
+
+
+# -- families, preset, refused folders -------------------------------------------------------------------------
+@pytest.mark.parametrize("hub_id, family, size_and_shift", [
+    ("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "wan2.1-i2v-480p", (480, 832, 3.0)),
+    ("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", "wan2.1-i2v-720p", (720, 1280, 5.0)),
+    ("Wan-AI/Wan2.1-FLF2V-14B-720P-Diffusers", "wan2.1-flf2v-720p", (720, 1280, 16.0)),
+])
+def test_released_ids_get_their_families(hub_id, family, size_and_shift):
+    from composer.configs.wan_i2v import WanI2VConfig
+    from composer.registry.configs import resolve_configs
+
+    resolved = resolve_configs(hub_id, "WanImageToVideoPipeline", WanI2VConfig)
+    sp = resolved.sampling_param()
+    assert resolved.family.name == family
+    assert (sp.height, sp.width, sp.flow_shift) == size_and_shift
+    assert (sp.num_frames, sp.num_inference_steps, sp.guidance_scale, sp.fps) == (81, 50, 5.0, 16)
+
+
+def test_preset_loads():
+    from pathlib import Path
+
+    from composer.presets import load_preset
+
+    preset = load_preset(Path(__file__).parents[1] / "configs" / "wan2.1-i2v-14b-480p.yaml")
+    assert preset.model_path == "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
+    assert (preset.sampling["height"], preset.sampling["width"], preset.sampling["num_frames"]) == (480, 832, 81)
+
+
+def test_wan22_and_incomplete_i2v_folders_are_refused_before_loading(i2v_dir, tmp_path):
+    import json
+    import shutil
+
+    from composer.errors import UnsupportedError
+
+    for name, change in (("wan22", {"boundary_ratio": 0.9}), ("no-clip", {"image_encoder": [None, None]})):
+        folder = shutil.copytree(i2v_dir, tmp_path / name)
+        index = json.loads((folder / "model_index.json").read_text())
+        index.update(change)
+        if name == "no-clip":
+            del index["image_encoder"]
+        (folder / "model_index.json").write_text(json.dumps(index))
+        with pytest.raises(UnsupportedError, match="Wan2.2|image_encoder"):
+            VideoGenerator.from_pretrained(folder, progress=False)
