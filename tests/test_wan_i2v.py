@@ -296,3 +296,13 @@ def test_wan22_and_incomplete_i2v_folders_are_refused_before_loading(i2v_dir, tm
         (folder / "model_index.json").write_text(json.dumps(index))
         with pytest.raises(UnsupportedError, match="Wan2.2|image_encoder"):
             VideoGenerator.from_pretrained(folder, progress=False)
+
+
+def test_regional_compile_equals_eager(i2v_dir, gen):
+    request = dict(REQUEST, num_inference_steps=2, seed=12)
+    image = test_image(60, 40)
+    eager = gen.generate_video(PROMPT, image=image, **request)
+    compiled = VideoGenerator.from_pretrained(i2v_dir, dtype="fp32", progress=False, compile="regional")
+    result = compiled.generate_video(PROMPT, image=image, **request)
+    assert float((result.latents - eager.latents).abs().max()) <= 1e-4
+    assert max_uint8_diff(result.frames, eager.frames) <= 1
