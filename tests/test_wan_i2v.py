@@ -57,13 +57,14 @@ def gen(i2v_dir):
     return VideoGenerator.from_pretrained(i2v_dir, dtype="fp32", progress=False)
 
 
-def reference_pipe(folder):
+def reference_pipe(folder, dtype=None):
     import diffusers.pipelines.wan.pipeline_wan_i2v as module
     from diffusers import WanImageToVideoPipeline
 
     if not hasattr(module, "ftfy"):  # diffusers 0.42.1's I2V prompt cleaning calls ftfy even when it is absent;
         module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)  # composer skips it then (ASCII: same)
-    pipe = WanImageToVideoPipeline.from_pretrained(str(folder))
+    # from_pretrained(dtype=) keeps the modules diffusers keeps in fp32 (`.to(dtype)` would not)
+    pipe = WanImageToVideoPipeline.from_pretrained(str(folder), **({"dtype": dtype} if dtype else {}))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -306,3 +307,30 @@ def test_regional_compile_equals_eager(i2v_dir, gen):
     result = compiled.generate_video(PROMPT, image=image, **request)
     assert float((result.latents - eager.latents).abs().max()) <= 1e-4
     assert max_uint8_diff(result.frames, eager.frames) <= 1
+
+
+def test_bf16_everywhere_matches_diffusers_bf16(i2v_dir):
+    """Every component in bf16 (transformer, UMT5 and CLIP encoders, VAE) against diffusers loaded with
+    torch_dtype=bf16: the dtype plumbing (CLIP pixels, image states, the condition concatenated in the model's
+    dtype, the VAE encode) follows the reference."""
+    gen = VideoGenerator.from_pretrained(i2v_dir, dtype="bf16", text_encoder_dtype="bf16", vae_dtype="bf16",
+                                         progress=False)
+    modules = gen.pipeline.modules
+    assert {modules[n].dtype for n in ("transformer", "text_encoder", "image_encoder", "vae")} == {torch.bfloat16}
+    image = test_image(60, 40)
+    request = dict(REQUEST, num_inference_steps=2)
+    ours = gen.generate_video(PROMPT, image=image, seed=13, **request)
+    pipe = reference_pipe(i2v_dir, torch.bfloat16)
+    assert max_uint8_diff(ours.frames, reference_frames(pipe, 13, image=image, **request)) <= 1
+
+
+def test_a_batch_of_videos_shares_the_image_and_keeps_each_rows_seed(gen):
+    """num_videos_per_prompt = 2: video i is the video a single request with seed + i makes (the image and its
+    condition go to every row)."""
+    image = test_image(60, 40)
+    request = dict(REQUEST, num_inference_steps=2)
+    videos = gen.generate_video(PROMPT, image=image, seed=5, num_videos_per_prompt=2, **request)
+    for i, video in enumerate(videos):
+        single = gen.generate_video(PROMPT, image=image, seed=5 + i, **request)
+        assert video.seed == 5 + i and max_uint8_diff(video.frames, single.frames) <= 1
+    assert max_uint8_diff(videos[0].frames, videos[1].frames) > 1
