@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from composer import VideoGenerator
 from composer.errors import InvalidInputError
 from composer.request_check import RequestError
-from composer.testing.tiny_wan_i2v import build_tiny_wan_i2v
+from composer.testing import build_tiny_wan_i2v
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,14 +32,13 @@ CASES = {
 }
 
 
-def test_image(width: int, height: int, seed: int = 0) -> Image.Image:
+def make_image(width: int, height: int, seed: int = 0) -> Image.Image:
     """A smooth random RGB image (structure that survives resizing), deterministic."""
     g = np.random.default_rng(seed)
     small = (g.random((4, 5, 3)) * 255).astype(np.uint8)
     return Image.fromarray(small).resize((width, height), Image.BILINEAR)
 
 
-test_image.__test__ = False  # a helper, not a test
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,7 @@ def reference_frames(pipe, seed, **kwargs) -> np.ndarray:
 @pytest.mark.parametrize("name", list(CASES))
 def test_frames_match_diffusers(gen, ref_pipe, name):
     case = dict(CASES[name])
-    image = test_image(*case.pop("image_size"))
+    image = make_image(*case.pop("image_size"))
     seed = case.pop("seed")
     ours = gen.generate_video(PROMPT, image=image, seed=seed, **case)
     ref = reference_frames(ref_pipe, seed, image=image, **case)
@@ -95,14 +94,14 @@ def test_frames_match_diffusers(gen, ref_pipe, name):
 def test_the_image_conditions_the_video(gen):
     """Another input image (same prompt, seed) gives another video: the image reaches the model."""
     request = dict(REQUEST, num_inference_steps=2, seed=1)
-    a = gen.generate_video(PROMPT, image=test_image(80, 48, seed=1), **request)
-    b = gen.generate_video(PROMPT, image=test_image(80, 48, seed=2), **request)
+    a = gen.generate_video(PROMPT, image=make_image(80, 48, seed=1), **request)
+    b = gen.generate_video(PROMPT, image=make_image(80, 48, seed=2), **request)
     assert max_uint8_diff(a.frames, b.frames) > 1
 
 
 def test_every_image_type_gives_the_same_video(gen, tmp_path):
     """A PIL image, its file, a uint8 numpy array, uint8 [3, H, W] and float [H, W, 3] tensors, RGBA: one video."""
-    image = test_image(60, 40)
+    image = make_image(60, 40)
     array = np.array(image)
     path = tmp_path / "first.png"
     image.save(path)
@@ -117,20 +116,20 @@ def test_every_image_type_gives_the_same_video(gen, tmp_path):
 def test_first_last_frame_matches_diffusers(flf2v_dir):
     gen = VideoGenerator.from_pretrained(flf2v_dir, dtype="fp32", progress=False)
     assert gen.family == "wan2.1-i2v-480p"  # the tiny folder's name names no family: the detector's defaults
-    first, last = test_image(80, 48, seed=5), test_image(64, 64, seed=6)
+    first, last = make_image(80, 48, seed=5), make_image(64, 64, seed=6)
     request = dict(REQUEST, num_frames=9)
     ours = gen.generate_video(PROMPT, image=first, last_image=last, seed=3, **request)
     ref = reference_frames(reference_pipe(flf2v_dir), 3, image=first, last_image=last, **request)
     assert max_uint8_diff(ours.frames, ref) <= 1
     # the last image matters
-    other = gen.generate_video(PROMPT, image=first, last_image=test_image(64, 64, seed=7), seed=3, **request)
+    other = gen.generate_video(PROMPT, image=first, last_image=make_image(64, 64, seed=7), seed=3, **request)
     assert max_uint8_diff(other.frames, ours.frames) > 1
 
 
 @pytest.mark.parametrize("offload", ["model", "layerwise"])
 def test_offload_gives_the_same_video(i2v_dir, gen, offload):
     request = dict(REQUEST, num_inference_steps=2, seed=8)
-    image = test_image(60, 40)
+    image = make_image(60, 40)
     expected = gen.generate_video(PROMPT, image=image, **request).frames
     offloaded = VideoGenerator.from_pretrained(i2v_dir, dtype="fp32", progress=False, offload=offload)
     assert (offloaded.generate_video(PROMPT, image=image, **request).frames == expected).all()
@@ -154,7 +153,7 @@ def write_lora(path, transformer, seed=1, rank=4):
 
 def test_unfused_lora_matches_diffusers(i2v_dir, gen, ref_pipe, tmp_path):
     lora = write_lora(tmp_path / "lora.safetensors", gen.pipeline.modules["transformer"])
-    image = test_image(60, 40)
+    image = make_image(60, 40)
     request = dict(REQUEST)
     with_lora = VideoGenerator.from_pretrained(i2v_dir, dtype="fp32", progress=False, lora_path=[str(lora)],
                                                lora_fuse=False)
@@ -193,7 +192,7 @@ def test_missing_image_and_last_image_on_an_i2v_model(gen):
     with pytest.raises(RequestError, match="image: expected an input image, the video's first frame"):
         gen.generate_video(PROMPT, **REQUEST)
     with pytest.raises(RequestError, match="last_image = .*: expected unset: this model conditions on the first"):
-        gen.generate_video(PROMPT, image=test_image(8, 8), last_image=test_image(8, 8), **REQUEST)
+        gen.generate_video(PROMPT, image=make_image(8, 8), last_image=make_image(8, 8), **REQUEST)
     # the pipeline's own check, for a request that skips the up-front one
     batch = gen._new_batch(gen.sampling_param(prompt=PROMPT))
     with pytest.raises(InvalidInputError, match="needs an input image"):
@@ -203,7 +202,7 @@ def test_missing_image_and_last_image_on_an_i2v_model(gen):
 def test_an_image_given_to_a_text_to_video_model(composer_gen):
     with pytest.raises(InvalidInputError, match="^image given, but wan2.1-t2v is a text-to-video model and takes no "
                        "input image"):
-        composer_gen.generate_video(PROMPT, image=test_image(8, 8), height=32, width=32, num_frames=5)
+        composer_gen.generate_video(PROMPT, image=make_image(8, 8), height=32, width=32, num_frames=5)
 
 
 @pytest.fixture()
@@ -219,7 +218,7 @@ def cli(capsys):
 
 
 def test_cli_generates_from_an_image(cli, i2v_dir, gen, tmp_path):
-    image = test_image(60, 40)
+    image = make_image(60, 40)
     image.save(tmp_path / "in.png")
     out = tmp_path / "frames"
     code, stdout, stderr = cli("generate", "--model-path", i2v_dir, "--prompt", PROMPT, "--image", tmp_path / "in.png",
@@ -301,7 +300,7 @@ def test_wan22_and_incomplete_i2v_folders_are_refused_before_loading(i2v_dir, tm
 
 def test_regional_compile_equals_eager(i2v_dir, gen):
     request = dict(REQUEST, num_inference_steps=2, seed=12)
-    image = test_image(60, 40)
+    image = make_image(60, 40)
     eager = gen.generate_video(PROMPT, image=image, **request)
     compiled = VideoGenerator.from_pretrained(i2v_dir, dtype="fp32", progress=False, compile="regional")
     result = compiled.generate_video(PROMPT, image=image, **request)
@@ -317,7 +316,7 @@ def test_bf16_everywhere_matches_diffusers_bf16(i2v_dir):
                                          progress=False)
     modules = gen.pipeline.modules
     assert {modules[n].dtype for n in ("transformer", "text_encoder", "image_encoder", "vae")} == {torch.bfloat16}
-    image = test_image(60, 40)
+    image = make_image(60, 40)
     request = dict(REQUEST, num_inference_steps=2)
     ours = gen.generate_video(PROMPT, image=image, seed=13, **request)
     pipe = reference_pipe(i2v_dir, torch.bfloat16)
@@ -327,7 +326,7 @@ def test_bf16_everywhere_matches_diffusers_bf16(i2v_dir):
 def test_a_batch_of_videos_shares_the_image_and_keeps_each_rows_seed(gen):
     """num_videos_per_prompt = 2: video i is the video a single request with seed + i makes (the image and its
     condition go to every row)."""
-    image = test_image(60, 40)
+    image = make_image(60, 40)
     request = dict(REQUEST, num_inference_steps=2)
     videos = gen.generate_video(PROMPT, image=image, seed=5, num_videos_per_prompt=2, **request)
     for i, video in enumerate(videos):

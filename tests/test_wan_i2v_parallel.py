@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_wan_i2v import test_image
+from test_wan_i2v import make_image
 
+from composer.testing import build_tiny_wan_i2v
 from composer.testing.distributed import spawn
-from composer.testing.tiny_wan_i2v import build_tiny_wan_i2v
 
 REQUEST = dict(prompt="a red kite over the sea", negative_prompt="blurry", height=48, width=80, num_frames=5,
                num_inference_steps=2, guidance_scale=5.0, seed=21)
@@ -19,7 +19,7 @@ REQUEST = dict(prompt="a red kite over the sea", negative_prompt="blurry", heigh
 @pytest.fixture(scope="module")
 def folder_and_image(tmp_path_factory):
     root = tmp_path_factory.mktemp("i2v-parallel")
-    test_image(60, 40, seed=3).save(root / "first.png")
+    make_image(60, 40, seed=3).save(root / "first.png")
     return str(build_tiny_wan_i2v(root / "tiny-wan-i2v", seed=5)), str(root / "first.png")
 
 
