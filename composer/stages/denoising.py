@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from composer.batch import ForwardBatch
-from composer.engine import ClassifierFreeGuidance, DenoisingEngine, SchedulerSteps, StepRule
+from composer.engine import ClassifierFreeGuidance, DenoisingEngine, ModelInputs, SchedulerSteps, StepRule
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
@@ -38,16 +38,20 @@ class DenoisingStage(Stage):
         """The CFG scale of this stage's steps (used when the request has CFG: guidance_scale > 1)."""
         return batch.guidance_scale
 
+    def branch_inputs(self, batch: ForwardBatch, text: torch.Tensor) -> ModelInputs:
+        """One guidance branch's conditioning, from its text embedding (an image-conditioned stage adds the image)."""
+        return self.engine.text_inputs(text)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         steps = self.steps(batch)
         if len(steps.timesteps) == 0:  # a stage with none of the request's timesteps (one expert of two)
             return batch
         dtype = self.engine.transformer.dtype
-        cond = self.engine.text_inputs(batch.prompt_embeds.to(dtype))
+        cond = self.branch_inputs(batch, batch.prompt_embeds.to(dtype))
         uncond, guidance = None, None
         if batch.do_classifier_free_guidance:
-            uncond = self.engine.text_inputs(batch.negative_prompt_embeds.to(dtype))
+            uncond = self.branch_inputs(batch, batch.negative_prompt_embeds.to(dtype))
             guidance = ClassifierFreeGuidance(self.guidance_scale(batch))
         batch.latents = self.engine.run(batch.latents, steps, cond, uncond, guidance, progress=self.progress)
         return batch
