@@ -163,6 +163,38 @@ def test_an_image_given_to_wan22_t2v_a14b_is_refused(tmp_path):
         gen.generate_video(PROMPT, image=make_image(8, 8), height=32, width=32, num_frames=5)
 
 
+@pytest.fixture()
+def cli(capsys):
+    from composer.cli.main import main
+
+    def run(*args):
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        return code, *capsys.readouterr()
+
+    return run
+
+
+def test_cli_generates_from_an_image_and_refuses_none(cli, i2v_dir, i2v_gen, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    image = make_image(60, 40)
+    image.save(tmp_path / "in.png")
+    args = ["generate", "--model-path", i2v_dir, "--prompt", PROMPT, "--height", "32", "--width", "48",
+            "--num-frames", "5", "--steps", "2", "--seed", "3", "--negative-prompt", "blurry"]
+    code, stdout, stderr = cli(*args, "--image", tmp_path / "in.png", "--output", tmp_path / "frames")
+    assert code == 0, stderr
+    assert "with wan2.2-i2v-a14b" in stdout
+    expected = i2v_gen.generate_video(PROMPT, image=image, seed=3, negative_prompt="blurry", height=32, width=48,
+                                      num_frames=5, num_inference_steps=2).frames
+    written = np.stack([np.asarray(Image.open(p)) for p in sorted((tmp_path / "frames").glob("*.png"))])
+    assert (written == expected).all()
+    code, _, stderr = cli(*args, "--output", tmp_path / "none.mp4")
+    assert code == 1 and "--image: expected an input image, the video's first frame" in stderr
+    assert "Traceback" not in stderr
+
+
 def test_i2v_folder_with_experts_of_the_wrong_width_is_a_config_error(tmp_path, i2v_dir):
     folder = shutil.copytree(i2v_dir, tmp_path / "bad")
     index = json.loads((folder / "model_index.json").read_text())
