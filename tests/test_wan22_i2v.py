@@ -296,6 +296,18 @@ def test_ti2v_takes_text_or_image(ti2v_gen):
         ti2v_gen.generate_video(PROMPT, image=image, last_image=image, **request)
 
 
+def test_a_batch_of_image_videos_keeps_each_rows_seed(ti2v_gen, i2v_gen):
+    """num_videos_per_prompt = 2: video i is what a single request with seed + i makes (the image, its latents and
+    the timestep mask go to every row)."""
+    for gen, case in ((ti2v_gen, TI2V_CASES["cfg"]), (i2v_gen, I2V_CASES["cfg-two-scales"])):
+        seed, image, request = _split(dict(case, num_inference_steps=2))
+        videos = gen.generate_video(PROMPT, image=image, seed=seed, num_videos_per_prompt=2, **request)
+        for i, video in enumerate(videos):
+            single = gen.generate_video(PROMPT, image=image, seed=seed + i, **request)
+            assert video.seed == seed + i and max_uint8_diff(video.frames, single.frames) <= 1
+        assert max_uint8_diff(videos[0].frames, videos[1].frames) > 1
+
+
 def test_ti2v_folder_saved_by_the_i2v_pipeline_routes_to_ti2v(ti2v_ref, ti2v_gen, tmp_path):
     """A TI2V folder written by diffusers' WanImageToVideoPipeline names that class: the same TI2V pipeline."""
     ti2v_ref.save_pretrained(str(tmp_path / "saved"))
