@@ -1,0 +1,232 @@
+"""composer against diffusers on every family beyond Wan2.1 T2V (which `wan_vs_diffusers.py` covers in depth): the
+same tiny model folder, prompt, image, seed, size and steps through both engines, in one process.
+
+For each family: the transformer time per denoising step (composer: its denoising stages, over the steps;
+diffusers: the sum of its transformers' calls, over the steps), the whole video's time, their ratios
+(diffusers / composer: > 1 means composer is faster), and the largest difference between the two videos' uint8
+frames (a sanity check: same weights, same maths). Each folder is built locally by composer.testing in exact
+diffusers layout (random weights, seeded), so the figures say how the engines compare, not how a real
+checkpoint runs; `--model-overrides` scales the tiny models up.
+
+    python benchmarks/families_vs_diffusers.py
+    python benchmarks/families_vs_diffusers.py --families wan2.2-a14b,wan2.2-ti2v --steps 10 --threads 1
+    python benchmarks/families_vs_diffusers.py --families wan2.1-i2v --model-overrides num_layers=4 num_heads=4
+
+Timing: one warmup of each engine, then `--repeats` runs of each, interleaved (composer, diffusers, diffusers,
+composer, ...) so that load from other processes hits both alike; medians. `time.perf_counter`, with a CUDA
+synchronize around each timed transformer call on GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+PROMPT = "a red fox running through fresh snow"
+NEGATIVE_PROMPT = "blurry, low quality"
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build a tiny folder of the family, which diffusers pipeline runs it, and the request."""
+
+    builder: str  # a composer.testing function
+    diffusers_class: str
+    request: dict = field(default_factory=dict)
+    image: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "wan2.1-i2v": Family("build_tiny_wan_i2v", "WanImageToVideoPipeline",
+                         dict(height=48, width=80, num_frames=9, guidance_scale=5.0), image=True),
+    "wan2.2-a14b": Family("build_tiny_wan22_a14b", "WanPipeline",
+                          dict(height=48, width=80, num_frames=9, guidance_scale=4.0)),
+    "wan2.2-ti2v": Family("build_tiny_wan22_ti2v", "WanPipeline",
+                          dict(height=64, width=96, num_frames=9, guidance_scale=5.0)),
+    "wan2.2-ti2v-image": Family("build_tiny_wan22_ti2v", "WanImageToVideoPipeline",
+                                dict(height=64, width=96, num_frames=9, guidance_scale=5.0), image=True),
+    "wan2.2-i2v-a14b": Family("build_tiny_wan22_i2v_a14b", "WanImageToVideoPipeline",
+                              dict(height=48, width=80, num_frames=9, guidance_scale=3.5), image=True),
+    "hunyuanvideo": Family("build_tiny_hunyuan", "HunyuanVideoPipeline",
+                           dict(height=48, width=80, num_frames=9)),
+}
+
+
+def make_image(width: int = 60, height: int = 40):
+    """A smooth seeded RGB image of another size than the video (the resize path)."""
+    from PIL import Image
+
+    small = (np.random.default_rng(0).random((4, 5, 3)) * 255).astype(np.uint8)
+    return Image.fromarray(small).resize((width, height), Image.BILINEAR)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TransformerTimer:
+    """Sums the time of every call of the given modules (forward pre / post hooks)."""
+
+    def __init__(self, modules: list[torch.nn.Module], device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+        self._start = 0.0
+        for module in modules:
+            module.register_forward_pre_hook(self._before)
+            module.register_forward_hook(self._after)
+
+    def _before(self, *_):
+        synchronize(self.device)
+        self._start = time.perf_counter()
+
+    def _after(self, *_):
+        synchronize(self.device)
+        self.seconds += time.perf_counter() - self._start
+
+
+def load_diffusers(folder: Path, class_name: str, device: torch.device):
+    import diffusers
+
+    if class_name == "WanImageToVideoPipeline":
+        import diffusers.pipelines.wan.pipeline_wan_i2v as module
+
+        if not hasattr(module, "ftfy"):  # diffusers 0.42.1's I2V prompt cleaning calls ftfy even when absent
+            module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
+    pipe = getattr(diffusers, class_name).from_pretrained(str(folder)).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def diffusers_kwargs(pipe, sampling, request: dict) -> dict:
+    """The request in diffusers' names, with the sampling values composer resolved for it (the family's and the
+    folder's defaults) wherever diffusers' pipeline takes the same knob."""
+    accepted = inspect.signature(pipe.__call__).parameters
+    kwargs = {k: v for k, v in request.items() if k in accepted}
+    for name in ("negative_prompt", "guidance_scale", "guidance_scale_2", "true_cfg_scale"):
+        value = getattr(sampling, name, None)
+        if name in accepted and value is not None and name not in kwargs:
+            kwargs[name] = value
+    return kwargs
+
+
+def run_family(name: str, family: Family, root: Path, args, device: torch.device) -> dict:
+    import composer.testing as testing
+    from composer import VideoGenerator
+
+    overrides = dict(args.overrides)
+    folder = getattr(testing, family.builder)(root / name, **overrides)
+    request = dict(family.request, num_inference_steps=args.steps, seed=args.seed)
+    if family.image:
+        request["image"] = make_image()
+    gen = VideoGenerator.from_pretrained(folder, device=str(device), dtype="fp32", progress=False)
+    pipe = load_diffusers(folder, family.diffusers_class, device)
+    transformers = [m for n in ("transformer", "transformer_2") if isinstance(m := getattr(pipe, n, None),
+                                                                              torch.nn.Module)]
+    timer = TransformerTimer(transformers, device)
+    first = gen.generate_video(PROMPT, negative_prompt=NEGATIVE_PROMPT, **request)
+    call = diffusers_kwargs(pipe, first.sampling, {k: v for k, v in request.items() if k != "seed"})
+
+    def run_composer() -> tuple[np.ndarray, float, float]:
+        result = gen.generate_video(PROMPT, negative_prompt=NEGATIVE_PROMPT, **request)
+        denoise = sum(v for k, v in result.timings.items() if "DenoisingStage" in k)
+        return result.frames, denoise, result.timings["total"]
+
+    def run_diffusers() -> tuple[np.ndarray, float, float]:
+        timer.seconds = 0.0
+        start = time.perf_counter()
+        out = pipe(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(args.seed), output_type="np", **call)
+        synchronize(device)
+        total = time.perf_counter() - start
+        return (np.clip(out.frames[0], 0, 1) * 255).round().astype(np.uint8), timer.seconds, total
+
+    run_diffusers()  # warmup (composer's was the first call above)
+    ours, theirs = [], []
+    for i in range(args.repeats):
+        order = (run_composer, run_diffusers) if i % 2 == 0 else (run_diffusers, run_composer)
+        for fn in order:
+            (ours if fn is run_composer else theirs).append(fn())
+    frames_ours, frames_theirs = ours[-1][0], theirs[-1][0]
+    diff = int(np.abs(frames_ours.astype(np.int16) - frames_theirs.astype(np.int16)).max())
+    return dict(
+        family=name, steps=args.steps, frames=frames_ours.shape,
+        step_ours=statistics.median(r[1] for r in ours) / args.steps,
+        step_theirs=statistics.median(r[1] for r in theirs) / args.steps,
+        video_ours=statistics.median(r[2] for r in ours), video_theirs=statistics.median(r[2] for r in theirs),
+        diff=diff,
+    )
+
+
+def parse_overrides(pairs: list[str]) -> list[tuple[str, object]]:
+    out = []
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if not value:
+            raise SystemExit(f"--model-overrides: expected KEY=VALUE, got {pair!r}")
+        try:
+            out.append((key, int(value)))
+        except ValueError:
+            out.append((key, float(value)))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated: {', '.join(FAMILIES)}")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--model-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="sizes for the tiny-model builders (e.g. num_layers=4 num_heads=4)")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.families.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        parser.error(f"--families: unknown {', '.join(unknown)} (expected {', '.join(FAMILIES)})")
+    args.overrides = parse_overrides(args.model_overrides)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("COMPOSER_LOG_LEVEL", "WARNING")
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity_error()
+    device = torch.device(args.device)
+
+    print(f"{device}, fp32, {torch.get_num_threads()} threads, {args.steps} steps, median of {args.repeats} runs "
+          f"per engine after a warmup, interleaved; ratios diffusers / composer (> 1: composer faster)")
+    print(f"{'family':<20} {'frames':>14} {'step composer':>14} {'diffusers':>10} {'ratio':>6} "
+          f"{'video composer':>15} {'diffusers':>10} {'ratio':>6} {'max diff':>9}")
+    with tempfile.TemporaryDirectory(prefix="composer-families-") as tmp:
+        for name in names:
+            try:
+                r = run_family(name, FAMILIES[name], Path(tmp), args, device)
+            except AttributeError as error:  # a builder this checkout does not have yet
+                print(f"{name:<20} skipped: {error}")
+                continue
+            shape = "x".join(str(n) for n in r["frames"][:3])
+            print(f"{name:<20} {shape:>14} {r['step_ours'] * 1e3:>12.1f}ms {r['step_theirs'] * 1e3:>8.1f}ms "
+                  f"{r['step_theirs'] / r['step_ours']:>5.2f}x {r['video_ours']:>14.2f}s {r['video_theirs']:>9.2f}s "
+                  f"{r['video_theirs'] / r['video_ours']:>5.2f}x {r['diff']:>9}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
