@@ -114,12 +114,13 @@ class DenoisingEngine:
                 call = _wrap(around, call)
         return call(ModelCall(latents, timestep, inputs, kind, self._step, branches))
 
-    def text_inputs(self, text: torch.Tensor) -> ModelInputs:
+    def text_inputs(self, text: torch.Tensor, **extra: torch.Tensor | None) -> ModelInputs:
         """Conditioning for a text embedding [B, L, D]: each block's cross-attention k/v computed once here and
-        reused by every step (a model without `cross_attention_kv` gets the embedding in every call)."""
+        reused by every step (a model without `cross_attention_kv` gets the embedding in every call). `extra`:
+        ModelInputs' other conditioning fields (`text_mask`, `pooled_text`, `guidance`)."""
         if hasattr(self.transformer, "cross_attention_kv"):
-            return ModelInputs(cross_kv=self.transformer.cross_attention_kv(text))
-        return ModelInputs(text=text)
+            return ModelInputs(cross_kv=self.transformer.cross_attention_kv(text), **extra)
+        return ModelInputs(text=text, **extra)
 
     def forward_branches(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
                          kind: str = "step", merged: ModelInputs | None = None) -> list[torch.Tensor]:

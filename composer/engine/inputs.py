@@ -19,7 +19,10 @@ class ModelInputs:
       per prompt;
     - `kv_cache` + `frame_offset`: a causal pass over frames [frame_offset, frame_offset + F) against a KVCache;
     - `attn_mask` [S, S] and `context` [B, C, f, h, w] with `context_timestep` [B, f]: the uncached causal
-      reference, whose clean context frames are prepended to the input (and cut from the output).
+      reference, whose clean context frames are prepended to the input (and cut from the output);
+    - `text_mask` [B, L] (1: a text token, 0: padding), `pooled_text` [B, D] and `guidance` [B] (an embedded
+      guidance scale): what a transformer like HunyuanVideo's takes beside the text states (passed as diffusers
+      names them: `encoder_attention_mask`, `pooled_projections`, `guidance`).
     """
 
     text: torch.Tensor | None = None
@@ -29,6 +32,9 @@ class ModelInputs:
     attn_mask: torch.Tensor | None = None
     context: torch.Tensor | None = None
     context_timestep: torch.Tensor | None = None
+    text_mask: torch.Tensor | None = None
+    pooled_text: torch.Tensor | None = None
+    guidance: torch.Tensor | None = None
 
     def at(self, frame_offset: int, **changes: Any) -> ModelInputs:
         """The same conditioning for a pass starting at another frame."""
@@ -46,6 +52,12 @@ class ModelInputs:
             kwargs["kv_cache"] = self.kv_cache
         if self.attn_mask is not None:
             kwargs["attn_mask"] = self.attn_mask
+        if self.text_mask is not None:
+            kwargs["encoder_attention_mask"] = self.text_mask
+        if self.pooled_text is not None:
+            kwargs["pooled_projections"] = self.pooled_text
+        if self.guidance is not None:
+            kwargs["guidance"] = self.guidance
         return kwargs
 
     @staticmethod
@@ -67,8 +79,15 @@ class ModelInputs:
                 (torch.cat([b.cross_kv[i][0] for b in branches]), torch.cat([b.cross_kv[i][1] for b in branches]))
                 for i in range(len(first.cross_kv))
             ]
+        text_mask = None
+        if any(b.text_mask is not None for b in branches):  # a branch without padding: all its tokens count
+            text_mask = torch.cat([b.text_mask if b.text_mask is not None else
+                                   torch.ones(b.text.shape[:2], dtype=torch.int64, device=b.text.device)
+                                   for b in branches])
         return ModelInputs(
             text=cat([b.text for b in branches]), cross_kv=cross_kv, kv_cache=first.kv_cache,
             frame_offset=first.frame_offset, attn_mask=first.attn_mask,
             context=cat([b.context for b in branches]), context_timestep=cat([b.context_timestep for b in branches]),
+            text_mask=text_mask, pooled_text=cat([b.pooled_text for b in branches]),
+            guidance=cat([b.guidance for b in branches]),
         )
