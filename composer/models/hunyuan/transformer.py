@@ -51,10 +51,9 @@ class HunyuanVideoTransformer3DModel(nn.Module):
     param_name_mappings = {"diffusers": DIFFUSERS_TO_COMPOSER}
     ignored_checkpoint_keys = ()
     keep_in_fp32 = ()  # the reference keeps no module in fp32
-    # The repeated blocks regional compile, layerwise offload and the cancel points act on. The hooks take one
-    # nn.ModuleList, and this model has two (20 dual-stream then 40 single-stream blocks in the 13B model): the
-    # single-stream ones are named, two thirds of the blocks; the dual-stream blocks stay resident / eager.
-    repeated_blocks = "single_transformer_blocks"
+    # The repeated blocks, in run order (20 dual-stream then 40 single-stream in the 13B model): what regional
+    # compile, layerwise / disk offload, quantization and the cancel points act on.
+    repeated_blocks = ("transformer_blocks", "single_transformer_blocks")
     # Set by the step-cache hook (composer.accel.step_cache / dbcache): runs or skips blocks of the whole block
     # sequence (dual-stream then single-stream) over the joint tokens [video; text]. None: every block runs.
     step_cache = None
