@@ -260,3 +260,23 @@ def test_sequence_and_tensor_parallel_are_refused(gen):
 
     with pytest.raises(ConfigError, match="does not support sequence parallelism"):
         apply_sequence_parallel(gen.pipeline.modules["transformer"], sp=None)
+
+
+def _cfg_parallel_worker(rank, world, folder, request, out_dir):
+    gen = VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False, cfg_parallel=True)
+    result = gen.generate_video(**request)
+    torch.save({"latents": result.latents, "frames": torch.from_numpy(result.frames)}, f"{out_dir}/rank{rank}.pt")
+
+
+def test_cfg_parallel_equals_one_process(tiny_hunyuan, gen, tmp_path, one_thread):
+    """True CFG's two branches on two gloo ranks (texts of different lengths: each rank runs its branch with its
+    key mask) give the one-process video."""
+    from composer.testing.distributed import spawn
+
+    request = dict(prompt="a cat on the grass", negative_prompt="dark, gray", true_cfg_scale=3.0, seed=4, **SMALL)
+    expected = gen.generate_video(**request)
+    spawn(_cfg_parallel_worker, 2, str(tiny_hunyuan), request, str(tmp_path), timeout_s=300)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(got["latents"], expected.latents, atol=1e-5, rtol=0)
+        assert max_uint8_diff(got["frames"].numpy(), expected.frames) <= 1
