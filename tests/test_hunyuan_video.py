@@ -9,7 +9,6 @@ import torch
 from conftest import diffusers_frames, max_uint8_diff
 
 from composer import VideoGenerator
-from composer.errors import ConfigError
 from composer.loader.components import ComponentLoader
 from composer.loader.model_index import read_model_index
 from composer.testing.tiny_hunyuan import build_tiny_hunyuan
@@ -255,28 +254,30 @@ def test_step_caches_skip_blocks(tiny_hunyuan, gen, cache, threshold):
     assert max_uint8_diff(frames, base) < 32  # an approximation of the same video
 
 
-def test_sequence_and_tensor_parallel_are_refused(gen):
-    from composer.parallel.sequence import apply_sequence_parallel
-
-    with pytest.raises(ConfigError, match="does not support sequence parallelism"):
-        apply_sequence_parallel(gen.pipeline.modules["transformer"], sp=None)
+def test_tensor_parallel_is_refused(gen):
+    assert not hasattr(type(gen.pipeline.modules["transformer"]), "tensor_parallel_plan")
 
 
-def _cfg_parallel_worker(rank, world, folder, request, out_dir):
-    gen = VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False, cfg_parallel=True)
+def _parallel_worker(rank, world, folder, runtime, request, out_dir):
+    gen = VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False, **runtime)
     result = gen.generate_video(**request)
-    torch.save({"latents": result.latents, "frames": torch.from_numpy(result.frames)}, f"{out_dir}/rank{rank}.pt")
+    torch.save({"latents": result.latents, "frames": torch.from_numpy(result.frames),
+                "hooks": gen.pipeline.applied_hooks}, f"{out_dir}/rank{rank}.pt")
 
 
-def test_cfg_parallel_equals_one_process(tiny_hunyuan, gen, tmp_path, one_thread):
-    """True CFG's two branches on two gloo ranks (texts of different lengths: each rank runs its branch with its
-    key mask) give the one-process video."""
+@pytest.mark.parametrize("runtime", [dict(cfg_parallel=True), dict(ulysses_degree=2)], ids=["cfg2", "ulysses2"])
+def test_parallel_layouts_equal_one_process(tiny_hunyuan, gen, tmp_path, one_thread, runtime):
+    """On two gloo ranks: CFG parallel (true CFG's two branches, texts of different lengths: each rank runs its
+    branch with its key mask) and Ulysses (each rank a part of every frame, the text whole on both; the batched
+    CFG rows carry the key mask) give the one-process video."""
     from composer.testing.distributed import spawn
 
     request = dict(prompt="a cat on the grass", negative_prompt="dark, gray", true_cfg_scale=3.0, seed=4, **SMALL)
     expected = gen.generate_video(**request)
-    spawn(_cfg_parallel_worker, 2, str(tiny_hunyuan), request, str(tmp_path), timeout_s=300)
+    spawn(_parallel_worker, 2, str(tiny_hunyuan), runtime, request, str(tmp_path), timeout_s=300)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
+        parallel = next(line for line in got["hooks"] if line.startswith("parallel:"))
+        assert ("sequence parallel" in parallel) == ("ulysses_degree" in runtime), parallel
         torch.testing.assert_close(got["latents"], expected.latents, atol=1e-5, rtol=0)
         assert max_uint8_diff(got["frames"].numpy(), expected.frames) <= 1

@@ -101,7 +101,8 @@ class RefinerAttention(nn.Module):
         self.to_k = nn.Linear(dim, dim)
         self.to_v = nn.Linear(dim, dim)
         self.to_out = nn.Linear(dim, dim)
-        self.attention = Attention(role="self")
+        # Text-only attention, the same on every sequence-parallel rank: the role that is never sharded.
+        self.attention = Attention(role="cross")
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         q, k, v = (proj(x).unflatten(2, (-1, self.head_dim)) for proj in (self.to_q, self.to_k, self.to_v))
@@ -195,9 +196,10 @@ class JointAttention(nn.Module):
         return q, k, to_v(x).unflatten(2, (-1, self.head_dim))
 
     def forward(self, video: torch.Tensor, text: torch.Tensor | None, rotary: Rotary,
-                key_mask: torch.Tensor | None) -> torch.Tensor:
+                key_mask: torch.Tensor | None, text_len: int) -> torch.Tensor:
         """Dual-stream: `video` [B, S, D] and `text` [B, L, D] -> attention output [B, S + L, D] (before the
-        output projections). Single-stream: `video` holds the joint tokens (video first) and `text` is None."""
+        output projections). Single-stream: `video` holds the joint tokens (video first) and `text` is None.
+        Under sequence parallelism S is this rank's video tokens and the text is whole on every rank."""
         video_len = video.shape[1]
         q, k, v = self._qkv(video, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k)
         if text is not None:
@@ -208,7 +210,7 @@ class JointAttention(nn.Module):
         else:
             video_len = rotary[0].shape[1]
             q, k = rotate_video(q, rotary, video_len), rotate_video(k, rotary, video_len)
-        return self.attention(q, k, v, key_mask).flatten(2)
+        return self.attention(q, k, v, key_mask, joint_text=text_len).flatten(2)
 
 
 class DualStreamBlock(nn.Module):
@@ -228,7 +230,7 @@ class DualStreamBlock(nn.Module):
         c_shift1, c_scale1, c_gate1, c_shift2, c_scale2, c_gate2 = self.norm1_context.modulation(temb)
         h = modulate(self.norm1.norm(x), shift1, scale1)
         c = modulate(self.norm1_context.norm(text), c_shift1, c_scale1)
-        out = self.attn(h, c, rotary, key_mask)
+        out = self.attn(h, c, rotary, key_mask, text.shape[1])
         video_len = x.shape[1]
         x = x + self.attn.to_out(out[:, :video_len]) * gate1.unsqueeze(1)
         text = text + self.attn.to_add_out(out[:, video_len:]) * c_gate1.unsqueeze(1)
@@ -256,6 +258,6 @@ class SingleStreamBlock(nn.Module):
         shift, scale, gate = self.norm.modulation(temb)
         h = modulate(self.norm.norm(joint), shift, scale)
         mlp = F.gelu(self.proj_mlp(h), approximate="tanh")
-        attn = self.attn(h, None, rotary, key_mask)
+        attn = self.attn(h, None, rotary, key_mask, text.shape[1])
         joint = joint + gate.unsqueeze(1) * self.proj_out(torch.cat([attn, mlp], dim=2))
         return joint[:, :video_len], joint[:, video_len:]

@@ -57,8 +57,11 @@ class HunyuanVideoTransformer3DModel(nn.Module):
     # Set by the step-cache hook (composer.accel.step_cache / dbcache): runs or skips blocks of the whole block
     # sequence (dual-stream then single-stream) over the joint tokens [video; text]. None: every block runs.
     step_cache = None
-    # No `sequence_parallel` slot and no `tensor_parallel_plan` (see docs/adding-a-model-family.md): the parallel
-    # hook refuses this model with a clear message instead of running it wrongly.
+    # Set by the parallel hook (composer.parallel.sequence.SequenceParallel, Ulysses): each rank keeps its part of
+    # every frame's video tokens and the whole text; joint attention gathers heads across ranks. None: one device.
+    sequence_parallel = None
+    # No `tensor_parallel_plan` (see docs/adding-a-model-family.md): a single-stream block's proj_out reads
+    # [attention | MLP], which a plain row split cannot shard; tensor parallelism refuses this model.
 
     def __init__(self, config: HunyuanVideoTransformerConfig):
         super().__init__()
@@ -162,7 +165,10 @@ class HunyuanVideoTransformer3DModel(nn.Module):
         x = x.flatten(2).transpose(1, 2)
         rotary = self.rotary(grid, x.device)
         text = self.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
-        key_mask = self.joint_key_mask(x.shape[1], encoder_attention_mask)
+        key_mask = self.joint_key_mask(x.shape[1], encoder_attention_mask)  # over the whole video, then the text
+        shards = self.sequence_parallel
+        if shards is not None:  # this rank's part of every frame (the text stays whole), split once for all blocks
+            x, rotary = shards.split(x, rotary, frames=grid[0])
 
         blocks = [*self.transformer_blocks, *self.single_transformer_blocks]
         if self.step_cache is None:
@@ -182,6 +188,8 @@ class HunyuanVideoTransformer3DModel(nn.Module):
 
         scale, shift = self.norm_out.modulation(temb)
         x = self.proj_out(self.norm_out.norm(x) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1))
+        if shards is not None:  # gathered once, after the (narrow) output projection
+            x = shards.gather(x)
         return self.unpatchify(x, grid)
 
 
