@@ -1,30 +1,51 @@
-"""Step caching: composer's TeaCache and DBCache at several thresholds against the exact path, in one process.
+"""Step caching: composer's TeaCache and DBCache, and diffusers' FirstBlockCache (and cache-dit's DBCache when it
+is installed), at several thresholds against the exact path of the same engine, in one process.
 
-For each setting: the share of transformer calls that reused the cached residual (TeaCache: all the blocks;
-DBCache: the middle blocks), the denoising stage's time and the whole video's time as ratios to the exact run
-(< 1: faster), and the PSNR of the frames against the exact run. DBCache rows come without and with TaylorSeer.
-Default: the embedded shapes model at 30 steps (its width has no fitted TeaCache coefficients: the raw relative
-change is used).
+Every engine runs the same model folder, prompt, negative prompt, seed, size, guidance and steps, and the same
+initial noise (composer draws its latents as diffusers does). For each setting it prints the share of transformer
+calls whose cached blocks were skipped (TeaCache: all the blocks; DBCache, FirstBlockCache: every block after the
+first Fn), the transformer's time (composer: the denoising stage; diffusers: the sum of the transformer's calls)
+and the whole video's time as ratios to that engine's exact run (< 1: faster), and the PSNR of the frames
+against that engine's exact run. A first line checks that the two exact runs give the same frames.
 
-    python benchmarks/step_cache.py
+    python benchmarks/step_cache.py                          # the embedded shapes model, 30 steps
+    python benchmarks/step_cache.py --preset mid --repeats 1 # a mid-size random Wan, built in a temporary folder
     python benchmarks/step_cache.py --method dbcache --dbcache-thresholds 0.1,0.2 --fn-blocks 1 --bn-blocks 1
     python benchmarks/step_cache.py --model-path Wan-AI/Wan2.1-T2V-1.3B-Diffusers --device cuda --steps 50
+    PYTHONPATH=/path/to/cache-dit python benchmarks/step_cache.py   # adds cache-dit rows (optional)
+    python benchmarks/step_cache.py --score 50 --method teacache,dbcache --thresholds default --dbcache-thresholds default
 
-Still to come (issue 24): diffusers' FirstBlockCache on the same weights, the prompt-following score.
+`--score N` (the shapes model only) measures quality over N seeded demo prompts instead of time: for the exact path
+and each composer setting, the prompt-following score (colour, shape, direction read from the frames by the demo's
+scorer: `composer eval demo`'s), the prompts whose verdict (all three right) flipped against the exact path (+ won,
+- lost), and the PSNR against the exact frames of each prompt (mean and worst). A threshold
+`default` is the family's recommended one (what `cache=...` alone gives).
+
+Timing: median of `--repeats` runs after one warmup, `time.perf_counter` with a CUDA synchronize around each
+timed transformer call on GPU. On a busy CPU use `--threads 1` (several threads waiting on each other swing wall
+times by several x). Random weights say little about quality: the shapes model is the quality reference.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+# A mid-size random Wan2.1 (8 blocks of 8 heads x 64, ffn 2048) and the video it makes.
+MID_MODEL = dict(num_layers=8, num_heads=8, head_dim=64, ffn_dim=2048, text_dim=64, text_heads=4, text_ff=128)
+MID_VIDEO = dict(num_frames=17, height=96, width=96)
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -32,64 +53,304 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
 
 
-def timed(gen, request: dict, repeats: int):
-    """The last result and the median timings of `repeats` runs (after one warmup)."""
+def composer_timed(gen, request: dict, repeats: int):
+    """The last result and the median denoising-stage and whole-video times of `repeats` runs after a warmup."""
     gen.generate_video(**request)
     runs = [gen.generate_video(**request) for _ in range(repeats)]
-    denoise = statistics.median(r.timings.get("DenoisingStage", float("nan")) for r in runs)
+    denoise = statistics.median(  # DenoisingStage, or CausalDenoisingStage
+        next((v for k, v in r.timings.items() if k.endswith("DenoisingStage")), float("nan")) for r in runs)
     total = statistics.median(r.timings["total"] for r in runs)
     return runs[-1], denoise, total
 
 
+class DiffusersRunner:
+    """diffusers' WanPipeline on the same folder, timing its transformer's calls and counting the calls in which
+    the last block ran (a cached call skips it)."""
+
+    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype, sampling, max_sequence_length: int):
+        import diffusers
+
+        transformer = diffusers.WanTransformer3DModel.from_pretrained(folder, subfolder="transformer",
+                                                                      torch_dtype=dtype)
+        diffusers.utils.logging.set_verbosity_error()
+        # the text encoder and VAE in fp32, as composer loads them
+        self.pipe = diffusers.WanPipeline.from_pretrained(folder, transformer=transformer,
+                                                          torch_dtype=torch.float32).to(device)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.device = device
+        self.sampling = sampling
+        self.max_sequence_length = max_sequence_length
+        self.calls = self.block_runs = 0
+        self.transformer_s = 0.0
+        self._start = 0.0
+        model = self.pipe.transformer
+        model.register_forward_pre_hook(self._before)
+        model.register_forward_hook(self._after)
+        model.blocks[-1].ffn.register_forward_hook(self._block_ran)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _before(self, *_):
+        self._sync()
+        self._start = time.perf_counter()
+
+    def _after(self, *_):
+        self._sync()
+        self.transformer_s += time.perf_counter() - self._start
+        self.calls += 1
+
+    def _block_ran(self, *_):
+        self.block_runs += 1
+
+    def generate(self, prompt: str, seed: int, steps: int) -> tuple[np.ndarray, float, float]:
+        s = self.sampling
+        self.calls = self.block_runs = 0
+        self.transformer_s = 0.0
+        start = time.perf_counter()
+        out = self.pipe(prompt, negative_prompt=s.negative_prompt, height=s.height, width=s.width,
+                        num_frames=s.num_frames, num_inference_steps=steps, guidance_scale=s.guidance_scale,
+                        generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
+                        max_sequence_length=self.max_sequence_length).frames[0]
+        self._sync()
+        total = time.perf_counter() - start
+        frames = (np.clip(out, 0, 1) * 255).round().astype(np.uint8)
+        return frames, self.transformer_s, total
+
+    def timed(self, prompt: str, seed: int, steps: int, repeats: int, enable=None, disable=None):
+        """Median transformer and video times of `repeats` runs after a warmup; each run starts a fresh cache."""
+        results = []
+        for _ in range(repeats + 1):
+            if enable is not None:
+                enable(self.pipe)
+            try:
+                frames, transformer_s, total = self.generate(prompt, seed, steps)
+            finally:
+                if disable is not None:
+                    disable(self.pipe)
+            results.append((frames, transformer_s, total, self.calls - self.block_runs, self.calls))
+        timed = results[1:]
+        return (timed[-1][0], statistics.median(r[1] for r in timed), statistics.median(r[2] for r in timed),
+                timed[-1][3], timed[-1][4])
+
+
+def first_block_cache(threshold: float):
+    from diffusers import FirstBlockCacheConfig
+
+    def enable(pipe):
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+
+    def disable(pipe):
+        pipe.transformer.disable_cache()
+
+    return enable, disable
+
+
+def cache_dit_dbcache(threshold: float, fn_blocks: int, bn_blocks: int, warmup: int):
+    import cache_dit
+
+    def enable(pipe):
+        cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(
+            Fn_compute_blocks=fn_blocks, Bn_compute_blocks=bn_blocks, residual_diff_threshold=threshold,
+            max_warmup_steps=warmup, max_cached_steps=-1, max_continuous_cached_steps=-1))
+
+    def disable(pipe):
+        cache_dit.disable_cache(pipe)
+
+    return enable, disable
+
+
+def score_settings(settings: list[tuple[str, dict]], runtime: dict, count: int, steps: int, seed: int) -> None:
+    """Prompt score and PSNR over `count` demo prompts (prompt i with seed + i), exact path first."""
+    from composer import VideoGenerator
+    from demo.evaluate import demo_prompts
+    from demo.score import Score
+
+    prompts = demo_prompts(count, seed)
+    print(f"shapes-t2v (embedded), {steps} steps, {count} demo prompts (seeds {seed}..{seed + count - 1})")
+    print(f"{'setting':<30} {'skipped':>8} {'colour':>7} {'shape':>7} {'direct.':>7} {'overall':>8} "
+          f"{'flips':>7} {'PSNR mean':>10} {'worst':>7}")
+    exact = exact_verdicts = None
+    for label, cache in [("composer exact", {})] + settings:
+        gen = VideoGenerator.from_pretrained(None, **cache, **runtime)
+        score, frames, skipped, calls = Score(), [], 0, 0
+        for i, prompt in enumerate(prompts):
+            video = gen.generate_video(prompt, seed=seed + i, num_inference_steps=steps).frames
+            score.add(prompt, video)
+            frames.append(video)
+            hook = next((h for h in gen.pipeline.hooks if h.name == "cache"), None)
+            if hook is not None:
+                skipped += hook.hooks[0].stats.skipped
+                calls += hook.hooks[0].stats.calls
+        exact = exact or frames
+        verdicts = [all(r.values()) for _, r in score.per_prompt]
+        exact_verdicts = exact_verdicts or verdicts
+        gained = sum(v and not e for v, e in zip(verdicts, exact_verdicts))
+        lost = sum(e and not v for v, e in zip(verdicts, exact_verdicts))
+        values = [psnr(a, b) for a, b in zip(frames, exact)]
+        finite = [v for v in values if np.isfinite(v)]
+        summary = score.summary()
+        mean = f"{np.mean(finite):.1f}dB" if finite else "inf"
+        worst = f"{min(values):.1f}dB" if finite else "inf"
+        share = f"{skipped / calls:.0%}" if calls else "0"
+        print(f"{label:<30} {share:>8} {summary['color']:>7.0%} {summary['shape']:>7.0%} "
+              f"{summary['direction']:>7.0%} {summary['overall']:>8.1%} {f'+{gained}/-{lost}':>7} {mean:>10} "
+              f"{worst:>7}", flush=True)
+        del gen
+
+
+def row(label: str, skipped: str, t: float, t0: float, total: float, total0: float, quality: str) -> None:
+    print(f"{label:<30} {skipped:>8} {t * 1e3:>9.0f}ms {t / t0:>8.2f}x {total:>8.2f}s {total / total0:>8.2f}x "
+          f"{quality:>9}")
+
+
+def thresholds(text: str) -> list[float | None]:
+    """Comma-separated thresholds; `default` (None) is the family's recommended one."""
+    return [None if t.strip() == "default" else float(t) for t in text.split(",") if t.strip()]
+
+
+def label_of(threshold: float | None) -> str:
+    return "default" if threshold is None else f"{threshold:g}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", default=None, help="model folder or hub id (default: the shapes model)")
+    parser.add_argument("--preset", choices=("shapes", "causal", "mid"), default="shapes",
+                        help="shapes: the embedded shapes model; causal: the embedded causal shapes model (composer "
+                             "rows only); mid: a mid-size random Wan built in a temp folder")
+    parser.add_argument("--model-path", default=None, help="a model folder or hub id instead of the preset")
     parser.add_argument("--prompt", default="a red circle moving left")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=None, help="default: 30 (causal: the model's few steps)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--method", default="teacache,dbcache", help="comma-separated: teacache, dbcache")
+    parser.add_argument("--num-frames", type=int, default=None)
+    parser.add_argument("--height", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--method", default="teacache,dbcache,diffusers,cache-dit",
+                        help="comma-separated rows to run: teacache, dbcache, diffusers (FirstBlockCache), cache-dit")
     parser.add_argument("--thresholds", default="0.05,0.1,0.2,0.4", help="teacache's thresholds")
-    parser.add_argument("--dbcache-thresholds", default="0.05,0.1,0.2,0.4")
+    parser.add_argument("--dbcache-thresholds", default="0.05,0.1,0.2,0.4",
+                        help="composer's dbcache, diffusers' FirstBlockCache and cache-dit's DBCache thresholds")
     parser.add_argument("--fn-blocks", type=int, default=1, help="dbcache: first blocks that always run")
     parser.add_argument("--bn-blocks", type=int, default=0, help="dbcache: last blocks that always run")
-    parser.add_argument("--taylorseer", default="off,on", help="dbcache rows without and/or with TaylorSeer")
+    parser.add_argument("--taylorseer", default="off", help="dbcache rows without and/or with TaylorSeer: off,on")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--score", type=int, default=0, metavar="N",
+                        help="instead of timing: prompt score and PSNR over N demo prompts (shapes model only)")
     args = parser.parse_args()
-    methods = [m.strip() for m in args.method.split(",")]
-    unknown = set(methods) - {"teacache", "dbcache"}
+    if args.score and (args.model_path or args.preset != "shapes"):
+        parser.error("--score reads the shapes world: it runs on the embedded shapes model only")
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
+    unknown = set(methods) - {"teacache", "dbcache", "diffusers", "cache-dit"}
     if unknown:
-        parser.error(f"--method: unknown {', '.join(sorted(unknown))} (expected teacache, dbcache)")
+        parser.error(f"--method: unknown {', '.join(sorted(unknown))} (expected teacache, dbcache, diffusers, "
+                     "cache-dit)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.steps is None and args.preset != "causal":
+        args.steps = 30
 
+    # the tables only: composer's INFO log, cache-dit's and diffusers' chatter off (before they are imported)
+    os.environ.setdefault("COMPOSER_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("CACHE_DIT_LOG_LEVEL", "error")
     from composer import VideoGenerator
+    from composer.default_model import default_model_path
+    from composer.loader.resolve import resolve_model_path
+
+    tmp = None
+    size = {}
+    if args.model_path:
+        model_path, name = args.model_path, args.model_path
+    elif args.preset == "mid":
+        from composer.testing import build_tiny_wan
+
+        tmp = tempfile.TemporaryDirectory(prefix="composer-bench-")
+        model_path = str(build_tiny_wan(Path(tmp.name) / "mid-wan", **MID_MODEL))
+        name = "mid-size random Wan2.1 (" + ", ".join(f"{k} {v}" for k, v in MID_MODEL.items()) + ")"
+        size = dict(MID_VIDEO)
+    elif args.preset == "causal":
+        model_path, name = "shapes-causal", "shapes-causal (embedded, block-autoregressive)"
+    else:
+        model_path, name = None, "shapes-t2v (embedded)"
+    size.update({k: v for k, v in (("num_frames", args.num_frames), ("height", args.height),
+                                   ("width", args.width)) if v is not None})
 
     runtime = dict(device=args.device, dtype=args.dtype, progress=False)
-    request = dict(prompt=args.prompt, seed=args.seed, num_inference_steps=args.steps)
-    exact, denoise0, total0 = timed(VideoGenerator.from_pretrained(args.model_path, **runtime), request, args.repeats)
-    print(f"model {args.model_path or 'shapes-t2v (embedded)'}, {args.steps} steps, frames {exact.frames.shape}, "
-          f"median of {args.repeats} runs after a warmup")
-    print(f"{'setting':<24} {'skipped':>8} {'denoise':>10} {'vs exact':>9} {'video':>9} {'vs exact':>9} "
-          f"{'PSNR':>9}")
-    print(f"{'exact':<24} {'0':>8} {denoise0 * 1e3:>8.0f}ms {1:>8.2f}x {total0:>8.2f}s {1:>8.2f}x {'inf':>9}")
     settings = []  # (label, runtime settings)
     if "teacache" in methods:
-        settings += [(f"teacache {t:g}", dict(cache="teacache", cache_threshold=t))
-                     for t in (float(t) for t in args.thresholds.split(","))]
+        settings += [(f"composer teacache {label_of(t)}", dict(cache="teacache", cache_threshold=t))
+                     for t in thresholds(args.thresholds)]
+    blocks = f"F{args.fn_blocks}B{args.bn_blocks}"
     if "dbcache" in methods:
-        blocks = f"F{args.fn_blocks}B{args.bn_blocks}"
         for taylor in (v.strip() == "on" for v in args.taylorseer.split(",")):
-            settings += [(f"dbcache {blocks}{' +TS' if taylor else ''} {t:g}",
+            settings += [(f"composer dbcache {blocks}{' +TS' if taylor else ''} {label_of(t)}",
                           dict(cache="dbcache", cache_threshold=t, cache_fn_blocks=args.fn_blocks,
                                cache_bn_blocks=args.bn_blocks, cache_taylorseer=taylor))
-                         for t in (float(t) for t in args.dbcache_thresholds.split(","))]
+                         for t in thresholds(args.dbcache_thresholds)]
+
+    if args.score:
+        score_settings(settings, runtime, args.score, args.steps, args.seed)
+        return
+
+    request = dict(prompt=args.prompt, seed=args.seed, **size)
+    if args.steps:
+        request["num_inference_steps"] = args.steps
+    gen = VideoGenerator.from_pretrained(model_path, **runtime)
+    exact, denoise0, total0 = composer_timed(gen, request, args.repeats)
+    sampling = exact.sampling
+    device, dtype = gen.pipeline.device, gen.pipeline.runtime.torch_dtype
+    max_sequence_length = gen.pipeline.config.text_encoder_max_length
+    print(f"model {name}, {args.steps or 'default'} steps, frames {exact.frames.shape}, guidance {sampling.guidance_scale}, "
+          f"{device} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, median of "
+          f"{args.repeats} runs after a warmup")
+
+    header = (f"{'setting':<30} {'skipped':>8} {'transformer':>11} {'vs exact':>9} {'video':>9} {'vs exact':>9} "
+              f"{'PSNR':>9}")
+    print(header)
+    row("composer exact", "0", denoise0, denoise0, total0, total0, "inf")
+    del gen
     for label, cache in settings:
-        gen = VideoGenerator.from_pretrained(args.model_path, **cache, **runtime)
-        result, denoise, total = timed(gen, request, args.repeats)
+        gen = VideoGenerator.from_pretrained(model_path, **cache, **runtime)
+        result, denoise, total = composer_timed(gen, request, args.repeats)
         stats = next(h for h in gen.pipeline.hooks if h.name == "cache").hooks[0].stats
-        print(f"{label:<24} {f'{stats.skipped}/{stats.calls}':>8} {denoise * 1e3:>8.0f}ms "
-              f"{denoise / denoise0:>8.2f}x {total:>8.2f}s {total / total0:>8.2f}x "
-              f"{psnr(result.frames, exact.frames):>7.1f}dB")
+        row(label, f"{stats.skipped}/{stats.calls}", denoise, denoise0, total, total0,
+            f"{psnr(result.frames, exact.frames):.1f}dB")
+        del gen
+
+    if not {"diffusers", "cache-dit"} & set(methods):
+        return
+    if args.preset == "causal" and not args.model_path:
+        print("diffusers / cache-dit rows: skipped (diffusers has no pipeline for composer's causal folders)")
+        return
+    folder = resolve_model_path(model_path if model_path else str(default_model_path()))
+    runner = DiffusersRunner(folder, device, dtype, sampling, max_sequence_length)
+    ref, t0, v0, _, calls = runner.timed(args.prompt, args.seed, args.steps, args.repeats)
+    diff = int(np.abs(ref.astype(np.int16) - exact.frames.astype(np.int16)).max())
+    row("diffusers exact", f"0/{calls}", t0, t0, v0, v0, "inf")
+    print(f"  (composer's exact frames vs diffusers': max uint8 difference {diff}, PSNR "
+          f"{psnr(ref, exact.frames):.1f} dB)")
+    cached = []
+    if "diffusers" in methods:
+        cached += [(f"diffusers FirstBlockCache {t:g}", first_block_cache(t))
+                   for t in thresholds(args.dbcache_thresholds) if t is not None]
+    if "cache-dit" in methods:
+        try:
+            import cache_dit  # noqa: F401
+        except ImportError:
+            print("cache-dit: not installed (optional: pip install cache-dit, in its own environment); rows skipped")
+        else:
+            warmup = max(1, round(0.1 * args.steps))  # composer's default warmup, for a like-for-like comparison
+            cached += [(f"cache-dit DBCache {blocks} {t:g}",
+                        cache_dit_dbcache(t, args.fn_blocks, args.bn_blocks, warmup))
+                       for t in thresholds(args.dbcache_thresholds) if t is not None]
+    for label, (enable, disable) in cached:
+        frames, t, v, skipped, calls = runner.timed(args.prompt, args.seed, args.steps, args.repeats, enable, disable)
+        row(label, f"{skipped}/{calls}", t, t0, v, v0, f"{psnr(frames, ref):.1f}dB")
+    if tmp is not None:
+        tmp.cleanup()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
+from composer.images import refuse_image_knobs
 from composer.loader.folder_settings import FolderSettings, read_folder_settings
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
@@ -87,7 +88,7 @@ def resolve_model(model_path: str | os.PathLike | None, model_family: str | None
     model_path = str(model_path)
     folder = resolve_model_path(model_path)
     index = read_model_index(folder)
-    pipeline_cls = get_pipeline_class(index.class_name)
+    pipeline_cls = get_pipeline_class(index.class_name).for_folder(index)
     settings = read_folder_settings(folder)
     configs = resolve_configs(
         model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,
@@ -257,6 +258,7 @@ class VideoGenerator:
         Prompt types are checked here, before any work; lists never enter the SamplingParam, whose
         prompt fields hold one string."""
         overrides = dict(overrides)
+        refuse_image_knobs(overrides, [f.name for f in dataclasses.fields(self.default_sampling)], self.family)
         negative = overrides.pop("negative_prompt", None)
         sp = (sampling_param or self.default_sampling).updated(
             prompt=prompt if isinstance(prompt, str) else None,

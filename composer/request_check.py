@@ -19,6 +19,7 @@ from typing import Any
 
 from composer._fields import base_type, coerce, field_types
 from composer.errors import InvalidInputError
+from composer.images import describe_image, image_problem, refuse_image_knobs
 from composer.stages.validators import V, VerificationResult
 from composer.video import FRAME_FILE_PATTERN, SUPPORTED_OUTPUTS, output_kind, read_frames
 
@@ -47,6 +48,8 @@ class ModelLimits:
     frames_per_block: int | None = None  # causal models: latent frames per block (None: takes no segments)
     fixed_steps: int | None = None  # a distilled model's own step count
     supports_flow_shift: bool = True
+    requires_image: bool = False  # an image-to-video model: `image` (the first frame) is required
+    takes_last_image: bool = False  # a first-last-frame model also takes `last_image`
 
     @classmethod
     def from_folder(cls, folder: Path, config: Any) -> ModelLimits:
@@ -67,6 +70,7 @@ class ModelLimits:
         return cls(
             spatial_multiple=int(spatial) * spatial_patch, temporal_factor=int(temporal),
             frames_per_block=block, fixed_steps=len(steps) if steps else None, supports_flow_shift=block is None,
+            **_image_inputs(transformer),
         )
 
     @classmethod
@@ -74,9 +78,19 @@ class ModelLimits:
         """From a loaded pipeline: its input validation stage's numbers and its config."""
         stage = next((s for s in pipeline.stages if s.name == "InputValidationStage"), None)
         block = getattr(pipeline.config, "num_frames_per_block", None)
+        transformer = getattr(pipeline, "modules", {}).get("transformer")
+        images = _image_inputs(getattr(getattr(transformer, "config", None), "__dict__", {}))
         if stage is None:
-            return cls(frames_per_block=block)
-        return cls(stage.spatial_multiple, stage.temporal_factor, block, stage.fixed_steps, stage.supports_flow_shift)
+            return cls(frames_per_block=block, **images)
+        return cls(stage.spatial_multiple, stage.temporal_factor, block, stage.fixed_steps, stage.supports_flow_shift,
+                   **images)
+
+
+def _image_inputs(transformer_config: dict) -> dict[str, bool]:
+    """The input images a transformer config implies: image cross-attention (`image_dim`, Wan2.1 I2V) needs the
+    first frame; a position embedding over two images' tokens (`pos_embed_seq_len`, FLF2V) takes the last too."""
+    return {"requires_image": transformer_config.get("image_dim") is not None,
+            "takes_last_image": bool(transformer_config.get("pos_embed_seq_len"))}
 
 
 def _read_json(path: Path) -> dict:
@@ -100,6 +114,7 @@ def check_request(
     """
     result = VerificationResult()
     start_latent_frames = _check_start_frames(result, sp, limits.temporal_factor or 4)
+    _check_input_images(result, sp, limits)
     explicit = list(segments) if isinstance(segments, (list, tuple)) else None
     if segments is not None and limits.frames_per_block is None:
         result.add_failure("segments", segments, "none: this model makes the whole video at once (a causal model "
@@ -130,7 +145,8 @@ def check_request(
             result.add_failure("flow_shift", sp.flow_shift, "unset (the model folder fixes the schedule's shift)")
     if sp.seed is not None:
         result.add_check("seed", sp.seed, V.int_in_range(0, SEED_MAX))
-    for name, rule in (("rollout_blocks", V.positive_int), ("overlap_frames", V.int_in_range(0, 10**6))):
+    for name, rule in (("rollout_blocks", V.positive_int), ("overlap_frames", V.int_in_range(0, 10**6)),
+                       ("guidance_scale_2", V.non_negative_number)):
         if getattr(sp, name, None) is not None:
             result.add_check(name, getattr(sp, name), rule)
     result.add_check("fps", sp.fps, V.positive_int)
@@ -162,6 +178,7 @@ def check_cli_request(
     if limits.fixed_steps is not None:  # as the pipeline's sampling_defaults() will say
         defaults = defaults.with_folder_defaults({"num_inference_steps": limits.fixed_steps})
     hints = field_types(type(defaults))
+    refuse_image_knobs(overrides, hints, resolved.configs.family.name, cli=True)
     failures: list[tuple[str, str, str]] = []
     typed = {}
     for key, value in overrides.items():
@@ -268,6 +285,30 @@ def _check_start_frames(result: VerificationResult, sp: Any, temporal: int) -> i
     if image:
         return 1
     return (len(frames) - 1) // temporal + 1
+
+
+def _check_input_images(result: VerificationResult, sp: Any, limits: ModelLimits) -> None:
+    """An image-to-video model has its first frame (and only a first-last-frame model a last one); each given
+    image loads (an existing, readable file, or an image-like value)."""
+    image, last = getattr(sp, "image", None), getattr(sp, "last_image", None)
+    if image is None and limits.requires_image:
+        # no value to show: "image: expected ..." (RequestError leaves an empty value out)
+        result.failures.append(("image", "", "an input image, the video's first frame (this is an image-to-video "
+                                "model)"))
+    elif image is not None and (problem := image_problem(image)):
+        result.add_failure("image", _shown(image), problem)
+    if last is not None and not limits.takes_last_image:
+        result.add_failure("last_image", _shown(last), "unset: this model conditions on the first frame only (a "
+                           "first-last-frame model, Wan2.1 FLF2V, takes last_image)")
+    elif last is not None and (problem := image_problem(last)):
+        result.add_failure("last_image", _shown(last), problem)
+
+
+def _shown(value: Any) -> Any:
+    """An image value as a message shows it: a path as given, arrays and images by type and size (no pixels)."""
+    if isinstance(value, (str, os.PathLike)):
+        return str(value)
+    return describe_image(value) if hasattr(value, "size") or hasattr(value, "shape") else value
 
 
 def _check_output(result: VerificationResult, path_text: str, overwrite: bool, cli: bool) -> None:

@@ -140,11 +140,12 @@ class RuntimeArgs:
                           "steps whose first blocks' residual barely changed). Approximate: see docs/step-caching.md",
                   "choices": CACHE_MODES},
     )
-    cache_threshold: float = field(
-        default=0.08,
+    cache_threshold: float | None = field(
+        default=None,
         metadata={"help": "teacache: accumulated rescaled change under which a step reuses the residual; dbcache: "
                           "relative L1 change of the first blocks' residual under which the middle blocks are skipped "
-                          "(0: never; larger: more steps skipped, lower quality)"},
+                          "(0: never; larger: more steps skipped, lower quality; default: the model family's "
+                          "measured recommendation)"},
     )
     cache_warmup_steps: int | None = field(
         default=None,
@@ -254,7 +255,7 @@ class RuntimeArgs:
         from composer.parallel.state import layout_errors
 
         errors += layout_errors(self)
-        if self.cache_threshold < 0:
+        if self.cache_threshold is not None and self.cache_threshold < 0:
             errors.append(f"cache_threshold = {self.cache_threshold}: expected a number >= 0")
         if self.cache_warmup_steps is not None and self.cache_warmup_steps < 1:
             errors.append(f"cache_warmup_steps = {self.cache_warmup_steps}: expected a positive integer (or unset)")

@@ -152,3 +152,21 @@ def test_a_quantized_folder_loads_to_the_same_outputs_as_quantizing_at_load(tiny
     assert np.array_equal(result.frames, int8_result.frames)
     with pytest.raises(ConfigError, match="holds int8 weights"):
         _gen(out, quantize="fp8")
+
+
+def test_quantize_and_step_cache_compose(tiny_wan_dir, int8_result, one_thread):
+    """int8 weights under teacache: the cache plans from the timestep projection (not quantized), so its plan is
+    the full-precision one, and the step it skips reuses the int8 blocks' residual."""
+    cache = dict(cache="teacache", cache_threshold=100.0, cache_warmup_steps=1)
+
+    def run(**runtime):
+        gen = _gen(tiny_wan_dir, **cache, **runtime)
+        result = gen.generate_video(PROMPT, **REQUEST)
+        return gen, result, next(h for h in gen.pipeline.hooks if h.name == "cache").hooks[0].stats
+
+    _, plain_result, plain = run()
+    stacked_gen, stacked, stats = run(quantize="int8")
+    assert stats.per_run == plain.per_run and 0 < stats.skipped < stats.calls
+    assert all(is_quantized(m.weight) for m in block_linears(stacked_gen.pipeline.modules["transformer"]))
+    assert not np.array_equal(stacked.frames, int8_result.frames)  # a step was skipped
+    assert not np.array_equal(stacked.frames, plain_result.frames)  # on int8 weights

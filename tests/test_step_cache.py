@@ -109,3 +109,40 @@ def test_bad_cache_settings_are_refused_before_loading(kwargs, message):
 
     with pytest.raises(ConfigError, match=message):
         RuntimeArgs.from_kwargs(device="cpu", **kwargs)
+
+
+def _psnr(a, b) -> float:
+    import numpy as np
+
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
+
+
+def test_thresholds_default_to_the_family_recommendation(tiny_wan_dir):
+    """Unset, `cache_threshold` is the family's: Wan's per fitted width, else the raw-change default; dbcache's."""
+    from composer.configs.demo import ShapesT2VConfig
+    from composer.configs.wan import WanT2VConfig
+
+    gen = _gen(tiny_wan_dir, cache="teacache")  # width 64: no fitted coefficients
+    assert _hook(gen).threshold == WanT2VConfig().teacache_threshold
+    assert WanT2VConfig().teacache_thresholds.keys() == WanT2VConfig().teacache_coefficients.keys()
+    assert _hook(_gen(tiny_wan_dir, cache="teacache", cache_threshold=0.3)).threshold == 0.3
+    shapes = _gen(None, cache="dbcache")
+    assert shapes.pipeline.modules["transformer"].step_cache.threshold == ShapesT2VConfig().dbcache_threshold
+    shapes = _hook(_gen(None, cache="teacache"))  # fitted coefficients for its width: the per-width threshold
+    assert shapes.coefficients == ShapesT2VConfig().teacache_coefficients[128] != IDENTITY
+    assert shapes.threshold == ShapesT2VConfig().teacache_thresholds[128]
+
+
+@pytest.mark.slow
+def test_defaults_on_the_shapes_model_skip_half_at_30_db(one_thread):
+    """The recommendation, small: `cache=teacache` / `cache=dbcache` with no other knob on the shipped shapes
+    model at 30 steps keep PSNR >= 30 dB; teacache (the better) skips at least half the steps, dbcache a third."""
+    request = dict(prompt="a red circle moving left", seed=0, num_inference_steps=30)
+    exact = _gen(None).generate_video(**request).frames
+    for cache, least in (("teacache", 0.5), ("dbcache", 1 / 3)):
+        gen = _gen(None, cache=cache)
+        frames = gen.generate_video(**request).frames
+        stats = _hook(gen).stats
+        assert stats.skipped >= least * stats.calls, (cache, stats.summary())
+        assert _psnr(frames, exact) >= 30.0, cache

@@ -193,6 +193,7 @@ class DBCacheHook:
         from composer.accel.hooks import repeated_blocks
 
         r = self.runtime
+        threshold, source = self.threshold(pipeline)
         lines = []
         for name, model in pipeline.denoisers().items():
             found = repeated_blocks(model)
@@ -206,14 +207,20 @@ class DBCacheHook:
                                   f"expected fewer than {count}, so that some middle blocks are left to cache; "
                                   "lower cache_fn_blocks or cache_bn_blocks")
             sp = getattr(model, "sequence_parallel", None)
-            cache = DualBlockCache(r.cache_fn_blocks, r.cache_bn_blocks, r.cache_threshold, r.cache_taylorseer,
+            cache = DualBlockCache(r.cache_fn_blocks, r.cache_bn_blocks, threshold, r.cache_taylorseer,
                                    getattr(sp, "sp_group", None))
             model.step_cache = cache
             self._caches[id(model)] = cache
             lines.append(f"{name} (F{r.cache_fn_blocks}B{r.cache_bn_blocks} of {count} blocks)")
         warmup = r.cache_warmup_steps if r.cache_warmup_steps is not None else "a tenth of the"
         taylor = ", TaylorSeer" if r.cache_taylorseer else ""
-        return f"dbcache{taylor}, threshold {r.cache_threshold}, warmup {warmup} steps: " + "; ".join(lines)
+        return f"dbcache{taylor}, threshold {threshold:g} ({source}), warmup {warmup} steps: " + "; ".join(lines)
+
+    def threshold(self, pipeline: Any) -> tuple[float, str]:
+        """`cache_threshold`, or the family's measured default when it is unset, and which it is."""
+        if self.runtime.cache_threshold is not None:
+            return self.runtime.cache_threshold, "set"
+        return float(getattr(pipeline.config, "dbcache_threshold", 0.1)), "the family's default"
 
     def configure_engine(self, engine) -> None:
         cache = self._caches.get(id(engine.transformer))

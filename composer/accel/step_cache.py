@@ -183,7 +183,7 @@ class StepCacheHook:
     def __init__(self, runtime: Any):
         self.runtime = runtime
         self.hooks: list[TeaCacheEngineHook] = []
-        self._models: dict[int, tuple[torch.nn.Module, ResidualCache, tuple[float, ...]]] = {}
+        self._models: dict[int, tuple[torch.nn.Module, ResidualCache, tuple[float, ...], float]] = {}
 
     @classmethod
     def from_runtime(cls, runtime: Any) -> Any:
@@ -204,6 +204,17 @@ class StepCacheHook:
                  "measuring (benchmarks) or add fitted coefficients")
         return IDENTITY
 
+    def _threshold(self, pipeline: Any, model: torch.nn.Module, calibrated: bool) -> tuple[float, str]:
+        """`cache_threshold`, or the family's measured default for this model when it is unset: per width where
+        the coefficients are fitted (the rescaled change), else the family's default for the raw change."""
+        if self.runtime.cache_threshold is not None:
+            return self.runtime.cache_threshold, "set"
+        width = getattr(getattr(model, "config", None), "hidden_size", None)
+        table = getattr(pipeline.config, "teacache_thresholds", None) or {}
+        if calibrated and width in table:
+            return float(table[width]), "the family's default"
+        return float(getattr(pipeline.config, "teacache_threshold", 0.2)), "the family's default"
+
     def apply(self, pipeline: Any) -> str:
         lines = []
         for name, model in pipeline.denoisers().items():
@@ -213,20 +224,19 @@ class StepCacheHook:
             cache = ResidualCache()
             model.step_cache = cache
             coefficients = self._coefficients(pipeline, model)
-            self._models[id(model)] = (model, cache, coefficients)
+            threshold, source = self._threshold(pipeline, model, coefficients != IDENTITY)
+            self._models[id(model)] = (model, cache, coefficients, threshold)
             calibrated = "fitted coefficients" if coefficients != IDENTITY else "uncalibrated"
-            lines.append(f"{name} ({calibrated})")
+            lines.append(f"{name} ({calibrated}, threshold {threshold:g}: {source})")
         r = self.runtime
         warmup = r.cache_warmup_steps if r.cache_warmup_steps is not None else "a tenth of the"
-        return (f"teacache, threshold {r.cache_threshold}, warmup {warmup} steps: "
-                + "; ".join(lines))
+        return f"teacache, warmup {warmup} steps: " + "; ".join(lines)
 
     def configure_engine(self, engine) -> None:
         found = self._models.get(id(engine.transformer))
         if found is None:
             return
-        model, cache, coefficients = found
-        hook = TeaCacheEngineHook(model, cache, self.runtime.cache_threshold, coefficients,
-                                  self.runtime.cache_warmup_steps)
+        model, cache, coefficients, threshold = found
+        hook = TeaCacheEngineHook(model, cache, threshold, coefficients, self.runtime.cache_warmup_steps)
         self.hooks.append(hook)
         engine.add_hook(hook)

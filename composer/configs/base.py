@@ -17,6 +17,14 @@ class PipelineConfig:
     text_encoder_max_length: int = 512
     # Clean prompts like the reference pipeline (ftfy when installed, HTML unescape, collapse whitespace).
     clean_prompts: bool = True
+    # Step caching (docs/step-caching.md). TeaCache's polynomial per transformer width (hidden size), fitted per
+    # model on its signal, highest power first: a width not listed uses the raw relative change.
+    teacache_coefficients: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # What `cache_threshold` defaults to, as measured for the family: teacache per width where coefficients are
+    # fitted (the rescaled change), otherwise `teacache_threshold` (the raw change); `dbcache_threshold` for dbcache.
+    teacache_thresholds: dict[int, float] = field(default_factory=dict)
+    teacache_threshold: float = 0.2
+    dbcache_threshold: float = 0.1
 
     def updated_from_folder(self, values: dict[str, Any]) -> PipelineConfig:
         """A copy with the fields a model folder sets (model_index.json's non-component entries); entries

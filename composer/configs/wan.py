@@ -27,6 +27,8 @@ class WanT2VConfig(PipelineConfig):
         1536: (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02),
         5120: (-3.03318725e05, 4.90537029e04, -2.65530556e03, 5.87365115e01, -3.15583525e-01),
     })
+    # Within the TeaCache authors' suggested ranges for these coefficients (not measured here: no real weights)
+    teacache_thresholds: dict[int, float] = field(default_factory=lambda: {1536: 0.08, 5120: 0.2})
 
 
 @dataclass

@@ -95,6 +95,8 @@ class DenoisingEngine:
     def _call_transformer(self, call: ModelCall) -> torch.Tensor:
         model, inputs = self.transformer, call.inputs
         x, timestep = call.latents.to(model.dtype), call.timestep
+        if inputs.condition is not None:  # image-to-video: [noisy latents, mask + encoded image] on the channel axis
+            x = torch.cat([x, inputs.condition.to(model.dtype)], dim=1)
         prefix = 0
         if inputs.context is not None:  # the uncached causal reference: clean context frames first
             prefix = inputs.context.shape[2]
@@ -114,13 +116,16 @@ class DenoisingEngine:
                 call = _wrap(around, call)
         return call(ModelCall(latents, timestep, inputs, kind, self._step, branches))
 
-    def text_inputs(self, text: torch.Tensor, **extra: torch.Tensor | None) -> ModelInputs:
-        """Conditioning for a text embedding [B, L, D]: each block's cross-attention k/v computed once here and
-        reused by every step (a model without `cross_attention_kv` gets the embedding in every call). `extra`:
-        ModelInputs' other conditioning fields (`text_mask`, `pooled_text`, `guidance`)."""
+    def text_inputs(self, text: torch.Tensor, image: torch.Tensor | None = None,
+                    **extra: torch.Tensor | None) -> ModelInputs:
+        """Conditioning for a text embedding [B, L, D] (and an image model's CLIP image states): each block's
+        cross-attention k/v computed once here and reused by every step (a model without `cross_attention_kv`
+        gets the embeddings in every call). `extra`: ModelInputs' other conditioning fields (`text_mask`,
+        `pooled_text`, `guidance`)."""
         if hasattr(self.transformer, "cross_attention_kv"):
-            return ModelInputs(cross_kv=self.transformer.cross_attention_kv(text), **extra)
-        return ModelInputs(text=text, **extra)
+            args = (text,) if image is None else (text, image)
+            return ModelInputs(cross_kv=self.transformer.cross_attention_kv(*args), **extra)
+        return ModelInputs(text=text, image=image, **extra)
 
     def forward_branches(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
                          kind: str = "step", merged: ModelInputs | None = None) -> list[torch.Tensor]:

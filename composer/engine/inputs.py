@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-CrossKV = list[tuple[torch.Tensor, torch.Tensor]]
+CrossKV = list[tuple[torch.Tensor, ...]]  # per block: text (k, v), then an image model's image (k, v)
 
 
 @dataclass
@@ -20,6 +20,9 @@ class ModelInputs:
     - `kv_cache` + `frame_offset`: a causal pass over frames [frame_offset, frame_offset + F) against a KVCache;
     - `attn_mask` [S, S] and `context` [B, C, f, h, w] with `context_timestep` [B, f]: the uncached causal
       reference, whose clean context frames are prepended to the input (and cut from the output);
+    - `image` [B * n, N, D]: an image model's CLIP image states when `text` is given (with `cross_kv` their k/v
+      are in it); `condition` [B, C', F, H, W]: latents concatenated to the input on the channel axis (I2V: the
+      frame mask and the encoded condition video);
     - `text_mask` [B, L] (1: a text token, 0: padding), `pooled_text` [B, D] and `guidance` [B] (an embedded
       guidance scale): what a transformer like HunyuanVideo's takes beside the text states (passed as diffusers
       names them: `encoder_attention_mask`, `pooled_projections`, `guidance`).
@@ -32,6 +35,8 @@ class ModelInputs:
     attn_mask: torch.Tensor | None = None
     context: torch.Tensor | None = None
     context_timestep: torch.Tensor | None = None
+    image: torch.Tensor | None = None
+    condition: torch.Tensor | None = None
     text_mask: torch.Tensor | None = None
     pooled_text: torch.Tensor | None = None
     guidance: torch.Tensor | None = None
@@ -46,6 +51,8 @@ class ModelInputs:
             kwargs["cross_kv"] = self.cross_kv
         else:
             kwargs["encoder_hidden_states"] = self.text
+            if self.image is not None:
+                kwargs["encoder_hidden_states_image"] = self.image
         if self.kv_cache is not None or self.frame_offset:
             kwargs["frame_offset"] = self.frame_offset
         if self.kv_cache is not None:
@@ -76,7 +83,7 @@ class ModelInputs:
         cross_kv = None
         if first.cross_kv is not None:
             cross_kv = [
-                (torch.cat([b.cross_kv[i][0] for b in branches]), torch.cat([b.cross_kv[i][1] for b in branches]))
+                tuple(torch.cat(parts) for parts in zip(*(b.cross_kv[i] for b in branches)))
                 for i in range(len(first.cross_kv))
             ]
         text_mask = None
@@ -88,6 +95,7 @@ class ModelInputs:
             text=cat([b.text for b in branches]), cross_kv=cross_kv, kv_cache=first.kv_cache,
             frame_offset=first.frame_offset, attn_mask=first.attn_mask,
             context=cat([b.context for b in branches]), context_timestep=cat([b.context_timestep for b in branches]),
+            image=cat([b.image for b in branches]), condition=cat([b.condition for b in branches]),
             text_mask=text_mask, pooled_text=cat([b.pooled_text for b in branches]),
             guidance=cat([b.guidance for b in branches]),
         )

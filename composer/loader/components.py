@@ -45,6 +45,8 @@ class ComponentLoader:
                 return SchedulerLoader()
             return DiffusersModelLoader()
         if spec.library == "transformers":
+            if "ImageProcessor" in spec.class_name:
+                return ImageProcessorLoader()
             if "Tokenizer" in spec.class_name or "Processor" in spec.class_name:
                 return TokenizerLoader()
             return TransformersModelLoader()
@@ -169,6 +171,22 @@ class TokenizerLoader(ComponentLoader):
         _require_folder(folder, spec)
         try:
             return AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError) as exc:
+            raise _wrap_load_error(exc, folder, spec) from exc
+
+
+class ImageProcessorLoader(ComponentLoader):
+    """An image processor (I2V's CLIPImageProcessor): the class model_index.json names, as diffusers loads it."""
+
+    def load(self, folder, spec, device, dtype):
+        import transformers
+
+        _require_folder(folder, spec)
+        cls = getattr(transformers, spec.class_name, None)
+        if cls is None:
+            raise UnknownModelError(f"transformers has no class '{spec.class_name}' (component '{spec.name}')")
+        try:
+            return cls.from_pretrained(str(folder))
         except (OSError, ValueError, KeyError) as exc:
             raise _wrap_load_error(exc, folder, spec) from exc
 

@@ -62,6 +62,12 @@ class ComposedPipeline:
         self.create_stages()
 
     # -- loading -------------------------------------------------------------------------------------
+    @classmethod
+    def for_folder(cls, index: ModelIndex) -> type[ComposedPipeline]:
+        """The class that runs this folder: this one, or a variant for folders whose model_index.json names the
+        same `_class_name` but needs other stages (diffusers' WanPipeline serves Wan2.1 and Wan2.2 alike)."""
+        return cls
+
     def check_supported(self) -> None:
         """Refuse folders this pipeline class recognises but cannot run (raise UnsupportedError)."""
 
@@ -191,6 +197,8 @@ class ComposedPipeline:
         with self._running(batch):
             for stage in self.stages:
                 self.check_cancelled()
+                if stage.skips(batch):  # nothing to do for this request: its modules need not visit the device
+                    continue
                 with self._scope(stage):
                     batch = stage(batch)
         return batch
@@ -217,6 +225,8 @@ class ComposedPipeline:
                 if stage.streams:
                     pieces = self._stream_stage(stage, batch, pieces)
                 elif pieces is None:
+                    if stage.skips(batch):
+                        continue
                     with self._scope(stage):
                         batch = stage(batch)
                 else:

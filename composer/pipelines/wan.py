@@ -6,6 +6,7 @@ from typing import Any
 
 from composer.configs.wan import WanT2VConfig
 from composer.errors import UnsupportedError
+from composer.loader.model_index import ModelIndex
 from composer.pipelines.base import ComposedPipeline
 from composer.stages.decoding import DecodingStage
 from composer.stages.denoising import DenoisingStage
@@ -22,15 +23,26 @@ class WanPipeline(ComposedPipeline):
     config_class = WanT2VConfig
     required_modules = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
 
+    @classmethod
+    def for_folder(cls, index: ModelIndex) -> type[ComposedPipeline]:
+        """Wan2.2 folders name diffusers' WanPipeline too: their model_index.json entries pick composer's Wan2.2
+        pipeline (composer/pipelines/wan22.py)."""
+        if cls is not WanPipeline:
+            return cls
+        from composer.pipelines.wan22 import wan22_pipeline_for
+
+        return wan22_pipeline_for(index) or cls
+
     def check_supported(self) -> None:
         extra = self.index.extra
         if extra.get("boundary_ratio") is not None or "transformer_2" in self.index.components:
             raise UnsupportedError(
-                f"{self.folder} is a two-expert Wan2.2 folder (boundary_ratio / transformer_2); composer "
-                "serves Wan2.1 text-to-video so far"
+                f"{self.folder} is a two-expert Wan2.2 folder (boundary_ratio / transformer_2): load it with "
+                "VideoGenerator.from_pretrained, which picks composer's Wan2.2 pipeline"
             )
         if extra.get("expand_timesteps"):
-            raise UnsupportedError(f"{self.folder} is a Wan2.2 TI2V folder (expand_timesteps); not supported yet")
+            raise UnsupportedError(f"{self.folder} is a Wan2.2 TI2V folder (expand_timesteps): load it with "
+                                   "VideoGenerator.from_pretrained, which picks composer's Wan2.2 pipeline")
 
     def sampling_defaults(self) -> dict[str, Any]:
         """The default flow_shift is the one the folder's scheduler config states: fine-tuned and distilled
@@ -38,7 +50,15 @@ class WanPipeline(ComposedPipeline):
         return folder_flow_shift(self.folder, self.modules["scheduler"])
 
     def create_stages(self) -> None:
-        vae, transformer = self.modules["vae"], self.modules["transformer"]
+        transformer = self.modules["transformer"]
+        self.add_preparation_stages(transformer)
+        self.add_stage(DenoisingStage(self.make_engine(transformer), progress=self.runtime.progress))
+        self.add_stage(DecodingStage(self.modules["vae"]))
+
+    def add_preparation_stages(self, transformer) -> None:
+        """validate -> encode text -> timesteps -> noise: sizes from the VAE config's compression factors and
+        the DiT's patch and latent channels (Wan2.1's VAE: 4x / 8x, 16 channels; Wan2.2's: 4x / 16x, 48)."""
+        vae = self.modules["vae"]
         temporal = vae.config.scale_factor_temporal
         spatial = vae.config.scale_factor_spatial
         patch = transformer.config.patch_size
@@ -53,8 +73,5 @@ class WanPipeline(ComposedPipeline):
         )
         self.add_stage(TimestepPreparationStage(self.modules["scheduler"], self.device))
         self.add_stage(LatentPreparationStage(transformer.config.in_channels, temporal, spatial, self.device))
-        self.add_stage(DenoisingStage(self.make_engine(transformer), progress=self.runtime.progress))
-        self.add_stage(DecodingStage(vae))
-
 
 EntryClass = WanPipeline

@@ -55,6 +55,11 @@ class Stage:
                 found.append(value.transformer)
         return list({id(m): m for m in found}.values())
 
+    def skips(self, batch: ForwardBatch) -> bool:
+        """Whether this request gives the stage nothing to do (one expert of two with none of the request's steps):
+        the pipeline then runs neither the stage nor its scopes, so offloading never brings its modules over."""
+        return False
+
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
         """Add checks on the fields this stage reads."""
 

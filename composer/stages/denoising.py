@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from composer.batch import ForwardBatch, PromptExtras
-from composer.engine import ClassifierFreeGuidance, DenoisingEngine, SchedulerSteps
+from composer.engine import ClassifierFreeGuidance, DenoisingEngine, ModelInputs, SchedulerSteps, StepRule
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
@@ -30,7 +32,21 @@ class DenoisingStage(Stage):
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
         result.add_check("latents", batch.latents, V.ndim(5), V.all_finite)
 
-    def _extra(self, batch: ForwardBatch, negative: bool) -> dict[str, torch.Tensor]:
+    def steps(self, batch: ForwardBatch) -> StepRule:
+        """The steps this stage runs: every timestep of the request's scheduler (a subclass may take some, or
+        give the transformer its timesteps in another layout)."""
+        return SchedulerSteps(batch.scheduler, batch.timesteps)
+
+    def guidance_scale(self, batch: ForwardBatch) -> float:
+        """The CFG scale of this stage's steps (used when the request has CFG): `batch.cfg_scale`, i.e.
+        guidance_scale, or true_cfg_scale for a family whose guidance_scale is embedded."""
+        return batch.cfg_scale
+
+    def branch_inputs(self, batch: ForwardBatch, text: torch.Tensor) -> ModelInputs:
+        """One guidance branch's conditioning, from its text embedding (an image-conditioned stage adds the image)."""
+        return self.engine.text_inputs(text)
+
+    def _with_extra(self, inputs: ModelInputs, batch: ForwardBatch, negative: bool) -> ModelInputs:
         """A branch's conditioning beyond the text states: the text stage's PromptExtras (mask, pooled vector)
         and the embedded guidance scale, for the families that make them."""
         extra: dict[str, torch.Tensor] = {}
@@ -45,16 +61,19 @@ class DenoisingStage(Stage):
                 extra["pooled_text"] = pooled.to(device, dtype)
         if batch.embedded_guidance is not None:
             extra["guidance"] = torch.full((batch.batch_size,), float(batch.embedded_guidance), device=device)
-        return extra
+        return dataclasses.replace(inputs, **extra) if extra else inputs
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        steps = self.steps(batch)
+        if len(steps.timesteps) == 0:  # a stage with none of the request's timesteps (one expert of two)
+            return batch
         dtype = self.engine.transformer.dtype
-        cond = self.engine.text_inputs(batch.prompt_embeds.to(dtype), **self._extra(batch, negative=False))
+        cond = self._with_extra(self.branch_inputs(batch, batch.prompt_embeds.to(dtype)), batch, negative=False)
         uncond, guidance = None, None
         if batch.do_classifier_free_guidance:
-            uncond = self.engine.text_inputs(batch.negative_prompt_embeds.to(dtype), **self._extra(batch, True))
-            guidance = ClassifierFreeGuidance(batch.cfg_scale)
-        steps = SchedulerSteps(batch.scheduler, batch.timesteps)
+            uncond = self._with_extra(self.branch_inputs(batch, batch.negative_prompt_embeds.to(dtype)), batch,
+                                      negative=True)
+            guidance = ClassifierFreeGuidance(self.guidance_scale(batch))
         batch.latents = self.engine.run(batch.latents, steps, cond, uncond, guidance, progress=self.progress)
         return batch

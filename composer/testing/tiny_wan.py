@@ -60,7 +60,7 @@ def wan_vae_layout(spatial: int) -> tuple[list[int], list[bool]]:
 
 def build_tiny_wan_components(spec: TinyWanSpec = TinyWanSpec()) -> dict:
     """The diffusers / transformers modules of a tiny Wan2.1 T2V pipeline, seeded by `spec.seed`."""
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
 
     from composer.testing.tokenizer import build_tokenizer
@@ -82,17 +82,23 @@ def build_tiny_wan_components(spec: TinyWanSpec = TinyWanSpec()) -> dict:
         base_dim=spec.vae_base_dim, z_dim=spec.z_dim, dim_mult=dim_mult, num_res_blocks=1,
         attn_scales=[], temperal_downsample=temporal, scale_factor_spatial=spec.vae_spatial, **z_kwargs,
     ).eval()
-    torch.manual_seed(spec.seed + 2)
-    transformer = WanTransformer3DModel(
+    return {
+        "tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae,
+        "transformer": tiny_wan_transformer(spec, spec.z_dim, spec.seed + 2), "scheduler": _make_scheduler(spec),
+    }
+
+
+def tiny_wan_transformer(spec: TinyWanSpec, channels: int, seed: int):
+    """diffusers' WanTransformer3DModel of the spec's sizes over `channels` latent channels, seeded by `seed`."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=spec.num_heads, attention_head_dim=spec.head_dim,
-        in_channels=spec.z_dim, out_channels=spec.z_dim, text_dim=spec.text_dim, freq_dim=spec.freq_dim,
+        in_channels=channels, out_channels=channels, text_dim=spec.text_dim, freq_dim=spec.freq_dim,
         ffn_dim=spec.ffn_dim, num_layers=spec.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         eps=1e-6, rope_max_seq_len=1024,
     ).eval()
-    return {
-        "tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae,
-        "transformer": transformer, "scheduler": _make_scheduler(spec),
-    }
 
 
 def build_tiny_wan(path: str | Path, spec: TinyWanSpec | None = None, **overrides) -> Path:

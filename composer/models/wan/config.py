@@ -23,6 +23,9 @@ _ORIGINAL_KEYS = {
     "eps": "eps",
     "cross_attn_norm": "cross_attn_norm",
 }
+# Wan2.1 I2V / FLF2V encode images with open-clip ViT-H/14: 1280 wide, 257 tokens (256 patches + class token).
+ORIGINAL_CLIP_DIM = 1280
+ORIGINAL_CLIP_TOKENS = 257
 _IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "text_len", "window_size", "model_type"}
 
 
@@ -64,6 +67,11 @@ class WanTransformerConfig:
             if isinstance(raw.get("qk_norm"), bool):
                 raw["qk_norm"] = "rms_norm_across_heads" if raw["qk_norm"] else None
             raw = {_ORIGINAL_KEYS.get(k, k): v for k, v in raw.items()}
+            if raw.get("model_type") in ("i2v", "flf2v"):  # the original release states the task, not the sizes
+                raw.setdefault("image_dim", ORIGINAL_CLIP_DIM)
+                raw.setdefault("added_kv_proj_dim", dim)
+                if raw["model_type"] == "flf2v":
+                    raw.setdefault("pos_embed_seq_len", 2 * ORIGINAL_CLIP_TOKENS)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known - _IGNORED_KEYS)
         if unknown:
@@ -75,11 +83,21 @@ class WanTransformerConfig:
         config.check_supported()
         return config
 
+    @property
+    def takes_image(self) -> bool:
+        """Whether the model has image cross-attention (Wan2.1 I2V / FLF2V: CLIP image tokens beside the text)."""
+        return self.image_dim is not None
+
     def check_supported(self) -> None:
-        if self.image_dim is not None or self.added_kv_proj_dim is not None:
+        if (self.image_dim is None) != (self.added_kv_proj_dim is None):
             raise UnsupportedError(
-                "this Wan transformer takes image conditioning (image_dim / added_kv_proj_dim set: an I2V or "
-                "FLF2V checkpoint); composer supports Wan2.1 text-to-video transformers so far"
+                f"this Wan transformer sets image_dim = {self.image_dim} but added_kv_proj_dim = "
+                f"{self.added_kv_proj_dim}; composer runs image cross-attention (Wan2.1 I2V / FLF2V) with both set"
+            )
+        if self.added_kv_proj_dim is not None and self.added_kv_proj_dim != self.hidden_size:
+            raise ModelFormatError(
+                f"added_kv_proj_dim = {self.added_kv_proj_dim} must equal the model width "
+                f"{self.hidden_size} (the image embedder projects image_dim to it)"
             )
         if self.attention_head_dim % 2:
             raise ModelFormatError(f"attention_head_dim must be even for rotary embedding, got {self.attention_head_dim}")

@@ -11,6 +11,8 @@ DIFFUSERS_TO_COMPOSER: list[tuple[str, str]] = [
     (r"\.to_out\.0\.", ".to_out."),
     (r"\.ffn\.net\.0\.proj\.", ".ffn.fc_in."),
     (r"\.ffn\.net\.2\.", ".ffn.fc_out."),
+    (r"\.image_embedder\.ff\.net\.0\.proj\.", ".image_embedder.ff.fc_in."),  # I2V / FLF2V image embedder
+    (r"\.image_embedder\.ff\.net\.2\.", ".image_embedder.ff.fc_out."),
 ]
 
 ORIGINAL_TO_COMPOSER: list[tuple[str, str]] = [
@@ -30,6 +32,15 @@ ORIGINAL_TO_COMPOSER: list[tuple[str, str]] = [
     (r"\.ffn\.2\.", ".ffn.fc_out."),
     (r"^head\.head\.", "proj_out."),
     (r"^head\.modulation$", "scale_shift_table"),
+    # I2V / FLF2V: the image tokens' k/v in cross-attention, the image embedder (LN, Linear, GELU, Linear, LN)
+    (r"\.attn2\.k_img\.", ".attn2.add_k_proj."),
+    (r"\.attn2\.v_img\.", ".attn2.add_v_proj."),
+    (r"\.attn2\.norm_k_img\.", ".attn2.norm_added_k."),
+    (r"^img_emb\.proj\.0\.", "condition_embedder.image_embedder.norm1."),
+    (r"^img_emb\.proj\.1\.", "condition_embedder.image_embedder.ff.fc_in."),
+    (r"^img_emb\.proj\.3\.", "condition_embedder.image_embedder.ff.fc_out."),
+    (r"^img_emb\.proj\.4\.", "condition_embedder.image_embedder.norm2."),
+    (r"^img_emb\.emb_pos$", "condition_embedder.image_embedder.pos_embed"),
 ]
 
 # composer naming -> diffusers naming (the inverse of DIFFUSERS_TO_COMPOSER), for writing diffusers folders.
@@ -37,4 +48,6 @@ COMPOSER_TO_DIFFUSERS: list[tuple[str, str]] = [
     (r"\.to_out\.", ".to_out.0."),
     (r"\.ffn\.fc_in\.", ".ffn.net.0.proj."),
     (r"\.ffn\.fc_out\.", ".ffn.net.2."),
+    (r"\.image_embedder\.ff\.fc_in\.", ".image_embedder.ff.net.0.proj."),
+    (r"\.image_embedder\.ff\.fc_out\.", ".image_embedder.ff.net.2."),
 ]

@@ -1,9 +1,10 @@
-"""Wan2.1 diffusion transformer (DiT), composer's own implementation, loading diffusers' weights.
+"""Wan diffusion transformer (DiT) for Wan2.1 and Wan2.2 (the A14B experts, TI2V-5B), composer's own
+implementation, loading diffusers' weights.
 
     x: [B, C, F, H, W] latents -> patchify (Conv3d) -> tokens [B, S, D]
     for each block (timestep modulation from a shared projection + a learned per-block table):
         x = x + gate1 * SelfAttn(LN(x) * (1 + scale1) + shift1)      (3D RoPE, RMSNorm on q and k)
-        x = x + CrossAttn(LN_affine(x), text)
+        x = x + CrossAttn(LN_affine(x), text)  [+ CrossAttn to the CLIP image tokens, for I2V / FLF2V models]
         x = x + gate2 * FFN(LN(x) * (1 + scale2) + shift2)
     -> LN * (1 + scale) + shift -> Linear -> unpatchify -> [B, C, F, H, W] (the flow / noise prediction)
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.errors import InvalidInputError, UnsupportedError
 from composer.models.attention import Attention
 from composer.models.layers.embeddings import sinusoidal_timestep_embedding
 from composer.models.layers.norm import FP32LayerNorm
@@ -67,9 +69,14 @@ class WanSelfAttention(nn.Module):
 
 
 class WanCrossAttention(nn.Module):
-    """Attention from video tokens to the text embedding (no mask: padded text tokens are zero embeddings)."""
+    """Attention from video tokens to the text embedding (no mask: padded text tokens are zero embeddings).
 
-    def __init__(self, dim: int, num_heads: int, eps: float):
+    With `added_kv_proj_dim` (Wan2.1 I2V / FLF2V) the same queries also attend to the embedded CLIP image tokens
+    through their own k/v projections (`add_k_proj`, `add_v_proj`, `norm_added_k`); the two attention outputs are
+    summed before the output projection.
+    """
+
+    def __init__(self, dim: int, num_heads: int, eps: float, added_kv_proj_dim: int | None = None):
         super().__init__()
         self.head_dim = dim // num_heads  # heads are counted from the projections' width: a TP rank holds some
         self.to_q = nn.Linear(dim, dim)
@@ -78,30 +85,46 @@ class WanCrossAttention(nn.Module):
         self.to_out = nn.Linear(dim, dim)
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
+        if added_kv_proj_dim is not None:
+            self.add_k_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.add_v_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.norm_added_k = nn.RMSNorm(dim, eps=eps)
         self.attention = Attention(role="cross")
 
-    def project_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(self, context: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """(k, v) of the embedded text, followed by the image tokens' (k, v) when `image` is given."""
         k = self.norm_k(self.to_k(context)).unflatten(2, (-1, self.head_dim))
         v = self.to_v(context).unflatten(2, (-1, self.head_dim))
-        return k, v
+        if image is None:
+            return k, v
+        k_img = self.norm_added_k(self.add_k_proj(image)).unflatten(2, (-1, self.head_dim))
+        v_img = self.add_v_proj(image).unflatten(2, (-1, self.head_dim))
+        return k, v, k_img, v_img
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """`context`: the embedded text [B, L, D], or its (k, v) from `project_kv` computed once per prompt."""
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor | tuple[torch.Tensor, ...], image: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`context`: the embedded text [B, L, D] (and `image`, the embedded image tokens [B, N, D], for an
+        image model), or their (k, v[, k_img, v_img]) from `project_kv`, computed once per prompt."""
         q = self.norm_q(self.to_q(x)).unflatten(2, (-1, self.head_dim))
-        k, v = context if isinstance(context, tuple) else self.project_kv(context)
-        return self.to_out(self.attention(q, k, v).flatten(2))
+        kv = context if isinstance(context, tuple) else self.project_kv(context, image)
+        out = self.attention(q, kv[0], kv[1]).flatten(2)
+        if len(kv) == 4:  # the image tokens: same queries, their own keys and values
+            out = out + self.attention(q, kv[2], kv[3]).flatten(2)
+        return self.to_out(out)
 
 
 class WanFeedForward(nn.Module):
-    """Linear -> GELU (tanh approximation) -> Linear."""
+    """Linear -> GELU (tanh approximation by default) -> Linear."""
 
-    def __init__(self, dim: int, ffn_dim: int):
+    def __init__(self, dim: int, ffn_dim: int, out_dim: int | None = None, approximate: str = "tanh"):
         super().__init__()
+        self.approximate = approximate
         self.fc_in = nn.Linear(dim, ffn_dim)
-        self.fc_out = nn.Linear(ffn_dim, dim)
+        self.fc_out = nn.Linear(ffn_dim, out_dim or dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+        return self.fc_out(F.gelu(self.fc_in(x), approximate=self.approximate))
 
 
 class WanTransformerBlock(nn.Module):
@@ -113,7 +136,7 @@ class WanTransformerBlock(nn.Module):
         self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.attn1 = WanSelfAttention(dim, heads, eps)
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
-        self.attn2 = WanCrossAttention(dim, heads, eps)
+        self.attn2 = WanCrossAttention(dim, heads, eps, config.added_kv_proj_dim)
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.ffn = WanFeedForward(dim, config.ffn_dim)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
@@ -127,14 +150,17 @@ class WanTransformerBlock(nn.Module):
         attn_mask: torch.Tensor | None = None,
         kv_cache=None,
         token_grid: tuple[int, int, int] | None = None,
+        image: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, S, D]; timestep_proj [B, T, 6, D] with T = 1 (one timestep for all tokens) or T = frames
-        (one per latent frame, the tokens of a frame being contiguous); token_grid: x's (frames, rows, cols)."""
+        """x [B, S, D]; timestep_proj [B, T, 6, D]: T = 1 (one timestep for all tokens), T = frames (one per
+        latent frame, the tokens of a frame being contiguous) or T = S (one per token, Wan2.2 TI2V): T
+        contiguous groups of S / T tokens, each modulated by its own row; token_grid: x's (frames, rows, cols);
+        image: the embedded image tokens [B, N, D] of an image model when `context` is the embedded text."""
         t = timestep_proj.shape[1]
         mods = (self.scale_shift_table.unsqueeze(1) + timestep_proj.float()).chunk(6, dim=2)  # each [B, T, 1, D]
         shift1, scale1, gate1, shift2, scale2, gate2 = mods
 
-        def per_frame(h: torch.Tensor) -> torch.Tensor:  # [B, S, D] -> [B, T, S/T, D]
+        def per_frame(h: torch.Tensor) -> torch.Tensor:  # [B, S, D] -> [B, T, S/T, D] (a group per timestep)
             return h.unflatten(1, (t, -1))
 
         h = (self.norm1(per_frame(x).float()) * (1 + scale1) + shift1).flatten(1, 2).type_as(x)
@@ -142,7 +168,7 @@ class WanTransformerBlock(nn.Module):
         x = (per_frame(x).float() + per_frame(attn) * gate1).flatten(1, 2).type_as(x)
 
         h = self.norm2(x.float()).type_as(x)
-        x = x + self.attn2(h, context)
+        x = x + self.attn2(h, context, image)
 
         h = (self.norm3(per_frame(x).float()) * (1 + scale2) + shift2).flatten(1, 2).type_as(x)
         ff = self.ffn(h)
@@ -170,8 +196,28 @@ class WanTextProjection(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
 
 
+class WanImageEmbedding(nn.Module):
+    """CLIP image tokens -> model width: LN -> Linear -> GELU -> Linear -> LN (fp32 norms). A first-last-frame
+    model (`pos_embed_seq_len`) takes both images' tokens as one sequence with a learned position embedding."""
+
+    def __init__(self, image_dim: int, dim: int, pos_embed_seq_len: int | None = None):
+        super().__init__()
+        self.norm1 = FP32LayerNorm(image_dim)
+        self.ff = WanFeedForward(image_dim, image_dim, dim, approximate="none")
+        self.norm2 = FP32LayerNorm(dim)
+        self.pos_embed = nn.Parameter(torch.zeros(1, pos_embed_seq_len, image_dim)) if pos_embed_seq_len else None
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        """[B * n, N, image_dim] (n images per video: 1, or 2 with `pos_embed`) -> [B, n * N, D]."""
+        if self.pos_embed is not None:
+            image = image.unflatten(0, (-1, self.pos_embed.shape[1] // image.shape[1])).flatten(1, 2)
+            image = image + self.pos_embed
+        return self.norm2(self.ff(self.norm1(image)))
+
+
 class WanConditionEmbedder(nn.Module):
-    """Timestep -> (temb, six modulation vectors); text embedding -> model width."""
+    """Timestep -> (temb, six modulation vectors); text embedding -> model width; CLIP image tokens -> model
+    width (image models)."""
 
     def __init__(self, config: WanTransformerConfig):
         super().__init__()
@@ -180,10 +226,12 @@ class WanConditionEmbedder(nn.Module):
         self.time_embedder = WanTimestepMLP(config.freq_dim, dim)
         self.time_proj = nn.Linear(dim, 6 * dim)
         self.text_embedder = WanTextProjection(config.text_dim, dim)
+        if config.takes_image:
+            self.image_embedder = WanImageEmbedding(config.image_dim, dim, config.pos_embed_seq_len)
 
     def embed_timestep(self, timestep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """timestep [B] or [B, F] (per latent frame) -> temb [B, T, D] and timestep_proj [B, T, 6, D] in
-        `dtype` (the activations' dtype), T being 1 or F."""
+        """timestep [B], [B, F] (per latent frame) or [B, S] (per token) -> temb [B, T, D] and timestep_proj
+        [B, T, 6, D] in `dtype` (the activations' dtype), T being 1, F or S."""
         grid = timestep.shape if timestep.ndim == 2 else (timestep.shape[0], 1)
         freq = sinusoidal_timestep_embedding(timestep.flatten(), self.freq_dim)
         weight_dtype = self.time_embedder.linear_1.weight.dtype
@@ -194,9 +242,26 @@ class WanConditionEmbedder(nn.Module):
     def embed_text(self, text: torch.Tensor) -> torch.Tensor:
         return self.text_embedder(text)
 
+    def embed_image(self, image: torch.Tensor) -> torch.Tensor:
+        return self.image_embedder(image)
+
+
+def check_timestep_layout(timestep: torch.Tensor, batch: int, grid: tuple[int, int, int], sharded: bool) -> None:
+    """Refuse a timestep the blocks cannot spread over the tokens: [B], [B, frames] or [B, tokens] (metadata only,
+    no device sync). Per-token timesteps are not split over sequence-parallel ranks (per-frame ones are)."""
+    frames, tokens = grid[0], math.prod(grid)
+    per = {1: "one", frames: "per frame", tokens: "per token"}
+    groups = 1 if timestep.ndim == 1 else timestep.shape[1] if timestep.ndim == 2 else None
+    if timestep.shape[0] != batch or groups not in per:
+        raise InvalidInputError(f"timestep of shape {list(timestep.shape)} for {batch} rows of {frames} latent frames "
+                                f"({tokens} tokens): expected [{batch}], [{batch}, {frames}] or [{batch}, {tokens}]")
+    if sharded and groups not in (1, frames):
+        raise UnsupportedError("per-token timesteps under sequence parallelism are not supported: give one timestep "
+                               "per latent frame (a conditioning-frame mask is constant over each frame)")
+
 
 class WanTransformer3DModel(nn.Module):
-    """Wan2.1 DiT. Loads diffusers `WanTransformer3DModel` checkpoints and the original Wan release's."""
+    """Wan2.1 / Wan2.2 DiT. Loads diffusers `WanTransformer3DModel` checkpoints and the original Wan release's."""
 
     class_names = ("WanTransformer3DModel", "WanModel")
     config_class = WanTransformerConfig
@@ -214,7 +279,10 @@ class WanTransformer3DModel(nn.Module):
     # an earlier step's residual stands in for them. None: every block runs.
     step_cache = None
     # Kept in fp32 whatever the load dtype, as the reference keeps them.
-    keep_in_fp32 = (r"^condition_embedder\.time_embedder\.", r"scale_shift_table$", r"^blocks\.\d+\.norm2\.")
+    keep_in_fp32 = (
+        r"^condition_embedder\.time_embedder\.", r"scale_shift_table$", r"^blocks\.\d+\.norm2\.",
+        r"^condition_embedder\.image_embedder\.norm[12]\.",
+    )
     # Tensor parallelism (composer/parallel/tensor.py): module name -> how its weight is split over the ranks.
     # "column": output features (whole heads, or a block of the FFN's hidden units), "row": input features (the
     # partial outputs are summed), "norm": the q/k RMSNorm over all heads, computed from the local heads' slice.
@@ -223,6 +291,8 @@ class WanTransformer3DModel(nn.Module):
         r"^blocks\.\d+\.attn[12]\.to_[qkv]$": "column",
         r"^blocks\.\d+\.attn[12]\.to_out$": "row",
         r"^blocks\.\d+\.attn[12]\.norm_[qk]$": "norm",
+        r"^blocks\.\d+\.attn2\.add_[kv]_proj$": "column",  # image models: the image tokens' k/v
+        r"^blocks\.\d+\.attn2\.norm_added_k$": "norm",
         r"^blocks\.\d+\.ffn\.fc_in$": "column",
         r"^blocks\.\d+\.ffn\.fc_out$": "row",
     }
@@ -274,24 +344,43 @@ class WanTransformer3DModel(nn.Module):
         x = tokens.reshape(tokens.shape[0], f, h, w, pt, ph, pw, -1)
         return x.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
-    def cross_attention_kv(self, encoder_hidden_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each block's cross-attention (k, v) for a text embedding: compute once per prompt, reuse every step."""
+    def cross_attention_kv(
+        self, encoder_hidden_states: torch.Tensor, encoder_hidden_states_image: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, ...]]:
+        """Each block's cross-attention (k, v) for a text embedding, followed by the image tokens' (k, v) for an
+        image model given CLIP image states: compute once per prompt, reuse every step."""
         context = self.condition_embedder.embed_text(encoder_hidden_states)
-        return [block.attn2.project_kv(context) for block in self.blocks]
+        image = self._embedded_image(encoder_hidden_states_image)
+        return [block.attn2.project_kv(context, image) for block in self.blocks]
+
+    def _embedded_image(self, encoder_hidden_states_image: torch.Tensor | None) -> torch.Tensor | None:
+        """The CLIP image states in the model's width; an image model requires them, a text model refuses them."""
+        if self.config.takes_image != (encoder_hidden_states_image is not None):
+            raise ValueError(
+                "this Wan transformer needs encoder_hidden_states_image (CLIP image states)" if self.config.takes_image
+                else "this Wan transformer has no image cross-attention: encoder_hidden_states_image must be None"
+            )
+        return None if encoder_hidden_states_image is None else self.condition_embedder.embed_image(
+            encoder_hidden_states_image)
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         timestep: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states_image: torch.Tensor | None = None,
         *,
-        cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        cross_kv: list[tuple[torch.Tensor, ...]] | None = None,
         frame_offset: int = 0,
         attn_mask: torch.Tensor | None = None,
         kv_cache=None,
     ) -> torch.Tensor:
-        """hidden_states [B, C, F, H, W], timestep [B] (or [B, F]: one per latent frame), and the text as
-        encoder_hidden_states [B, L, text_dim] or its precomputed `cross_kv` -> prediction [B, C, F, H, W].
+        """hidden_states [B, C, F, H, W], timestep [B] (or [B, F]: one per latent frame, or [B, S]: one per
+        token, as Wan2.2 TI2V's `expand_timesteps` gives it), and the text as encoder_hidden_states
+        [B, L, text_dim] or its precomputed `cross_kv` -> prediction [B, C, F, H, W].
+        An image model (I2V / FLF2V) also takes the CLIP image states, encoder_hidden_states_image [B * n, N,
+        image_dim] (n = 2 images per video for FLF2V), or their k/v in `cross_kv`; its hidden_states hold the noisy
+        latents and the image condition concatenated on the channel axis, as diffusers' I2V pipeline passes them.
 
         Causal generation uses the keyword-only arguments: `frame_offset` (absolute index of the first frame,
         for RoPE), `attn_mask` (a [S, S] boolean mask over tokens) and `kv_cache` (a composer.cache.KVCache:
@@ -301,14 +390,16 @@ class WanTransformer3DModel(nn.Module):
         if kv_cache is not None:
             with kv_cache.pass_over(frame_offset, hidden_states.shape[2]):
                 return self._forward(hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset,
-                                     attn_mask, kv_cache)
-        return self._forward(hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset, attn_mask)
+                                     attn_mask, kv_cache, encoder_hidden_states_image)
+        return self._forward(hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset, attn_mask,
+                             image=encoder_hidden_states_image)
 
     def _forward(self, hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset, attn_mask,
-                 kv_cache=None) -> torch.Tensor:
+                 kv_cache=None, image=None) -> torch.Tensor:
         x, grid = self.patchify(hidden_states)
         rotary = self.rotary(grid, x.device, frame_offset)
         shards = self.sequence_parallel
+        check_timestep_layout(timestep, x.shape[0], grid, sharded=shards is not None)
         if shards is not None:  # this rank's part of every frame, split once for all blocks
             x, rotary = shards.split(x, rotary, frames=grid[0])
         # the token grid, for a windowed attention backend: only a pass holding every token of the grid
@@ -316,22 +407,23 @@ class WanTransformer3DModel(nn.Module):
         if cross_kv is None:
             context = self.condition_embedder.embed_text(encoder_hidden_states)
             contexts = [context] * len(self.blocks)
+            image = self._embedded_image(image)
             act_dtype = encoder_hidden_states.dtype
         else:
-            contexts = cross_kv
+            contexts, image = cross_kv, None  # an image model's cross_kv holds the image tokens' k/v too
             act_dtype = cross_kv[0][0].dtype
         temb, timestep_proj = self.condition_embedder.embed_timestep(timestep, act_dtype)
 
         def run_blocks(x: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
             for i in range(start, len(self.blocks) if end is None else end):
                 layer_cache = kv_cache.layer(i) if kv_cache is not None else None
-                x = self.blocks[i](x, contexts[i], timestep_proj, rotary, attn_mask, layer_cache, token_grid)
+                x = self.blocks[i](x, contexts[i], timestep_proj, rotary, attn_mask, layer_cache, token_grid, image)
             return x
 
         # a step cache (composer.accel.step_cache) may reuse an earlier step's residual instead of the blocks
         x = run_blocks(x) if self.step_cache is None else self.step_cache.run_blocks(run_blocks, x, len(self.blocks))
 
-        # output norm + modulation, per frame when timesteps are per frame
+        # output norm + modulation, per frame (or token) when timesteps are per frame (or token)
         shift, scale = (self.scale_shift_table.unsqueeze(1) + temb.unsqueeze(2)).chunk(2, dim=2)  # [B, T, 1, D]
         h = x.unflatten(1, (temb.shape[1], -1))
         x = self.proj_out((self.norm_out(h.float()) * (1 + scale) + shift).flatten(1, 2).type_as(x))

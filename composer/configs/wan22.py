@@ -1,0 +1,99 @@
+"""Wan2.2 text-to-video: the two-expert A14B model and TI2V-5B (in text-to-video mode).
+
+Defaults are the released models' (Wan-Video/Wan2.2 `wan/configs/wan_t2v_A14B.py` and `wan_ti2v_5B.py`, and the
+diffusers model cards of Wan-AI/Wan2.2-T2V-A14B-Diffusers and Wan-AI/Wan2.2-TI2V-5B-Diffusers). As for Wan2.1, a
+value the model folder states (its scheduler's shift, model_index.json's `boundary_ratio`) wins over the family's.
+
+A Wan2.2 folder's model_index.json has `_class_name` "WanPipeline" like Wan2.1's; composer's WanPipeline hands it
+to the Wan2.2 pipeline its entries call for (composer/pipelines/wan22.py: `transformer_2` + `boundary_ratio`: two
+experts; `expand_timesteps`: TI2V), whose PipelineConfig is one of these, so only these families are candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from composer.configs.base import PipelineConfig, SamplingParam
+from composer.registry.configs import register_configs
+
+# The negative prompt of the Wan2.2 release (`sample_neg_prompt` in its shared config), as the model cards use it.
+WAN22_NEGATIVE_PROMPT = (
+    "色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，"
+    "丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，"
+    "静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走"
+)
+
+
+@dataclass
+class Wan22A14BConfig(PipelineConfig):
+    """Wan2.2 T2V A14B: two 14B experts, the high-noise one for timesteps >= boundary_ratio * num_train_timesteps,
+    the low-noise one below. UMT5 prompts of 512 tokens as Wan2.1."""
+
+    text_encoder_max_length: int = 512
+    # The folder's model_index.json states it (0.875 in the released T2V folder); this fills in for none.
+    boundary_ratio: float = 0.875
+    # No TeaCache polynomial has been fitted for the Wan2.2 experts: the raw relative change is used (logged).
+    teacache_coefficients: dict[int, tuple[float, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class Wan22A14BSamplingParam(SamplingParam):
+    """Wan2.2 T2V A14B at 720p: 1280x720, 81 frames at 16 fps, 40 steps, CFG 4.0 for the high-noise expert and
+    3.0 for the low-noise one, flow shift 12.0 (the release's `sample_shift`; the folder's scheduler config
+    wins when it states one)."""
+
+    negative_prompt: str | None = WAN22_NEGATIVE_PROMPT
+    height: int = 720
+    width: int = 1280
+    num_frames: int = 81
+    num_inference_steps: int = 40
+    guidance_scale: float = 4.0
+    guidance_scale_2: float | None = field(
+        default=3.0,
+        metadata={"help": "classifier-free guidance scale of the low-noise expert (Wan2.2 A14B; default: the "
+                  "family's 3.0, or guidance_scale when unset); guidance_scale is the high-noise expert's"},
+    )
+    flow_shift: float | None = 12.0
+    fps: int = 16
+
+
+@dataclass
+class Wan22TI2VConfig(PipelineConfig):
+    """Wan2.2 TI2V-5B: one transformer over 48-channel latents of the Wan2.2 VAE (16x spatial compression,
+    4x temporal), timesteps per latent token (`expand_timesteps`). UMT5 prompts of 512 tokens."""
+
+    text_encoder_max_length: int = 512
+    expand_timesteps: bool = True
+    teacache_coefficients: dict[int, tuple[float, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class Wan22TI2V5BSamplingParam(SamplingParam):
+    """Wan2.2 TI2V-5B at 720p: 1280x704, 121 frames at 24 fps, 50 steps, CFG 5.0, flow shift 5.0 (the release's
+    `sample_shift`; the folder's scheduler config wins when it states one)."""
+
+    negative_prompt: str | None = WAN22_NEGATIVE_PROMPT
+    height: int = 704
+    width: int = 1280
+    num_frames: int = 121
+    num_inference_steps: int = 50
+    guidance_scale: float = 5.0
+    flow_shift: float | None = 5.0
+    fps: int = 24
+
+
+# Only Wan2.2 folders reach these detectors: the pipeline WanPipeline hands them to asks for these configs.
+register_configs(
+    Wan22A14BConfig,
+    Wan22A14BSamplingParam,
+    hf_model_paths=["Wan-AI/Wan2.2-T2V-A14B-Diffusers"],
+    model_detectors=[lambda path, class_name: class_name == "WanPipeline"],
+    name="wan2.2-t2v-a14b",
+)
+register_configs(
+    Wan22TI2VConfig,
+    Wan22TI2V5BSamplingParam,
+    hf_model_paths=["Wan-AI/Wan2.2-TI2V-5B-Diffusers"],
+    model_detectors=[lambda path, class_name: class_name == "WanPipeline"],
+    name="wan2.2-ti2v-5b",
+)

@@ -1,0 +1,114 @@
+"""Wan2.2 text-to-video: the two-expert A14B model and TI2V-5B in text-to-video mode.
+
+Their folders' model_index.json names diffusers' `WanPipeline`, as Wan2.1's does; `WanPipeline.for_folder` hands
+them here by their entries (`wan22_pipeline_for`):
+
+- `transformer_2` / `boundary_ratio`: Wan2.2 A14B. validate -> encode text -> timesteps -> noise -> denoise with the
+  high-noise expert (t >= boundary_ratio * num_train_timesteps, CFG `guidance_scale`) -> denoise with the low-noise
+  expert (the rest, CFG `guidance_scale_2`) -> decode.
+- `expand_timesteps`: Wan2.2 TI2V-5B. As Wan2.1 but the transformer gets its timesteps per latent token
+  (composer/stages/token_timesteps.py) and the VAE is Wan2.2's (48 channels, 16x spatial compression: the stages
+  read the factors from the VAE config).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from composer.batch import ForwardBatch
+from composer.configs.wan22 import Wan22A14BConfig, Wan22TI2VConfig
+from composer.errors import ConfigError, UnsupportedError
+from composer.loader.model_index import ModelIndex
+from composer.logging import get_logger, log_once
+from composer.pipelines.wan import WanPipeline
+from composer.stages.decoding import DecodingStage
+from composer.stages.expert_denoising import ExpertDenoisingStage, ExpertGuidance
+from composer.stages.token_timesteps import TokenTimestepDenoisingStage
+
+logger = get_logger(__name__)
+
+
+def wan22_pipeline_for(index: ModelIndex) -> type[WanPipeline] | None:
+    """The Wan2.2 pipeline class a WanPipeline folder needs, or None for a Wan2.1 folder."""
+    extra = index.extra
+    if "transformer_2" in index.components or extra.get("boundary_ratio") is not None:
+        return Wan22A14BPipeline
+    if extra.get("expand_timesteps"):
+        return Wan22TI2VPipeline
+    return None
+
+
+class Wan22A14BPipeline(WanPipeline):
+    """Wan2.2 A14B: two experts, each its own denoising stage (see the module doc)."""
+
+    config_class = Wan22A14BConfig
+    required_modules = ("text_encoder", "tokenizer", "vae", "transformer", "transformer_2", "scheduler")
+
+    def check_supported(self) -> None:
+        index_file = self.folder / "model_index.json"
+        if "transformer_2" not in self.index.components:
+            raise ConfigError(f"{index_file} sets boundary_ratio but has no transformer_2 (the low-noise expert): "
+                              "a Wan2.2 A14B folder has both transformer and transformer_2")
+        if "transformer" not in self.index.components:
+            raise UnsupportedError(f"{index_file} has transformer_2 but no transformer (the high-noise expert); "
+                                   "composer runs A14B folders with both experts")
+        ratio = self.index.extra.get("boundary_ratio")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+            raise ConfigError(
+                f"{index_file}: boundary_ratio = {ratio!r}: expected a number between 0 and 1 (exclusive), the "
+                "fraction of the training timesteps from which the high-noise expert takes over (0.875 in the "
+                "released Wan2.2 T2V A14B folder)"
+            )
+        if self.index.extra.get("expand_timesteps"):
+            raise UnsupportedError(f"{index_file} has two experts and expand_timesteps: no released Wan2.2 model "
+                                   "is both; composer runs A14B (two experts) or TI2V-5B (expand_timesteps)")
+
+    def boundary_timestep(self) -> float:
+        """The first timestep of the low-noise expert's range: boundary_ratio * num_train_timesteps."""
+        return self.config.boundary_ratio * self.modules["scheduler"].config.num_train_timesteps
+
+    def prepare(self, batch: ForwardBatch, sampling, segments=None, keep_video: bool = True) -> None:
+        super().prepare(batch, sampling, segments, keep_video)
+        scale_2 = sampling.guidance_scale_2
+        if scale_2 is None:  # diffusers' default: the high-noise expert's scale
+            scale_2 = sampling.guidance_scale
+        elif scale_2 > 1 and not batch.do_classifier_free_guidance:
+            log_once(logger, "guidance-scale-2-ignored", f"guidance_scale_2 = {scale_2} is ignored: guidance_scale "
+                     f"= {sampling.guidance_scale} (<= 1) turns classifier-free guidance off for both experts, as "
+                     "in diffusers; set guidance_scale > 1 to use it", logging.WARNING)
+        batch.attach(ExpertGuidance(float(scale_2)))
+
+    def create_stages(self) -> None:
+        high, low = self.modules["transformer"], self.modules["transformer_2"]
+        if tuple(high.config.patch_size) != tuple(low.config.patch_size) or (
+            high.config.in_channels != low.config.in_channels
+        ):
+            raise ConfigError(f"{self.folder}: transformer and transformer_2 differ in patch_size or in_channels; "
+                              "the two experts of one folder must denoise the same latents")
+        boundary = self.boundary_timestep()
+        progress = self.runtime.progress
+        self.add_preparation_stages(high)
+        self.add_stage(ExpertDenoisingStage(self.make_engine(high), "transformer", boundary, True, progress))
+        self.add_stage(ExpertDenoisingStage(self.make_engine(low), "transformer_2", boundary, False, progress))
+        self.add_stage(DecodingStage(self.modules["vae"]))
+
+
+class Wan22TI2VPipeline(WanPipeline):
+    """Wan2.2 TI2V-5B in text-to-video mode: per-token timesteps, the Wan2.2 VAE (see the module doc)."""
+
+    config_class = Wan22TI2VConfig
+
+    def check_supported(self) -> None:
+        if "transformer_2" in self.index.components or self.index.extra.get("boundary_ratio") is not None:
+            raise UnsupportedError(f"{self.folder}: expand_timesteps with two experts is not a released Wan2.2 model")
+
+    def create_stages(self) -> None:
+        transformer, vae = self.modules["transformer"], self.modules["vae"]
+        z_dim = getattr(vae.config, "z_dim", None)
+        if z_dim is not None and z_dim != transformer.config.in_channels:
+            raise ConfigError(f"{self.folder}: the VAE's latents have {z_dim} channels but the transformer takes "
+                              f"{transformer.config.in_channels} (TI2V-5B: 48 and 48)")
+        self.add_preparation_stages(transformer)
+        patch = tuple(transformer.config.patch_size)
+        self.add_stage(TokenTimestepDenoisingStage(self.make_engine(transformer), patch, self.runtime.progress))
+        self.add_stage(DecodingStage(vae))
