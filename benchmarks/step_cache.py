@@ -21,8 +21,9 @@ scorer: `composer eval demo`'s), the prompts whose verdict (all three right) fli
 - lost), and the PSNR against the exact frames of each prompt (mean and worst). A threshold
 `default` is the family's recommended one (what `cache=...` alone gives).
 
-Timing: median of `--repeats` runs after one warmup, `time.perf_counter` with a CUDA synchronize around each
-timed transformer call on GPU. On a busy CPU use `--threads 1` (several threads waiting on each other swing wall
+Timing: after one warmup of each, every setting's run is paired with a run of its engine's exact path (the order
+alternating), and the ratios are the medians of the `--repeats` per-pair ratios, so load from other processes hits
+both sides alike; `time.perf_counter`, with a CUDA synchronize around each timed transformer call on GPU. On a busy CPU use `--threads 1` (several threads waiting on each other swing wall
 times by several x). Random weights say little about quality: the shapes model is the quality reference.
 """
 
@@ -34,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -118,21 +120,24 @@ class DiffusersRunner:
         frames = (np.clip(out, 0, 1) * 255).round().astype(np.uint8)
         return frames, self.transformer_s, total
 
-    def timed(self, prompt: str, seed: int, steps: int, repeats: int, enable=None, disable=None):
-        """Median transformer and video times of `repeats` runs after a warmup; each run starts a fresh cache."""
-        results = []
-        for _ in range(repeats + 1):
-            if enable is not None:
-                enable(self.pipe)
-            try:
-                frames, transformer_s, total = self.generate(prompt, seed, steps)
-            finally:
-                if disable is not None:
-                    disable(self.pipe)
-            results.append((frames, transformer_s, total, self.calls - self.block_runs, self.calls))
-        timed = results[1:]
-        return (timed[-1][0], statistics.median(r[1] for r in timed), statistics.median(r[2] for r in timed),
-                timed[-1][3], timed[-1][4])
+    def once(self, prompt: str, seed: int, steps: int, enable=None, disable=None):
+        """One video (with a fresh cache when `enable` is given): frames, transformer and video seconds, and the
+        transformer calls that skipped the last block out of all calls."""
+        if enable is not None:
+            enable(self.pipe)
+        try:
+            frames, transformer_s, total = self.generate(prompt, seed, steps)
+        finally:
+            if disable is not None:
+                disable(self.pipe)
+        return frames, transformer_s, total, self.calls - self.block_runs, self.calls
+
+    def timed(self, prompt: str, seed: int, steps: int, repeats: int):
+        """The exact path: the last frames, median transformer and video times of `repeats` runs after a warmup,
+        and the call counts."""
+        runs = [self.once(prompt, seed, steps) for _ in range(repeats + 1)][1:]
+        return (runs[-1][0], statistics.median(r[1] for r in runs), statistics.median(r[2] for r in runs),
+                runs[-1][3], runs[-1][4])
 
 
 def first_block_cache(threshold: float):
@@ -197,12 +202,33 @@ def score_settings(settings: list[tuple[str, dict]], runtime: dict, count: int, 
         print(f"{label:<30} {share:>8} {summary['color']:>7.0%} {summary['shape']:>7.0%} "
               f"{summary['direction']:>7.0%} {summary['overall']:>8.1%} {f'+{gained}/-{lost}':>7} {mean:>10} "
               f"{worst:>7}", flush=True)
-        del gen
+        gen = None  # free the exact model before diffusers loads
 
 
-def row(label: str, skipped: str, t: float, t0: float, total: float, total0: float, quality: str) -> None:
-    print(f"{label:<30} {skipped:>8} {t * 1e3:>9.0f}ms {t / t0:>8.2f}x {total:>8.2f}s {total / total0:>8.2f}x "
+def row(label: str, skipped: str, t: float, ratio_t: float, total: float, ratio_v: float, quality: str) -> None:
+    print(f"{label:<30} {skipped:>8} {t * 1e3:>9.0f}ms {ratio_t:>8.2f}x {total:>8.2f}s {ratio_v:>8.2f}x "
           f"{quality:>9}")
+
+
+def paired(run_exact, run_setting, repeats: int):
+    """Time a setting against the exact path in pairs (order alternating, after one warmup of each), so that
+    load from other processes hits both alike: the setting's last result, its median times, and the medians of
+    the per-pair ratios (setting / exact) of the transformer and whole-video times."""
+    run_exact()
+    run_setting()
+    times, ratios_t, ratios_v, result = [], [], [], None
+    for i in range(repeats):
+        if i % 2:
+            result, t, v = run_setting()
+            _, t0, v0 = run_exact()
+        else:
+            _, t0, v0 = run_exact()
+            result, t, v = run_setting()
+        times.append((t, v))
+        ratios_t.append(t / t0)
+        ratios_v.append(v / v0)
+    return (result, statistics.median(t for t, _ in times), statistics.median(v for _, v in times),
+            statistics.median(ratios_t), statistics.median(ratios_v))
 
 
 def thresholds(text: str) -> list[float | None]:
@@ -303,22 +329,29 @@ def main() -> None:
     sampling = exact.sampling
     device, dtype = gen.pipeline.device, gen.pipeline.runtime.torch_dtype
     max_sequence_length = gen.pipeline.config.text_encoder_max_length
-    print(f"model {name}, {args.steps or 'default'} steps, frames {exact.frames.shape}, guidance {sampling.guidance_scale}, "
-          f"{device} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, median of "
-          f"{args.repeats} runs after a warmup")
+    print(f"model {name}, {args.steps or 'default'} steps, frames {exact.frames.shape}, guidance "
+          f"{sampling.guidance_scale}, {device} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} "
+          f"threads, median of {args.repeats} runs after a warmup, each run paired with an exact one")
 
     header = (f"{'setting':<30} {'skipped':>8} {'transformer':>11} {'vs exact':>9} {'video':>9} {'vs exact':>9} "
               f"{'PSNR':>9}")
     print(header)
-    row("composer exact", "0", denoise0, denoise0, total0, total0, "inf")
-    del gen
+    row("composer exact", "0", denoise0, 1.0, total0, 1.0, "inf")
+
+    def composer_run(g):
+        result = g.generate_video(**request)
+        denoise = next((v for k, v in result.timings.items() if k.endswith("DenoisingStage")), float("nan"))
+        return result, denoise, result.timings["total"]
+
     for label, cache in settings:
-        gen = VideoGenerator.from_pretrained(model_path, **cache, **runtime)
-        result, denoise, total = composer_timed(gen, request, args.repeats)
-        stats = next(h for h in gen.pipeline.hooks if h.name == "cache").hooks[0].stats
-        row(label, f"{stats.skipped}/{stats.calls}", denoise, denoise0, total, total0,
+        cached = VideoGenerator.from_pretrained(model_path, **cache, **runtime)
+        result, denoise, total, ratio_t, ratio_v = paired(partial(composer_run, gen), partial(composer_run, cached),
+                                                          args.repeats)
+        stats = next(h for h in cached.pipeline.hooks if h.name == "cache").hooks[0].stats
+        row(label, f"{stats.skipped}/{stats.calls}", denoise, ratio_t, total, ratio_v,
             f"{psnr(result.frames, exact.frames):.1f}dB")
-        del gen
+        del cached
+    gen = None  # free the exact model before diffusers loads
 
     if not {"diffusers", "cache-dit"} & set(methods):
         return
@@ -329,7 +362,7 @@ def main() -> None:
     runner = DiffusersRunner(folder, device, dtype, sampling, max_sequence_length)
     ref, t0, v0, _, calls = runner.timed(args.prompt, args.seed, args.steps, args.repeats)
     diff = int(np.abs(ref.astype(np.int16) - exact.frames.astype(np.int16)).max())
-    row("diffusers exact", f"0/{calls}", t0, t0, v0, v0, "inf")
+    row("diffusers exact", f"0/{calls}", t0, 1.0, v0, 1.0, "inf")
     print(f"  (composer's exact frames vs diffusers': max uint8 difference {diff}, PSNR "
           f"{psnr(ref, exact.frames):.1f} dB)")
     cached = []
@@ -347,8 +380,16 @@ def main() -> None:
                         cache_dit_dbcache(t, args.fn_blocks, args.bn_blocks, warmup))
                        for t in thresholds(args.dbcache_thresholds) if t is not None]
     for label, (enable, disable) in cached:
-        frames, t, v, skipped, calls = runner.timed(args.prompt, args.seed, args.steps, args.repeats, enable, disable)
-        row(label, f"{skipped}/{calls}", t, t0, v, v0, f"{psnr(frames, ref):.1f}dB")
+        counts = {}
+
+        def diffusers_run(counts, enable=None, disable=None):
+            frames, t, v, skipped, calls = runner.once(args.prompt, args.seed, args.steps, enable, disable)
+            counts.update(skipped=skipped, calls=calls)
+            return frames, t, v
+
+        frames, t, v, ratio_t, ratio_v = paired(partial(diffusers_run, {}), partial(diffusers_run, counts, enable,
+                                                                                   disable), args.repeats)
+        row(label, f"{counts['skipped']}/{counts['calls']}", t, ratio_t, v, ratio_v, f"{psnr(frames, ref):.1f}dB")
     if tmp is not None:
         tmp.cleanup()
 

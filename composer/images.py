@@ -117,6 +117,9 @@ def refuse_image_knobs(given: Iterable[str], takes: Iterable[str], family: str, 
     if not extra:
         return
     named = ", ".join("--" + k.replace("_", "-") if cli else k for k in extra)
+    if "image" in takes:  # an image-to-video model conditioning on the first frame only
+        raise InvalidInputError(f"{named} given, but {family} conditions on the first frame (image) only; a "
+                                "first-last-frame model (Wan2.1 FLF2V) takes a last frame")
     hint = " (a causal model starts from an image with start_image)" if "start_image" in takes else ""
     raise InvalidInputError(f"{named} given, but {family} is a text-to-video model and takes no input image{hint}; "
                             "use an image-to-video model (composer models lists them), or leave it out")

@@ -87,9 +87,12 @@ class ModelLimits:
 
 
 def _image_inputs(transformer_config: dict) -> dict[str, bool]:
-    """The input images a transformer config implies: image cross-attention (`image_dim`, Wan2.1 I2V) needs the
-    first frame; a position embedding over two images' tokens (`pos_embed_seq_len`, FLF2V) takes the last too."""
-    return {"requires_image": transformer_config.get("image_dim") is not None,
+    """The input images a transformer config implies: image cross-attention (`image_dim`, Wan2.1 I2V) or an image
+    condition on the channel axis (more input than output channels: Wan2.1 I2V, Wan2.2 I2V A14B) needs the first
+    frame; a position embedding over two images' tokens (`pos_embed_seq_len`, FLF2V) takes the last too."""
+    channels_in, channels_out = transformer_config.get("in_channels"), transformer_config.get("out_channels")
+    conditioned = channels_in is not None and channels_out is not None and channels_in > channels_out
+    return {"requires_image": transformer_config.get("image_dim") is not None or conditioned,
             "takes_last_image": bool(transformer_config.get("pos_embed_seq_len"))}
 
 

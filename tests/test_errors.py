@@ -15,7 +15,6 @@ from composer.errors import (
     ModelFormatError,
     ModelNotFoundError,
     UnknownModelError,
-    UnsupportedError,
 )
 from composer.request_check import RequestError
 
@@ -73,11 +72,13 @@ def test_corrupt_vae_weights(model_copy):
         VideoGenerator.from_pretrained(model_copy)
 
 
-def test_wan22_two_expert_folder_is_refused(model_copy):
+def test_wan22_boundary_ratio_without_a_second_expert_is_refused(model_copy):
+    """boundary_ratio makes a WanPipeline folder Wan2.2 A14B (composer/pipelines/wan22.py), which needs
+    transformer_2: refused before loading."""
     index = json.loads((model_copy / "model_index.json").read_text())
     index["boundary_ratio"] = 0.875
     (model_copy / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(UnsupportedError, match="Wan2.2"):
+    with pytest.raises(ConfigError, match="sets boundary_ratio but has no transformer_2"):
         VideoGenerator.from_pretrained(model_copy)
 
 

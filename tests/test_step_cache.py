@@ -65,6 +65,16 @@ def test_the_plan_made_before_the_loop_equals_the_step_by_step_rule():
     assert rescale((1.0, 2.0, 3.0), 2.0) == 11.0  # highest power first, as numpy.poly1d
 
 
+def test_a_change_the_polynomial_maps_below_zero_runs_its_step():
+    """Outside the range it was fitted on a polynomial can go negative: such a step runs (and is counted) instead
+    of pulling the running sum down and skipping every step after it."""
+    signals = [torch.full((1, 4), 1.0 + i) for i in range(8)]  # relative changes 1, 0.5, 0.33, ...
+    falls = (-1.0, 0.0, 0.0)  # -x^2: negative for every change
+    planner = TeaCachePlanner(0.1, falls, 1, len(signals))
+    assert plan_schedule(signals, 0.1, falls, 1, planner) == [True] * 8
+    assert planner.out_of_range == 6  # steps 1..6 (0 has no previous step, 7 is the last)
+
+
 def test_no_state_leaks_between_videos_of_different_sizes(tiny_wan_dir, one_thread):
     runtime = dict(cache="teacache", cache_threshold=0.5)
     small = dict(REQUEST, height=32, width=32)

@@ -282,19 +282,24 @@ def test_preset_loads():
 
 
 def test_wan22_and_incomplete_i2v_folders_are_refused_before_loading(i2v_dir, tmp_path):
+    """boundary_ratio makes a folder Wan2.2 I2V A14B (composer/pipelines/wan22_i2v.py), which needs transformer_2;
+    a Wan2.1 I2V folder without its CLIP image encoder is refused."""
     import json
     import shutil
 
-    from composer.errors import UnsupportedError
+    from composer.errors import ConfigError, UnsupportedError
 
-    for name, change in (("wan22", {"boundary_ratio": 0.9}), ("no-clip", {"image_encoder": [None, None]})):
+    for name, change, error, message in (
+        ("wan22", {"boundary_ratio": 0.9}, ConfigError, "no transformer_2"),
+        ("no-clip", {"image_encoder": [None, None]}, UnsupportedError, "image_encoder"),
+    ):
         folder = shutil.copytree(i2v_dir, tmp_path / name)
         index = json.loads((folder / "model_index.json").read_text())
         index.update(change)
         if name == "no-clip":
             del index["image_encoder"]
         (folder / "model_index.json").write_text(json.dumps(index))
-        with pytest.raises(UnsupportedError, match="Wan2.2|image_encoder"):
+        with pytest.raises(error, match=message):
             VideoGenerator.from_pretrained(folder, progress=False)
 
 

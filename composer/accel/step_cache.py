@@ -60,11 +60,18 @@ class TeaCachePlanner:
     num_steps: int = 0
     _previous: torch.Tensor | None = None
     _accumulated: float = 0.0
+    # steps whose change the polynomial mapped below 0: outside the range it was fitted on (e.g. far fewer steps
+    # than it was fitted for); such a step runs, as a change too large to estimate
+    out_of_range: int = 0
 
     def decide(self, index: int, signal: torch.Tensor) -> bool:
         run = True
         if self._previous is not None and self.warmup_steps <= index < self.num_steps - 1:
-            self._accumulated += rescale(self.coefficients, relative_l1(signal, self._previous))
+            estimate = rescale(self.coefficients, relative_l1(signal, self._previous))
+            if estimate < 0:
+                self.out_of_range += 1
+                estimate = float("inf")
+            self._accumulated += estimate
             if self._accumulated < self.threshold:
                 run = False
             else:
@@ -76,9 +83,9 @@ class TeaCachePlanner:
 
 
 def plan_schedule(signals: Sequence[torch.Tensor], threshold: float, coefficients: Sequence[float] = IDENTITY,
-                  warmup_steps: int = 1) -> list[bool]:
+                  warmup_steps: int = 1, planner: TeaCachePlanner | None = None) -> list[bool]:
     """Whether each step runs the blocks (True) or reuses the cached residual, decided for the whole loop."""
-    planner = TeaCachePlanner(threshold, coefficients, warmup_steps, len(signals))
+    planner = planner or TeaCachePlanner(threshold, coefficients, warmup_steps, len(signals))
     return [planner.decide(i, s) for i, s in enumerate(signals)]
 
 
@@ -149,7 +156,12 @@ class TeaCacheEngineHook(EngineHook):
             with torch.no_grad():
                 signals = [self.signal(t) for t in info.timesteps]
             warmup = self.warmup_steps if self.warmup_steps is not None else max(1, round(0.1 * len(signals)))
-            self._plan = plan_schedule(signals, self.threshold, self.coefficients, warmup)
+            planner = TeaCachePlanner(self.threshold, self.coefficients, warmup, len(signals))
+            self._plan = plan_schedule(signals, self.threshold, self.coefficients, warmup, planner)
+            if planner.out_of_range:
+                log_once(logger, f"teacache-out-of-range-{len(signals)}", f"teacache: at {len(signals)} steps, "
+                         f"{planner.out_of_range} step changes fall outside the range the coefficients were fitted on "
+                         "(the polynomial gives a negative change); those steps run")
             self._run = info.run
             self.stats.per_run[info.run] = list(self._plan)
 

@@ -1,19 +1,23 @@
-"""Wan2.2 text-to-video: the two-expert A14B model and TI2V-5B (in text-to-video mode).
+"""Wan2.2: the two-expert A14B models (text-to-video and image-to-video) and TI2V-5B (text- or image-to-video).
 
-Defaults are the released models' (Wan-Video/Wan2.2 `wan/configs/wan_t2v_A14B.py` and `wan_ti2v_5B.py`, and the
-diffusers model cards of Wan-AI/Wan2.2-T2V-A14B-Diffusers and Wan-AI/Wan2.2-TI2V-5B-Diffusers). As for Wan2.1, a
+Defaults are the released models' (Wan-Video/Wan2.2 `wan/configs/wan_t2v_A14B.py`, `wan_i2v_A14B.py` and
+`wan_ti2v_5B.py`, and the diffusers model cards of Wan-AI/Wan2.2-{T2V-A14B,I2V-A14B,TI2V-5B}-Diffusers). As for Wan2.1, a
 value the model folder states (its scheduler's shift, model_index.json's `boundary_ratio`) wins over the family's.
 
 A Wan2.2 folder's model_index.json has `_class_name` "WanPipeline" like Wan2.1's; composer's WanPipeline hands it
 to the Wan2.2 pipeline its entries call for (composer/pipelines/wan22.py: `transformer_2` + `boundary_ratio`: two
 experts; `expand_timesteps`: TI2V), whose PipelineConfig is one of these, so only these families are candidates.
+The I2V A14B folder names `WanImageToVideoPipeline`, as Wan2.1 I2V's does; composer's WanImageToVideoPipeline hands
+it on the same way (composer/pipelines/wan22_i2v.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from composer.configs.base import PipelineConfig, SamplingParam
+from composer.configs.wan_i2v import input_image_field
 from composer.registry.configs import register_configs
 
 # The negative prompt of the Wan2.2 release (`sample_neg_prompt` in its shared config), as the model cards use it.
@@ -51,7 +55,7 @@ class Wan22A14BSamplingParam(SamplingParam):
     guidance_scale_2: float | None = field(
         default=3.0,
         metadata={"help": "classifier-free guidance scale of the low-noise expert (Wan2.2 A14B; default: the "
-                  "family's 3.0, or guidance_scale when unset); guidance_scale is the high-noise expert's"},
+                  "family's value, or guidance_scale when unset); guidance_scale is the high-noise expert's"},
     )
     flow_shift: float | None = 12.0
     fps: int = 16
@@ -80,6 +84,45 @@ class Wan22TI2V5BSamplingParam(SamplingParam):
     guidance_scale: float = 5.0
     flow_shift: float | None = 5.0
     fps: int = 24
+    image: Any = input_image_field(
+        "TI2V-5B: an optional first frame (image-to-video mode; without it, text-to-video), an image file (Python "
+        "also takes a PIL image, a uint8 numpy array [H, W, 3] or a torch tensor); resized to height x width"
+    )
+
+
+@dataclass
+class Wan22I2VA14BConfig(PipelineConfig):
+    """Wan2.2 I2V A14B: two 14B experts as T2V A14B (switching at boundary_ratio * num_train_timesteps), each
+    taking the noise and the image condition (frame mask + VAE latents of [image, 0, ...]) on the channel axis; no
+    CLIP image encoder. Not a Wan22A14BConfig, so a text-to-video folder never takes this family."""
+
+    text_encoder_max_length: int = 512
+    # The folder's model_index.json states it (0.9 in the released I2V folder); this fills in for none.
+    boundary_ratio: float = 0.9
+    teacache_coefficients: dict[int, tuple[float, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class Wan22I2VA14BSamplingParam(SamplingParam):
+    """Wan2.2 I2V A14B at 720p: 1280x720 (832x480 for 480p), 81 frames at 16 fps, 40 steps, CFG 3.5 for both
+    experts, flow shift 5.0 (the release's `wan_i2v_A14B.py`: sample_shift 5.0, sample_steps 40, boundary 0.900,
+    sample_guide_scale (3.5, 3.5); the folder's scheduler config wins when it states a shift). The input image is
+    resized to the output size (no crop: give an image of the video's aspect ratio)."""
+
+    negative_prompt: str | None = WAN22_NEGATIVE_PROMPT
+    height: int = 720
+    width: int = 1280
+    num_frames: int = 81
+    num_inference_steps: int = 40
+    guidance_scale: float = 3.5
+    guidance_scale_2: float | None = field(
+        default=3.5,
+        metadata={"help": "classifier-free guidance scale of the low-noise expert (Wan2.2 A14B; default: the "
+                  "family's value, or guidance_scale when unset); guidance_scale is the high-noise expert's"},
+    )
+    flow_shift: float | None = 5.0
+    fps: int = 16
+    image: Any = input_image_field()
 
 
 # Only Wan2.2 folders reach these detectors: the pipeline WanPipeline hands them to asks for these configs.
@@ -90,10 +133,21 @@ register_configs(
     model_detectors=[lambda path, class_name: class_name == "WanPipeline"],
     name="wan2.2-t2v-a14b",
 )
+# A TI2V folder names WanPipeline; diffusers users run its image mode with WanImageToVideoPipeline, whose
+# save_pretrained names that class instead: both reach the TI2V pipeline.
 register_configs(
     Wan22TI2VConfig,
     Wan22TI2V5BSamplingParam,
     hf_model_paths=["Wan-AI/Wan2.2-TI2V-5B-Diffusers"],
-    model_detectors=[lambda path, class_name: class_name == "WanPipeline"],
+    model_detectors=[lambda path, class_name: class_name in ("WanPipeline", "WanImageToVideoPipeline")],
     name="wan2.2-ti2v-5b",
+)
+# Only Wan2.2 I2V folders reach this detector: composer's WanImageToVideoPipeline hands them to a pipeline asking
+# for this config.
+register_configs(
+    Wan22I2VA14BConfig,
+    Wan22I2VA14BSamplingParam,
+    hf_model_paths=["Wan-AI/Wan2.2-I2V-A14B-Diffusers"],
+    model_detectors=[lambda path, class_name: class_name == "WanImageToVideoPipeline"],
+    name="wan2.2-i2v-a14b",
 )

@@ -10,6 +10,14 @@ from composer.configs.base import PipelineConfig, SamplingParam
 from composer.configs.wan import WAN_NEGATIVE_PROMPT
 from composer.registry.configs import register_configs
 
+IMAGE_HELP = ("image-to-video models: the first frame, an image file (Python also takes a PIL image, a uint8 numpy "
+              "array [H, W, 3] or a torch tensor); resized to height x width")
+
+
+def input_image_field(help: str = IMAGE_HELP) -> Any:
+    """The `image` sampling knob of an image-conditioned family (None: not given)."""
+    return field(default=None, metadata={"help": help})
+
 
 @dataclass
 class WanI2VConfig(PipelineConfig):
@@ -34,11 +42,7 @@ class WanI2V480PSamplingParam(SamplingParam):
     guidance_scale: float = 5.0
     flow_shift: float | None = 3.0
     fps: int = 16
-    image: Any = field(
-        default=None,
-        metadata={"help": "image-to-video models: the first frame, an image file (Python also takes a PIL image, a "
-                  "uint8 numpy array [H, W, 3] or a torch tensor); resized to height x width"},
-    )
+    image: Any = input_image_field()
     last_image: Any = field(
         default=None,
         metadata={"help": "first-last-frame models (FLF2V): the last frame, given like image"},

@@ -55,9 +55,10 @@ class WanPipeline(ComposedPipeline):
         self.add_stage(DenoisingStage(self.make_engine(transformer), progress=self.runtime.progress))
         self.add_stage(DecodingStage(self.modules["vae"]))
 
-    def add_preparation_stages(self, transformer) -> None:
+    def add_preparation_stages(self, transformer, latent_channels: int | None = None) -> None:
         """validate -> encode text -> timesteps -> noise: sizes from the VAE config's compression factors and
-        the DiT's patch and latent channels (Wan2.1's VAE: 4x / 8x, 16 channels; Wan2.2's: 4x / 16x, 48)."""
+        the DiT's patch and latent channels (Wan2.1's VAE: 4x / 8x, 16 channels; Wan2.2's: 4x / 16x, 48).
+        `latent_channels`: the noise's channels when the DiT takes more (an image condition on the channel axis)."""
         vae = self.modules["vae"]
         temporal = vae.config.scale_factor_temporal
         spatial = vae.config.scale_factor_spatial
@@ -72,6 +73,7 @@ class WanPipeline(ComposedPipeline):
             )
         )
         self.add_stage(TimestepPreparationStage(self.modules["scheduler"], self.device))
-        self.add_stage(LatentPreparationStage(transformer.config.in_channels, temporal, spatial, self.device))
+        channels = transformer.config.in_channels if latent_channels is None else latent_channels
+        self.add_stage(LatentPreparationStage(channels, temporal, spatial, self.device))
 
 EntryClass = WanPipeline

@@ -1,4 +1,4 @@
-"""Wan2.2 text-to-video: the two-expert A14B model and TI2V-5B in text-to-video mode.
+"""Wan2.2 WanPipeline folders: the two-expert T2V A14B model and TI2V-5B (text- or image-to-video).
 
 Their folders' model_index.json names diffusers' `WanPipeline`, as Wan2.1's does; `WanPipeline.for_folder` hands
 them here by their entries (`wan22_pipeline_for`):
@@ -8,12 +8,18 @@ them here by their entries (`wan22_pipeline_for`):
   expert (the rest, CFG `guidance_scale_2`) -> decode.
 - `expand_timesteps`: Wan2.2 TI2V-5B. As Wan2.1 but the transformer gets its timesteps per latent token
   (composer/stages/token_timesteps.py) and the VAE is Wan2.2's (48 channels, 16x spatial compression: the stages
-  read the factors from the VAE config).
+  read the factors from the VAE config). With an `image` in the request (image-to-video mode, which diffusers
+  users run through WanImageToVideoPipeline on the same folder): the image's latents are the first latent frame,
+  held clean, its tokens at timestep 0.
+
+Wan2.2 I2V A14B (a WanImageToVideoPipeline folder) is in composer/pipelines/wan22_i2v.py.
 """
 
 from __future__ import annotations
 
 import logging
+
+import torch
 
 from composer.batch import ForwardBatch
 from composer.configs.wan22 import Wan22A14BConfig, Wan22TI2VConfig
@@ -23,6 +29,8 @@ from composer.logging import get_logger, log_once
 from composer.pipelines.wan import WanPipeline
 from composer.stages.decoding import DecodingStage
 from composer.stages.expert_denoising import ExpertDenoisingStage, ExpertGuidance
+from composer.stages.image_encoding import ImageCondition
+from composer.stages.image_latents import FirstFrameLatentStage
 from composer.stages.token_timesteps import TokenTimestepDenoisingStage
 
 logger = get_logger(__name__)
@@ -57,7 +65,7 @@ class Wan22A14BPipeline(WanPipeline):
             raise ConfigError(
                 f"{index_file}: boundary_ratio = {ratio!r}: expected a number between 0 and 1 (exclusive), the "
                 "fraction of the training timesteps from which the high-noise expert takes over (0.875 in the "
-                "released Wan2.2 T2V A14B folder)"
+                "released Wan2.2 T2V A14B folder, 0.9 in the I2V one)"
             )
         if self.index.extra.get("expand_timesteps"):
             raise UnsupportedError(f"{index_file} has two experts and expand_timesteps: no released Wan2.2 model "
@@ -78,29 +86,45 @@ class Wan22A14BPipeline(WanPipeline):
                      "in diffusers; set guidance_scale > 1 to use it", logging.WARNING)
         batch.attach(ExpertGuidance(float(scale_2)))
 
-    def create_stages(self) -> None:
+    def experts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """The high-noise and low-noise experts, checked to denoise the same latents."""
         high, low = self.modules["transformer"], self.modules["transformer_2"]
         if tuple(high.config.patch_size) != tuple(low.config.patch_size) or (
             high.config.in_channels != low.config.in_channels
         ):
             raise ConfigError(f"{self.folder}: transformer and transformer_2 differ in patch_size or in_channels; "
                               "the two experts of one folder must denoise the same latents")
+        return high, low
+
+    def add_expert_stages(self, stage_class: type[ExpertDenoisingStage] = ExpertDenoisingStage) -> None:
+        """One denoising stage per expert, high-noise first, each over its own engine."""
         boundary = self.boundary_timestep()
-        progress = self.runtime.progress
+        for name, high_noise in (("transformer", True), ("transformer_2", False)):
+            engine = self.make_engine(self.modules[name])
+            self.add_stage(stage_class(engine, name, boundary, high_noise, self.runtime.progress))
+
+    def create_stages(self) -> None:
+        high, _ = self.experts()
         self.add_preparation_stages(high)
-        self.add_stage(ExpertDenoisingStage(self.make_engine(high), "transformer", boundary, True, progress))
-        self.add_stage(ExpertDenoisingStage(self.make_engine(low), "transformer_2", boundary, False, progress))
+        self.add_expert_stages()
         self.add_stage(DecodingStage(self.modules["vae"]))
 
 
 class Wan22TI2VPipeline(WanPipeline):
-    """Wan2.2 TI2V-5B in text-to-video mode: per-token timesteps, the Wan2.2 VAE (see the module doc)."""
+    """Wan2.2 TI2V-5B: per-token timesteps, the Wan2.2 VAE; text-to-video, or image-to-video when the request gives
+    an `image` (its latents are the first latent frame, kept clean: timestep 0 on its tokens). See the module doc."""
 
     config_class = Wan22TI2VConfig
 
     def check_supported(self) -> None:
         if "transformer_2" in self.index.components or self.index.extra.get("boundary_ratio") is not None:
             raise UnsupportedError(f"{self.folder}: expand_timesteps with two experts is not a released Wan2.2 model")
+
+    def prepare(self, batch: ForwardBatch, sampling, segments=None, keep_video: bool = True) -> None:
+        """An `image` makes the request image-to-video (read into an ImageCondition); none: text-to-video."""
+        super().prepare(batch, sampling, segments, keep_video)
+        if getattr(sampling, "image", None) is not None:
+            batch.attach(ImageCondition.from_request(sampling, takes_last_image=False))
 
     def create_stages(self) -> None:
         transformer, vae = self.modules["transformer"], self.modules["vae"]
@@ -110,5 +134,6 @@ class Wan22TI2VPipeline(WanPipeline):
                               f"{transformer.config.in_channels} (TI2V-5B: 48 and 48)")
         self.add_preparation_stages(transformer)
         patch = tuple(transformer.config.patch_size)
+        self.add_stage(FirstFrameLatentStage(vae, patch))  # image mode only (skipped without an image)
         self.add_stage(TokenTimestepDenoisingStage(self.make_engine(transformer), patch, self.runtime.progress))
         self.add_stage(DecodingStage(vae))

@@ -12,8 +12,9 @@ import torch
 
 from composer.batch import ForwardBatch
 from composer.configs.wan_i2v import WanI2VConfig
-from composer.errors import InvalidInputError, UnsupportedError
-from composer.images import load_image
+from composer.errors import UnsupportedError
+from composer.loader.model_index import ModelIndex
+from composer.pipelines.base import ComposedPipeline
 from composer.pipelines.wan import WanPipeline
 from composer.stages.decoding import DecodingStage
 from composer.stages.image_denoising import ImageToVideoDenoisingStage
@@ -35,12 +36,23 @@ class WanImageToVideoPipeline(WanPipeline):
         "text_encoder", "tokenizer", "image_encoder", "image_processor", "vae", "transformer", "scheduler",
     )
 
+    @classmethod
+    def for_folder(cls, index: ModelIndex) -> type[ComposedPipeline]:
+        """diffusers' WanImageToVideoPipeline serves Wan2.2 folders too: two experts (I2V A14B) or
+        `expand_timesteps` (TI2V-5B, saved from the I2V pipeline) pick composer's Wan2.2 pipelines."""
+        if cls is not WanImageToVideoPipeline:
+            return cls
+        from composer.pipelines.wan22_i2v import wan22_image_pipeline_for
+
+        return wan22_image_pipeline_for(index) or cls
+
     def check_supported(self) -> None:
         extra, components = self.index.extra, self.index.components
         if extra.get("boundary_ratio") is not None or "transformer_2" in components or extra.get("expand_timesteps"):
             raise UnsupportedError(
                 f"{self.folder} is a Wan2.2 image-to-video folder (boundary_ratio / transformer_2 / "
-                "expand_timesteps); this pipeline serves Wan2.1 I2V and FLF2V folders (a CLIP image encoder)"
+                "expand_timesteps): load it with VideoGenerator.from_pretrained, which picks composer's Wan2.2 "
+                "pipeline; this class serves Wan2.1 I2V and FLF2V folders (a CLIP image encoder)"
             )
         missing = [name for name in ("image_encoder", "image_processor") if name not in components]
         if missing:
@@ -64,17 +76,7 @@ class WanImageToVideoPipeline(WanPipeline):
     def prepare(self, batch: ForwardBatch, sampling, segments=None, keep_video: bool = True) -> None:
         """Read the request's images (file, PIL, numpy or tensor) into an ImageCondition on the batch."""
         super().prepare(batch, sampling, segments, keep_video)
-        if sampling.image is None:
-            raise InvalidInputError("image: this is an image-to-video model and needs an input image (the first "
-                                    "frame): pass image=... (a file path, PIL image, numpy array or tensor), or "
-                                    "--image FILE on the command line")
-        last_image = None
-        if sampling.last_image is not None:
-            if not self.takes_last_image:
-                raise InvalidInputError("last_image: this I2V model conditions on the first frame only; a "
-                                        "first-last-frame model (Wan2.1 FLF2V) takes last_image")
-            last_image = load_image(sampling.last_image, "last_image")
-        batch.attach(ImageCondition(load_image(sampling.image, "image"), last_image))
+        batch.attach(ImageCondition.from_request(sampling, self.takes_last_image))
 
     def create_stages(self) -> None:
         vae, transformer = self.modules["vae"], self.modules["transformer"]

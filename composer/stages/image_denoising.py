@@ -1,4 +1,5 @@
-"""ImageToVideoDenoisingStage: the denoising loop of an image-conditioned model (Wan2.1 I2V / FLF2V)."""
+"""The denoising loops of image-conditioned models: Wan2.1 I2V / FLF2V (one transformer) and Wan2.2 I2V A14B
+(two experts, no CLIP image states)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,36 @@ import torch
 from composer.batch import ForwardBatch
 from composer.engine import ModelInputs
 from composer.stages.denoising import DenoisingStage
+from composer.stages.expert_denoising import ExpertDenoisingStage
 from composer.stages.image_encoding import ImageCondition
 from composer.stages.validators import V, VerificationResult
 
 
 class ImageToVideoDenoisingStage(DenoisingStage):
-    """DenoisingStage whose branches also carry the image: the CLIP image states for cross-attention (the same for
-    the prompt and the negative prompt, as diffusers does) and the image condition concatenated to the noisy
-    latents on the channel axis."""
+    """DenoisingStage whose branches also carry the image: the image condition concatenated to the noisy latents on
+    the channel axis, and, for a transformer with image cross-attention (`image_dim`: Wan2.1), the CLIP image
+    states (the same for the prompt and the negative prompt, as diffusers does)."""
+
+    @property
+    def takes_image_states(self) -> bool:
+        return getattr(self.engine.transformer.config, "image_dim", None) is not None
 
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
         super().verify_input(batch, result)
         condition = batch.get(ImageCondition, None)
-        result.add_check("image_embeds", getattr(condition, "embeds", None), V.ndim(3))
+        if self.takes_image_states:
+            result.add_check("image_embeds", getattr(condition, "embeds", None), V.ndim(3))
         result.add_check("image_latents", getattr(condition, "latents", None), V.ndim(5))
 
     def branch_inputs(self, batch: ForwardBatch, text: torch.Tensor) -> ModelInputs:
         condition = batch.get(ImageCondition)
-        dtype = self.engine.transformer.dtype
-        image = condition.embeds.to(self.engine.transformer.device, dtype).repeat(text.shape[0], 1, 1)
+        image = None
+        if self.takes_image_states:
+            dtype = self.engine.transformer.dtype
+            image = condition.embeds.to(self.engine.transformer.device, dtype).repeat(text.shape[0], 1, 1)
         return dataclasses.replace(self.engine.text_inputs(text, image), condition=condition.latents)
+
+
+class ImageExpertDenoisingStage(ExpertDenoisingStage, ImageToVideoDenoisingStage):
+    """One expert's steps (ExpertDenoisingStage: its timesteps and CFG scale) with the image condition on the
+    channel axis (ImageToVideoDenoisingStage): Wan2.2 I2V A14B."""

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from composer.batch import ForwardBatch
+from composer.errors import InvalidInputError
+from composer.images import load_image
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
@@ -27,6 +29,22 @@ class ImageCondition:
     @property
     def images(self) -> list[Any]:
         return [self.image] if self.last_image is None else [self.image, self.last_image]
+
+    @classmethod
+    def from_request(cls, sampling, takes_last_image: bool) -> ImageCondition:
+        """The request's images (file, PIL, numpy or tensor) read; InvalidInputError when the first frame is
+        missing, or a last frame is given to a model conditioning on the first frame only."""
+        if getattr(sampling, "image", None) is None:
+            raise InvalidInputError("image: this is an image-to-video model and needs an input image (the first "
+                                    "frame): pass image=... (a file path, PIL image, numpy array or tensor), or "
+                                    "--image FILE on the command line")
+        last_image = getattr(sampling, "last_image", None)
+        if last_image is not None:
+            if not takes_last_image:
+                raise InvalidInputError("last_image: this I2V model conditions on the first frame only; a "
+                                        "first-last-frame model (Wan2.1 FLF2V) takes last_image")
+            last_image = load_image(last_image, "last_image")
+        return cls(load_image(sampling.image, "image"), last_image)
 
 
 class ImageEncodingStage(Stage):

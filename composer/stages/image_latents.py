@@ -1,10 +1,16 @@
-"""ImageLatentStage: the input image(s) as the video's known frames -> the image condition of an I2V transformer.
+"""The input image(s) as the video's known frames, for the two ways Wan conditions on them.
+
+ImageLatentStage (Wan2.1 I2V / FLF2V, Wan2.2 I2V A14B): the image condition of a transformer taking it on the
+channel axis.
 
     video  = [image, 0, ..., 0]  (or [image, 0, ..., 0, last_image]), F frames at the output size, in [-1, 1]
     latent = (VAE(video).mode - mean) / std                        [B, z, F', h, w]
     mask   = 1 on the given frames, 0 elsewhere; the first frame's entry repeated `temporal` times, so the F
              frames give F + temporal - 1 = temporal * F' entries, folded into `temporal` channels [B, 4, F', h, w]
     condition = [mask, latent] on the channel axis; the transformer sees [noise, condition]
+
+FirstFrameLatentStage (Wan2.2 TI2V-5B image mode): the image VAE-encoded alone is the first latent frame itself,
+held clean while the other frames are denoised (timestep 0 on its tokens: composer/stages/token_timesteps.py).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from composer.stages.base import Stage
 from composer.stages.image_encoding import ImageCondition
 from composer.stages.latents import latent_shape
 from composer.stages.start_frames import normalize_latents
+from composer.stages.token_timesteps import KnownLatents, TimestepMask
 from composer.stages.validators import V, VerificationResult
 
 
@@ -79,4 +86,43 @@ class ImageLatentStage(Stage):
         mask = frame_mask(frames, self.temporal_factor, known, h, w).to(self.device)
         row = torch.cat([mask, latents], dim=1)
         condition.latents = row.expand(batch.batch_size, -1, -1, -1, -1)  # the same image for every row
+        return batch
+
+
+class FirstFrameLatentStage(Stage):
+    """TI2V image mode: `(VAE(image).mode - mean) / std` [1, z, 1, h, w] is the first latent frame: attaches
+    `KnownLatents` (frame 0 kept), a `TimestepMask` with frame 0 zeroed on the token grid (latent grid / patch
+    size), and puts the image latents into the initial noise. Skipped for a request without an image
+    (text-to-video)."""
+
+    def __init__(self, vae: torch.nn.Module, patch_size: tuple[int, int, int]):
+        self.vae = vae
+        self.patch_size = tuple(patch_size)
+
+    def skips(self, batch: ForwardBatch) -> bool:
+        return batch.get(ImageCondition, None) is None
+
+    def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        result.add_check("image", batch.get(ImageCondition, None), V.not_none)
+        result.add_check("latents", batch.latents, V.ndim(5))
+
+    def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        shape = [1, self.vae.config.z_dim, 1, *batch.latents.shape[-2:]]
+        result.add_check("image_latents", batch.get(ImageCondition).latents, V.shape(shape),
+                         V.dtype_in(torch.float32), V.all_finite)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        condition = batch.get(ImageCondition)
+        pixels = image_to_pixels(condition.image, batch.height, batch.width).unsqueeze(2)  # [1, 3, 1, H, W]
+        mu = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mode()
+        condition.latents = normalize_latents(mu.to(batch.latents.device, torch.float32), self.vae.config)
+        _, _, frames, h, w = batch.latents.shape
+        denoised = torch.ones(1, 1, frames, h, w, dtype=torch.bool, device=batch.latents.device)
+        denoised[:, :, 0] = False
+        known = KnownLatents(condition.latents, denoised)
+        pt, ph, pw = self.patch_size
+        batch.attach(known)
+        batch.attach(TimestepMask(denoised[:, 0, ::pt, ::ph, ::pw].float().cpu()))
+        batch.latents = known.apply(batch.latents)
         return batch

@@ -1,14 +1,14 @@
 """Per-token timesteps (Wan2.2 TI2V's `expand_timesteps`): the transformer gets one timestep per latent token,
 `t * mask`, where the mask is 1 on tokens being denoised and 0 on clean conditioning tokens.
 
-In text-to-video mode every token is denoised (the mask is all ones). Image-to-video mode (not built here)
-conditions on the first frame: its tokens get mask 0, so timestep 0, and hold the clean image latents. That is
-the extension point: attach a `TimestepMask` with the conditioning frame zeroed to the request
-(`batch.attach(...)` in the pipeline's `prepare`) and put the clean latents back on the masked tokens before each
-model call and after the last step, as diffusers' WanImageToVideoPipeline does with `expand_timesteps`. Putting
-them back into the initial noise and after every scheduler step (in `TokenTimestepSteps.step`) gives the same
-model inputs and result: flow schedulers update every element on its own, so what the masked elements hold
-between steps changes nothing else.
+In text-to-video mode every token is denoised (the mask is all ones). Image-to-video mode conditions on the first
+frame: its tokens get mask 0, so timestep 0, and hold the clean image latents. A stage attaches a `TimestepMask`
+with the conditioning frame zeroed and the `KnownLatents` to the request (composer/stages/image_latents.py:
+`FirstFrameLatentStage`) and puts the clean latents into the initial noise; `TokenTimestepSteps.step` puts them
+back after every scheduler step. diffusers' WanImageToVideoPipeline (`expand_timesteps`) instead mixes them into
+the model input before each call and into the result after the last step; both give the same model inputs and
+result, as flow schedulers update every element on its own, so what the kept elements hold between steps changes
+nothing else (tested equal to diffusers' frames).
 
 The transformer is given the timesteps at the coarsest layout that is exact: [B] when the mask is all ones, [B, F]
 (per latent frame) when it is constant over each frame (first-frame conditioning), [B, S] (per token) otherwise.
@@ -53,14 +53,35 @@ class TimestepMask:
         return values.flatten(1)
 
 
+@dataclass(frozen=True)
+class KnownLatents:
+    """Request state: clean latents held fixed while the rest is denoised. `values` [1 or rows, C, 1 or F, h, w]
+    fp32 (broadcast over the latents), `denoised` [1, 1, F, h, w] bool: True where the latents are denoised, False
+    where `values` are kept (TI2V image mode: frame 0)."""
+
+    values: torch.Tensor
+    denoised: torch.Tensor
+
+    def apply(self, latents: torch.Tensor) -> torch.Tensor:
+        """`latents` with the kept elements replaced by the clean values."""
+        return torch.where(self.denoised, latents, self.values.to(latents.dtype))
+
+
 class TokenTimestepSteps(SchedulerSteps):
     """A diffusers scheduler's steps with the transformer's timestep `t * mask` per token (see the module doc);
-    `exact_layout=False` always gives the per-token [B, S] layout, as diffusers does."""
+    `exact_layout=False` always gives the per-token [B, S] layout, as diffusers does. With `known`, the clean
+    latents are put back after every step."""
 
-    def __init__(self, scheduler, timesteps: torch.Tensor | None, mask: TimestepMask, exact_layout: bool = True):
+    def __init__(self, scheduler, timesteps: torch.Tensor | None, mask: TimestepMask, exact_layout: bool = True,
+                 known: KnownLatents | None = None):
         super().__init__(scheduler, timesteps)
         self.mask = mask.layout() if exact_layout else mask.values.float().flatten(1)
+        self.known = known
         self._on_device: torch.Tensor | None = None
+
+    def step(self, index, t, prediction, latents):
+        latents = super().step(index, t, prediction, latents)
+        return latents if self.known is None else self.known.apply(latents)
 
     def model_timestep(self, t, latents):
         if self._on_device is None or self._on_device.device != latents.device:
@@ -89,4 +110,5 @@ class TokenTimestepDenoisingStage(DenoisingStage):
         if tuple(mask.values.shape[1:]) != grid or mask.values.shape[0] not in (1, rows):
             raise InvalidInputError(f"TimestepMask of shape {list(mask.values.shape)} for a token grid of {grid} "
                                     f"({math.prod(grid)} tokens) and {rows} rows: expected [1 or {rows}, *{grid}]")
-        return TokenTimestepSteps(batch.scheduler, batch.timesteps, mask, self.exact_layout)
+        known = batch.get(KnownLatents, None)
+        return TokenTimestepSteps(batch.scheduler, batch.timesteps, mask, self.exact_layout, known)

@@ -2,10 +2,15 @@
 
 from composer.testing.tiny_hunyuan import TinyHunyuanSpec, build_tiny_hunyuan
 from composer.testing.tiny_wan import TinyWanSpec, build_tiny_wan
-from composer.testing.tiny_wan22 import TinyWan22Spec, build_tiny_wan22_a14b, build_tiny_wan22_ti2v
+from composer.testing.tiny_wan22 import (
+    TinyWan22Spec,
+    build_tiny_wan22_a14b,
+    build_tiny_wan22_i2v_a14b,
+    build_tiny_wan22_ti2v,
+)
 from composer.testing.tiny_wan_i2v import TinyWanI2VSpec, build_tiny_wan_i2v
 
 __all__ = [
-    "TinyHunyuanSpec", "build_tiny_hunyuan", "TinyWan22Spec", "TinyWanI2VSpec", "TinyWanSpec", "build_tiny_wan", "build_tiny_wan22_a14b", "build_tiny_wan22_ti2v",
-    "build_tiny_wan_i2v",
+    "TinyHunyuanSpec", "TinyWan22Spec", "TinyWanI2VSpec", "TinyWanSpec", "build_tiny_hunyuan", "build_tiny_wan",
+    "build_tiny_wan22_a14b", "build_tiny_wan22_i2v_a14b", "build_tiny_wan22_ti2v", "build_tiny_wan_i2v",
 ]

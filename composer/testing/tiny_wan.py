@@ -88,14 +88,15 @@ def build_tiny_wan_components(spec: TinyWanSpec = TinyWanSpec()) -> dict:
     }
 
 
-def tiny_wan_transformer(spec: TinyWanSpec, channels: int, seed: int):
-    """diffusers' WanTransformer3DModel of the spec's sizes over `channels` latent channels, seeded by `seed`."""
+def tiny_wan_transformer(spec: TinyWanSpec, channels: int, seed: int, in_channels: int | None = None):
+    """diffusers' WanTransformer3DModel of the spec's sizes over `channels` latent channels, seeded by `seed`;
+    `in_channels` when its input has more (an image condition on the channel axis)."""
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=spec.num_heads, attention_head_dim=spec.head_dim,
-        in_channels=channels, out_channels=channels, text_dim=spec.text_dim, freq_dim=spec.freq_dim,
+        in_channels=channels if in_channels is None else in_channels, out_channels=channels, text_dim=spec.text_dim, freq_dim=spec.freq_dim,
         ffn_dim=spec.ffn_dim, num_layers=spec.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         eps=1e-6, rope_max_seq_len=1024,
     ).eval()

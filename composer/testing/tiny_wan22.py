@@ -1,5 +1,5 @@
-"""Build tiny Wan2.2 text-to-video folders in exact diffusers layout, seeded: the two-expert A14B layout and the
-TI2V-5B layout.
+"""Build tiny Wan2.2 folders in exact diffusers layout, seeded: the two-expert T2V A14B layout, the TI2V-5B layout
+(text- or image-to-video) and the two-expert I2V A14B layout.
 
 Both are written by diffusers' own `WanPipeline(..., transformer_2=..., boundary_ratio=..., expand_timesteps=...)`
 `.save_pretrained`, from the pieces of `tiny_wan.py` (tokenizer, UMT5 encoder, scheduler, Wan transformer):
@@ -8,7 +8,10 @@ Both are written by diffusers' own `WanPipeline(..., transformer_2=..., boundary
   `transformer_2`), the Wan2.1 VAE (16 channels, 8x), `boundary_ratio` in model_index.json;
 - TI2V: one transformer over 48 latent channels and the Wan2.2 VAE at tiny width with its real structure
   (`is_residual`, `patch_size` 2 so 12 pixel channels, 16x spatial / 4x temporal compression, z_dim 48, its own
-  per-channel latent mean / std), `expand_timesteps` in model_index.json.
+  per-channel latent mean / std), `expand_timesteps` in model_index.json;
+- I2V A14B: written by diffusers' `WanImageToVideoPipeline(..., transformer_2=..., boundary_ratio=...)` with no
+  image encoder or processor (null in model_index.json, as in the release): two experts taking 2 * 16 + 4 input
+  channels (noise, frame mask, encoded condition video) without image cross-attention, the Wan2.1 VAE.
 """
 
 from __future__ import annotations
@@ -47,13 +50,13 @@ def wan22_vae(spec: TinyWan22Spec):
     ).eval()
 
 
-def _write(path: str | Path, components: dict, **config) -> Path:
+def _write(path: str | Path, components: dict, pipeline_class=None, **config) -> Path:
     from diffusers import WanPipeline
 
     path = Path(path)
     if (path / "model_index.json").exists():
         raise FileExistsError(f"{path} already holds a model")
-    WanPipeline(**components, **config).save_pretrained(str(path), safe_serialization=True)
+    (pipeline_class or WanPipeline)(**components, **config).save_pretrained(str(path), safe_serialization=True)
     return path
 
 
@@ -73,3 +76,17 @@ def build_tiny_wan22_ti2v(path: str | Path, spec: TinyWan22Spec | None = None, *
     components["vae"] = wan22_vae(spec)
     components["transformer"] = tiny_wan_transformer(spec, spec.z_dim, spec.seed + 2)
     return _write(path, components, expand_timesteps=True)
+
+
+def build_tiny_wan22_i2v_a14b(path: str | Path, spec: TinyWan22Spec | None = None, **overrides) -> Path:
+    """Write a tiny Wan2.2 I2V A14B folder (WanImageToVideoPipeline, two experts, `boundary_ratio` 0.9 as
+    released, no image encoder) at `path`."""
+    from diffusers import WanImageToVideoPipeline
+
+    spec = dataclasses.replace(spec or TinyWan22Spec(boundary_ratio=0.9), **overrides)
+    components = build_tiny_wan_components(dataclasses.replace(spec, z_dim=16))
+    condition = 16 + 4  # the frame mask (the VAE's temporal factor) and the encoded condition video
+    components["transformer"] = tiny_wan_transformer(spec, 16, spec.seed + 2, in_channels=16 + condition)
+    components["transformer_2"] = tiny_wan_transformer(spec, 16, spec.seed + 4, in_channels=16 + condition)
+    components.update(image_encoder=None, image_processor=None)
+    return _write(path, components, WanImageToVideoPipeline, boundary_ratio=spec.boundary_ratio)
