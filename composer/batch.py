@@ -68,6 +68,27 @@ class VideoChunk:
 
 
 @dataclass
+class EmbeddedGuidance:
+    """Attached by a guidance-distilled family (HunyuanVideo): the request's `guidance_scale` is a transformer
+    input, and classifier-free guidance with the negative prompt has its own scale, `true_cfg_scale` (on when it
+    is > 1 and a negative prompt is given: diffusers' names and meanings)."""
+
+    true_cfg_scale: float = 1.0
+
+
+@dataclass
+class PromptExtras:
+    """What a text stage makes beyond `prompt_embeds` for a transformer that takes it (HunyuanVideo): the
+    text's token mask [B, L] (1: a token, 0: right padding; None: no padding) and a pooled text vector [B, D],
+    for the prompt and, under CFG, the negative prompt."""
+
+    mask: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+    negative_mask: torch.Tensor | None = None
+    negative_pooled: torch.Tensor | None = None
+
+
+@dataclass
 class ForwardBatch:
     """State of one generation request as it moves through the stages."""
 
@@ -121,7 +142,23 @@ class ForwardBatch:
 
     @property
     def do_classifier_free_guidance(self) -> bool:
-        return self.guidance_scale > 1.0
+        """Whether the negative prompt is a second guidance branch: guidance_scale > 1, or for a guidance-distilled
+        family (EmbeddedGuidance attached) true_cfg_scale > 1 with a negative prompt given."""
+        embedded = self.state.get(EmbeddedGuidance)
+        if embedded is None:
+            return self.guidance_scale > 1.0
+        return embedded.true_cfg_scale > 1.0 and self.negative_prompt is not None
+
+    @property
+    def cfg_scale(self) -> float:
+        """The classifier-free guidance scale: guidance_scale, or true_cfg_scale where guidance is embedded."""
+        embedded = self.state.get(EmbeddedGuidance)
+        return self.guidance_scale if embedded is None else embedded.true_cfg_scale
+
+    @property
+    def embedded_guidance(self) -> float | None:
+        """The guidance scale the transformer takes as an input (None: the family embeds none)."""
+        return self.guidance_scale if EmbeddedGuidance in self.state else None
 
     def attach(self, obj: Any) -> None:
         """Attach a typed piece of request state (replacing any earlier one of the same type)."""

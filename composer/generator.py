@@ -378,7 +378,8 @@ class VideoGenerator:
     def _warn_ignored_settings(self, sp: SamplingParam) -> None:
         # Only a negative prompt the user chose: a family's default one (Wan's) is not worth a warning.
         given = sp.negative_prompt and sp.negative_prompt != self.default_sampling.negative_prompt
-        if given and sp.guidance_scale is not None and sp.guidance_scale <= 1:
+        embedded = hasattr(sp, "true_cfg_scale")  # guidance-distilled: CFG is true_cfg_scale (its pipeline warns)
+        if given and not embedded and sp.guidance_scale is not None and sp.guidance_scale <= 1:
             log_once(logger, "negative-prompt-ignored", f"negative_prompt is ignored: guidance_scale = "
                      f"{sp.guidance_scale} (<= 1) turns classifier-free guidance off; set guidance_scale > 1 to "
                      "use it", logging.WARNING)

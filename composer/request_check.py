@@ -58,13 +58,17 @@ class ModelLimits:
         vae = _read_json(folder / "vae" / "config.json")
         transformer = _read_json(folder / "transformer" / "config.json")
         downsample = vae.get("temperal_downsample") or [False, True, True]  # diffusers' AutoencoderKLWan default
-        spatial = vae.get("scale_factor_spatial") or 2 ** len(downsample)
-        temporal = vae.get("scale_factor_temporal") or 2 ** sum(bool(d) for d in downsample)
-        patch = transformer.get("patch_size") or [1, 2, 2]
+        # AutoencoderKLWan names its factors scale_factor_*, other VAEs (HunyuanVideo's) *_compression_ratio
+        spatial = (vae.get("scale_factor_spatial") or vae.get("spatial_compression_ratio")
+                   or 2 ** len(downsample))
+        temporal = (vae.get("scale_factor_temporal") or vae.get("temporal_compression_ratio")
+                    or 2 ** sum(bool(d) for d in downsample))
+        patch = transformer.get("patch_size") or [1, 2, 2]  # (t, h, w), or one spatial size (HunyuanVideo)
+        spatial_patch = int(patch) if isinstance(patch, int) else max(int(patch[1]), int(patch[2]))
         block = getattr(config, "num_frames_per_block", None)
         steps = getattr(config, "denoising_step_list", None)
         return cls(
-            spatial_multiple=int(spatial) * max(int(patch[1]), int(patch[2])), temporal_factor=int(temporal),
+            spatial_multiple=int(spatial) * spatial_patch, temporal_factor=int(temporal),
             frames_per_block=block, fixed_steps=len(steps) if steps else None, supports_flow_shift=block is None,
             **_image_inputs(transformer),
         )

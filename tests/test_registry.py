@@ -43,8 +43,9 @@ def test_lookup_imports_lazily_and_returns_composer_classes():
 def test_unknown_model_and_pipeline_classes_list_what_is_known():
     with pytest.raises(UnknownModelError, match="no model class for 'FluxTransformer2DModel'.*WanTransformer3DModel"):
         get_model_class("FluxTransformer2DModel")
-    with pytest.raises(UnknownModelError, match="'HunyuanVideoPipeline'.*served: CausalWanPipeline, .*WanPipeline"):
-        get_pipeline_class("HunyuanVideoPipeline")
+    with pytest.raises(UnknownModelError, match="'LTXPipeline'.*served: CausalWanPipeline, .*HunyuanVideoPipeline, "
+                       ".*WanPipeline"):
+        get_pipeline_class("LTXPipeline")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from composer.accel.hooks import block_names
 from composer.accel.offload import BlockStore, LayerwiseOffload, TensorSlot, repeated_blocks
 from composer.accel.transfer import Transfer
 from composer.errors import CheckpointError
@@ -168,10 +169,11 @@ def load_with_blocks_on_disk(
     folder = Path(folder)
     spec = spec or ComponentSpec(folder.name, "composer", _config_class_name(folder) or "")
     model = ComposerModelLoader().build(folder, spec)
-    attr, _ = repeated_blocks(model)
+    repeated_blocks(model)  # UnsupportedError when it has none
+    prefixes = tuple(f"{qualname}." for qualname in block_names(model))
 
     def in_blocks(name: str) -> bool:
-        return name.startswith(f"{attr}.")
+        return name.startswith(prefixes)
 
     load_weights(model, folder, torch.device(device), dtype, skip=in_blocks)
     sources = {name: src for name, src in tensor_sources(model, folder, dtype).items() if in_blocks(name)}

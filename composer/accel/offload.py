@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from composer.accel.hooks import block_names
 from composer.accel.hooks import repeated_blocks as find_repeated_blocks
 from composer.accel.transfer import Pending, Transfer, transfer_for
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
@@ -269,11 +270,12 @@ class LayerwiseOffload:
         self.device = torch.device(device)
         self.prefetch = prefetch
         self.transfer = transfer or transfer_for(self.device)
-        name, self.blocks = repeated_blocks(model)
+        _, self.blocks = repeated_blocks(model)
         in_blocks = frozenset(id(m) for block in self.blocks for m in block.modules())
         for slot in collect_slots(model, skip=in_blocks):  # the rest of the model lives on the device
             slot.set(slot.data().to(self.device))
-        self.slots = [collect_slots(block, prefix=f"{name}.{i}.") for i, block in enumerate(self.blocks)]
+        self.slots = [collect_slots(block, prefix=f"{qualname}.")
+                      for qualname, block in zip(block_names(model), self.blocks)]
         self.store = store or HostStore()
         self.store.bind(self.slots, self.transfer)
         for i in range(len(self.blocks)):

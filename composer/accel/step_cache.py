@@ -144,6 +144,8 @@ class TeaCacheEngineHook(EngineHook):
         """The blocks' timestep-modulated input for one timestep: the model's timestep projection."""
         model = self.model
         t = torch.tensor([timestep], device=model.device)
+        if hasattr(model, "timestep_signal"):  # a model that states its own (HunyuanVideo)
+            return model.timestep_signal(t)
         return model.condition_embedder.embed_timestep(t, model.dtype)[1]
 
     def before_step(self, info) -> None:

@@ -116,14 +116,16 @@ class DenoisingEngine:
                 call = _wrap(around, call)
         return call(ModelCall(latents, timestep, inputs, kind, self._step, branches))
 
-    def text_inputs(self, text: torch.Tensor, image: torch.Tensor | None = None) -> ModelInputs:
+    def text_inputs(self, text: torch.Tensor, image: torch.Tensor | None = None,
+                    **extra: torch.Tensor | None) -> ModelInputs:
         """Conditioning for a text embedding [B, L, D] (and an image model's CLIP image states): each block's
         cross-attention k/v computed once here and reused by every step (a model without `cross_attention_kv`
-        gets the embeddings in every call)."""
+        gets the embeddings in every call). `extra`: ModelInputs' other conditioning fields (`text_mask`,
+        `pooled_text`, `guidance`)."""
         if hasattr(self.transformer, "cross_attention_kv"):
             args = (text,) if image is None else (text, image)
-            return ModelInputs(cross_kv=self.transformer.cross_attention_kv(*args))
-        return ModelInputs(text=text, image=image)
+            return ModelInputs(cross_kv=self.transformer.cross_attention_kv(*args), **extra)
+        return ModelInputs(text=text, image=image, **extra)
 
     def forward_branches(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
                          kind: str = "step", merged: ModelInputs | None = None) -> list[torch.Tensor]:

@@ -22,7 +22,10 @@ class ModelInputs:
       reference, whose clean context frames are prepended to the input (and cut from the output);
     - `image` [B * n, N, D]: an image model's CLIP image states when `text` is given (with `cross_kv` their k/v
       are in it); `condition` [B, C', F, H, W]: latents concatenated to the input on the channel axis (I2V: the
-      frame mask and the encoded condition video).
+      frame mask and the encoded condition video);
+    - `text_mask` [B, L] (1: a text token, 0: padding), `pooled_text` [B, D] and `guidance` [B] (an embedded
+      guidance scale): what a transformer like HunyuanVideo's takes beside the text states (passed as diffusers
+      names them: `encoder_attention_mask`, `pooled_projections`, `guidance`).
     """
 
     text: torch.Tensor | None = None
@@ -34,6 +37,9 @@ class ModelInputs:
     context_timestep: torch.Tensor | None = None
     image: torch.Tensor | None = None
     condition: torch.Tensor | None = None
+    text_mask: torch.Tensor | None = None
+    pooled_text: torch.Tensor | None = None
+    guidance: torch.Tensor | None = None
 
     def at(self, frame_offset: int, **changes: Any) -> ModelInputs:
         """The same conditioning for a pass starting at another frame."""
@@ -53,6 +59,12 @@ class ModelInputs:
             kwargs["kv_cache"] = self.kv_cache
         if self.attn_mask is not None:
             kwargs["attn_mask"] = self.attn_mask
+        if self.text_mask is not None:
+            kwargs["encoder_attention_mask"] = self.text_mask
+        if self.pooled_text is not None:
+            kwargs["pooled_projections"] = self.pooled_text
+        if self.guidance is not None:
+            kwargs["guidance"] = self.guidance
         return kwargs
 
     @staticmethod
@@ -74,9 +86,16 @@ class ModelInputs:
                 tuple(torch.cat(parts) for parts in zip(*(b.cross_kv[i] for b in branches)))
                 for i in range(len(first.cross_kv))
             ]
+        text_mask = None
+        if any(b.text_mask is not None for b in branches):  # a branch without padding: all its tokens count
+            text_mask = torch.cat([b.text_mask if b.text_mask is not None else
+                                   torch.ones(b.text.shape[:2], dtype=torch.int64, device=b.text.device)
+                                   for b in branches])
         return ModelInputs(
             text=cat([b.text for b in branches]), cross_kv=cross_kv, kv_cache=first.kv_cache,
             frame_offset=first.frame_offset, attn_mask=first.attn_mask,
             context=cat([b.context for b in branches]), context_timestep=cat([b.context_timestep for b in branches]),
             image=cat([b.image for b in branches]), condition=cat([b.condition for b in branches]),
+            text_mask=text_mask, pooled_text=cat([b.pooled_text for b in branches]),
+            guidance=cat([b.guidance for b in branches]),
         )

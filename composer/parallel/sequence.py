@@ -140,10 +140,13 @@ class SequenceParallel:
     # -- attention ---------------------------------------------------------------------------------
     @torch.compiler.disable  # collectives and Python bookkeeping: compiled blocks call this eagerly
     def attention(self, backend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attn_mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
-        """Self-attention of this rank's tokens [B, F * part, H, d] over the whole sequence (and the KV cache)."""
+                  attn_mask: torch.Tensor | None = None, kv_cache=None, joint_text: int = 0) -> torch.Tensor:
+        """Self-attention of this rank's tokens [B, F * part, H, d] over the whole sequence (and the KV cache).
+        `joint_text`: the last tokens are text every rank holds whole (joint attention, `_joint`)."""
         info = self._info()
         self.check_heads(query.shape[2])
+        if joint_text:
+            return self._joint(backend, query, key, value, attn_mask, joint_text, info)
         u = self.ulysses
         if u > 1:  # [my part of every frame, all heads] -> [the group's parts of every frame, heads / U]
             query, key, value = (self._gather_heads(t, info) for t in (query, key, value))
@@ -157,6 +160,34 @@ class SequenceParallel:
         if u > 1:
             out = self._scatter_heads(out, info)
         return out
+
+    def _joint(self, backend, query, key, value, attn_mask, text_len: int, info: TokenSplit) -> torch.Tensor:
+        """Joint attention over [this rank's video tokens; the whole text] under Ulysses: the video goes to head
+        shards by all-to-all, the text (the same on every rank) is head-sliced locally, attention runs over the
+        whole video followed by the text (`attn_mask` covers that order) for this rank's heads, and the text's
+        output heads are all-gathered back. A ring would have to count the shared text keys once: refused."""
+        if self.ring > 1:
+            raise ConfigError("ring_degree > 1 is not supported for joint video + text attention (HunyuanVideo): "
+                              "use ulysses_degree for its sequence parallelism")
+        u, index = self.ulysses, _rank(self.ulysses_group)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # the text's block of heads this rank computes
+            return t.unflatten(2, (u, -1))[:, :, index]
+
+        video = [t[:, :-text_len] for t in (query, key, value)]
+        text = [heads(t[:, -text_len:]) for t in (query, key, value)]
+        if u > 1:
+            video = [self._gather_heads(t, info) for t in video]
+        q, k, v = (torch.cat([a, b], dim=1) for a, b in zip(video, text))
+        out = run_attention(backend, q, k, v, attn_mask)
+        out_video, out_text = out[:, :-text_len], out[:, -text_len:]
+        if u > 1:
+            out_video = self._scatter_heads(out_video, info)
+            gathered = out_text.new_empty((u * out_text.shape[0], *out_text.shape[1:]))
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(gathered, out_text.contiguous(), group=self.ulysses_group)
+            out_text = gathered.unflatten(0, (u, -1)).permute(1, 2, 0, 3, 4).flatten(2, 3)  # heads in rank order
+        return torch.cat([out_video, out_text], dim=1)
 
     def _gather_heads(self, x: torch.Tensor, info: TokenSplit) -> torch.Tensor:
         """Ulysses all-to-all, then the group's parts of each frame side by side (padding cut when there is no

@@ -6,7 +6,6 @@ from typing import Any
 
 from composer.configs.wan import WanT2VConfig
 from composer.errors import UnsupportedError
-from composer.loader.components import read_config_file
 from composer.loader.model_index import ModelIndex
 from composer.pipelines.base import ComposedPipeline
 from composer.stages.decoding import DecodingStage
@@ -14,7 +13,7 @@ from composer.stages.denoising import DenoisingStage
 from composer.stages.input_validation import InputValidationStage
 from composer.stages.latents import LatentPreparationStage
 from composer.stages.text_encoding import TextEncodingStage
-from composer.stages.timesteps import TimestepPreparationStage, flow_shift_key
+from composer.stages.timesteps import TimestepPreparationStage, folder_flow_shift
 
 
 class WanPipeline(ComposedPipeline):
@@ -48,13 +47,7 @@ class WanPipeline(ComposedPipeline):
     def sampling_defaults(self) -> dict[str, Any]:
         """The default flow_shift is the one the folder's scheduler config states: fine-tuned and distilled
         Wan folders ship their own (5, 8, ...). A config that states none leaves the family's value."""
-        scheduler = self.modules["scheduler"]
-        key = flow_shift_key(scheduler.config)
-        if key is None or scheduler.config.get("use_dynamic_shifting"):
-            return {"flow_shift": None}  # no fixed shift to set: a family value would only be refused later
-        # The file, not `scheduler.config`: diffusers fills an unstated shift with its own default (1.0).
-        stated = read_config_file(self.folder / "scheduler" / scheduler.config_name)
-        return {"flow_shift": stated[key]} if stated.get(key) is not None else {}
+        return folder_flow_shift(self.folder, self.modules["scheduler"])
 
     def create_stages(self) -> None:
         transformer = self.modules["transformer"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from composer.batch import ForwardBatch
+from composer.batch import ForwardBatch, PromptExtras
 from composer.engine import ClassifierFreeGuidance, DenoisingEngine, ModelInputs, SchedulerSteps, StepRule
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
@@ -12,7 +14,8 @@ from composer.stages.validators import V, VerificationResult
 
 class DenoisingStage(Stage):
     """For each timestep: the engine predicts (with CFG, prompt and negative prompt: one batched call by
-    default), combines `uncond + scale * (cond - uncond)`, and the scheduler steps the fp32 latents."""
+    default), combines `uncond + scale * (cond - uncond)`, and the scheduler steps the fp32 latents. The CFG
+    scale is `batch.cfg_scale` (guidance_scale, or true_cfg_scale where guidance is embedded)."""
 
     def __init__(self, engine: DenoisingEngine, progress: bool = True):
         self.engine = engine
@@ -35,12 +38,30 @@ class DenoisingStage(Stage):
         return SchedulerSteps(batch.scheduler, batch.timesteps)
 
     def guidance_scale(self, batch: ForwardBatch) -> float:
-        """The CFG scale of this stage's steps (used when the request has CFG: guidance_scale > 1)."""
-        return batch.guidance_scale
+        """The CFG scale of this stage's steps (used when the request has CFG): `batch.cfg_scale`, i.e.
+        guidance_scale, or true_cfg_scale for a family whose guidance_scale is embedded."""
+        return batch.cfg_scale
 
     def branch_inputs(self, batch: ForwardBatch, text: torch.Tensor) -> ModelInputs:
         """One guidance branch's conditioning, from its text embedding (an image-conditioned stage adds the image)."""
         return self.engine.text_inputs(text)
+
+    def _with_extra(self, inputs: ModelInputs, batch: ForwardBatch, negative: bool) -> ModelInputs:
+        """A branch's conditioning beyond the text states: the text stage's PromptExtras (mask, pooled vector)
+        and the embedded guidance scale, for the families that make them."""
+        extra: dict[str, torch.Tensor] = {}
+        dtype, device = self.engine.transformer.dtype, batch.latents.device
+        found = batch.get(PromptExtras, None)
+        if found is not None:
+            mask = found.negative_mask if negative else found.mask
+            pooled = found.negative_pooled if negative else found.pooled
+            if mask is not None:
+                extra["text_mask"] = mask.to(device)
+            if pooled is not None:
+                extra["pooled_text"] = pooled.to(device, dtype)
+        if batch.embedded_guidance is not None:
+            extra["guidance"] = torch.full((batch.batch_size,), float(batch.embedded_guidance), device=device)
+        return dataclasses.replace(inputs, **extra) if extra else inputs
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
@@ -48,10 +69,11 @@ class DenoisingStage(Stage):
         if len(steps.timesteps) == 0:  # a stage with none of the request's timesteps (one expert of two)
             return batch
         dtype = self.engine.transformer.dtype
-        cond = self.branch_inputs(batch, batch.prompt_embeds.to(dtype))
+        cond = self._with_extra(self.branch_inputs(batch, batch.prompt_embeds.to(dtype)), batch, negative=False)
         uncond, guidance = None, None
         if batch.do_classifier_free_guidance:
-            uncond = self.branch_inputs(batch, batch.negative_prompt_embeds.to(dtype))
+            uncond = self._with_extra(self.branch_inputs(batch, batch.negative_prompt_embeds.to(dtype)), batch,
+                                      negative=True)
             guidance = ClassifierFreeGuidance(self.guidance_scale(batch))
         batch.latents = self.engine.run(batch.latents, steps, cond, uncond, guidance, progress=self.progress)
         return batch

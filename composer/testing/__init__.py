@@ -1,5 +1,6 @@
 """Tiny models in exact diffusers layout, built locally (tests, the demo, benchmarks)."""
 
+from composer.testing.tiny_hunyuan import TinyHunyuanSpec, build_tiny_hunyuan
 from composer.testing.tiny_wan import TinyWanSpec, build_tiny_wan
 from composer.testing.tiny_wan22 import (
     TinyWan22Spec,
@@ -10,6 +11,6 @@ from composer.testing.tiny_wan22 import (
 from composer.testing.tiny_wan_i2v import TinyWanI2VSpec, build_tiny_wan_i2v
 
 __all__ = [
-    "TinyWan22Spec", "TinyWanI2VSpec", "TinyWanSpec", "build_tiny_wan", "build_tiny_wan22_a14b",
-    "build_tiny_wan22_i2v_a14b", "build_tiny_wan22_ti2v", "build_tiny_wan_i2v",
+    "TinyHunyuanSpec", "TinyWan22Spec", "TinyWanI2VSpec", "TinyWanSpec", "build_tiny_hunyuan", "build_tiny_wan",
+    "build_tiny_wan22_a14b", "build_tiny_wan22_i2v_a14b", "build_tiny_wan22_ti2v", "build_tiny_wan_i2v",
 ]

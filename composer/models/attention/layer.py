@@ -53,11 +53,19 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         kv_cache=None,
         token_grid: tuple[int, int, int] | None = None,
+        joint_text: int = 0,
     ) -> torch.Tensor:
         """`kv_cache` (self role only): a layer handle of `composer.cache.KVCache` positioned on this pass;
         `update(k, v)` stores this pass's keys/values and returns every key/value the pass may see.
         `token_grid` (self role): the (frames, rows, cols) the tokens lie on, frame-major, for a windowed
-        backend; only a pass over the whole grid (no KV cache, one device) hands it on."""
+        backend; only a pass over the whole grid (no KV cache, one device) hands it on.
+        `joint_text` (self role): the last `joint_text` tokens are text that every sequence-parallel rank holds
+        whole, after this rank's video tokens (joint attention: HunyuanVideo); `attn_mask` then covers the whole
+        video followed by the text."""
+        if joint_text and self.parallel is not None and self.role == "self":
+            if kv_cache is not None:
+                raise ValueError("joint text attention takes no KV cache")
+            return self.parallel.attention(self.backend, query, key, value, attn_mask, joint_text=joint_text)
         if kv_cache is not None:
             if self.role != "self":
                 raise ValueError("only self-attention keeps a KV cache; cross-attention takes precomputed text k/v")

@@ -17,15 +17,18 @@ def rope_frequencies(
     frame_offset: int = 0,
     theta: float = 10000.0,
     device: torch.device | None = None,
+    axis_dims: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [1, F*H*W, 1, head_dim // 2] for a token grid of (frames, rows, cols).
 
     Angles are computed in float64 and rounded to fp32 once. `frame_offset` shifts frame positions (a block
-    of frames that starts at an absolute frame index).
+    of frames that starts at an absolute frame index). `axis_dims`: the channels of each axis when the model
+    states them (HunyuanVideo's `rope_axes_dim`); default Wan's rule, `rope_axis_dims(head_dim)`.
     """
     frames, rows, cols = grid
     axis_cos, axis_sin = [], []
-    for dim, length, offset in zip(rope_axis_dims(head_dim), grid, (frame_offset, 0, 0)):
+    dims = rope_axis_dims(head_dim) if axis_dims is None else axis_dims
+    for dim, length, offset in zip(dims, grid, (frame_offset, 0, 0)):
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         angles = torch.outer(torch.arange(offset, offset + length, dtype=torch.float64), inv_freq)
         axis_cos.append(angles.cos().float())

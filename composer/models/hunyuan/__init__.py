@@ -1,0 +1,1 @@
+"""HunyuanVideo: composer's own DiT for diffusers' `HunyuanVideoTransformer3DModel` checkpoints."""

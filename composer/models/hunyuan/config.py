@@ -1,0 +1,75 @@
+"""HunyuanVideoTransformerConfig: read from a diffusers `config.json` (`HunyuanVideoTransformer3DModel`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from composer.errors import ModelFormatError, UnsupportedError
+from composer.logging import get_logger
+
+logger = get_logger(__name__)
+
+_IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path"}
+
+
+@dataclass
+class HunyuanVideoTransformerConfig:
+    """HunyuanVideo DiT hyper-parameters, with diffusers' names and the released 13B model's values."""
+
+    in_channels: int = 16
+    out_channels: int = 16
+    num_attention_heads: int = 24
+    attention_head_dim: int = 128
+    num_layers: int = 20  # dual-stream blocks
+    num_single_layers: int = 40  # single-stream blocks
+    num_refiner_layers: int = 2  # text token refiner blocks
+    mlp_ratio: float = 4.0
+    patch_size: int = 2
+    patch_size_t: int = 1
+    qk_norm: str = "rms_norm"
+    guidance_embeds: bool = True
+    text_embed_dim: int = 4096
+    pooled_projection_dim: int = 768
+    rope_theta: float = 256.0
+    rope_axes_dim: tuple[int, int, int] = (16, 56, 56)
+    image_condition_type: str | None = None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> HunyuanVideoTransformerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known - _IGNORED_KEYS)
+        if unknown:
+            logger.debug("ignoring transformer config keys %s", unknown)
+        values = {k: v for k, v in raw.items() if k in known}
+        if "rope_axes_dim" in values:
+            values["rope_axes_dim"] = tuple(values["rope_axes_dim"])
+        if values.get("out_channels") is None:
+            values["out_channels"] = values.get("in_channels", cls.in_channels)
+        config = cls(**values)
+        config.check_supported()
+        return config
+
+    def check_supported(self) -> None:
+        if self.image_condition_type is not None:
+            raise UnsupportedError(
+                f"this HunyuanVideo transformer takes image conditioning (image_condition_type = "
+                f"{self.image_condition_type!r}: an image-to-video checkpoint); composer serves HunyuanVideo "
+                "text-to-video so far"
+            )
+        if self.qk_norm != "rms_norm":
+            raise UnsupportedError(f"qk_norm = {self.qk_norm!r}: composer's HunyuanVideo DiT implements 'rms_norm'")
+        if sum(self.rope_axes_dim) != self.attention_head_dim or any(d % 2 for d in self.rope_axes_dim):
+            raise ModelFormatError(
+                f"rope_axes_dim {list(self.rope_axes_dim)} must be even sizes adding up to attention_head_dim "
+                f"({self.attention_head_dim})"
+            )
