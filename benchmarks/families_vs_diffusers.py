@@ -141,6 +141,13 @@ def run_family(name: str, family: Family, root: Path, args, device: torch.device
     timer = TransformerTimer(transformers, device)
     first = gen.generate_video(PROMPT, negative_prompt=NEGATIVE_PROMPT, **request)
     call = diffusers_kwargs(pipe, first.sampling, {k: v for k, v in request.items() if k != "seed"})
+    if family.diffusers_class == "HunyuanVideoPipeline":
+        # diffusers hard-codes the template's length in the released Llama tokenizer (95 tokens); composer counts
+        # it with the folder's tokenizer, so a tiny folder's tokenizer needs diffusers told the same crop
+        from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+        crop = gen.pipeline.stage("TemplateTextEncodingStage").crop_start
+        call["prompt_template"] = {"template": DEFAULT_PROMPT_TEMPLATE["template"], "crop_start": crop}
 
     def run_composer() -> tuple[np.ndarray, float, float]:
         result = gen.generate_video(PROMPT, negative_prompt=NEGATIVE_PROMPT, **request)
