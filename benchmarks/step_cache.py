@@ -257,7 +257,7 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--method", default="teacache,dbcache,diffusers,cache-dit",
-                        help="comma-separated rows to run: teacache, dbcache, diffusers (FirstBlockCache), cache-dit")
+                        help="comma-separated rows to run: teacache, dbcache, diffusers (FirstBlockCache), cache-dit; none")
     parser.add_argument("--thresholds", default="0.05,0.1,0.2,0.4", help="teacache's thresholds")
     parser.add_argument("--dbcache-thresholds", default="0.05,0.1,0.2,0.4",
                         help="composer's dbcache, diffusers' FirstBlockCache and cache-dit's DBCache thresholds")
@@ -268,13 +268,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="an extra composer row with these runtime settings (e.g. quantize=int8); repeatable")
     parser.add_argument("--score", type=int, default=0, metavar="N",
                         help="instead of timing: prompt score and PSNR over N demo prompts (shapes model only)")
     args = parser.parse_args()
     if args.score and (args.model_path or args.preset != "shapes"):
         parser.error("--score reads the shapes world: it runs on the embedded shapes model only")
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
-    unknown = set(methods) - {"teacache", "dbcache", "diffusers", "cache-dit"}
+    unknown = set(methods) - {"teacache", "dbcache", "diffusers", "cache-dit", "none"}
     if unknown:
         parser.error(f"--method: unknown {', '.join(sorted(unknown))} (expected teacache, dbcache, diffusers, "
                      "cache-dit)")
@@ -320,6 +322,12 @@ def main() -> None:
                           dict(cache="dbcache", cache_threshold=t, cache_fn_blocks=args.fn_blocks,
                                cache_bn_blocks=args.bn_blocks, cache_taylorseer=taylor))
                          for t in thresholds(args.dbcache_thresholds)]
+
+    for text in args.setting:
+        pairs = [p.partition("=") for p in text.split(",") if p.strip()]
+        if any(not value for _, _, value in pairs):
+            parser.error(f"--setting {text!r}: expected KEY=VALUE[,KEY=VALUE]")
+        settings.append((f"composer {text}", {k.strip(): v.strip() for k, _, v in pairs}))
 
     if args.score:
         score_settings(settings, runtime, args.score, args.steps, args.seed)
