@@ -148,11 +148,12 @@ def test_index_listing_a_missing_shard(transformer_dir):
         load(transformer_dir)
 
 
-def test_unsupported_image_conditioned_transformer(transformer_dir):
+def test_half_configured_image_cross_attention_is_refused(transformer_dir):
+    """image_dim without added_kv_proj_dim: no image k/v to load (a full I2V config loads: test_wan_i2v_dit)."""
     from composer.errors import UnsupportedError
 
     config = json.loads((transformer_dir / "config.json").read_text())
     config["image_dim"] = 1280
     (transformer_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedError, match="image conditioning"):
+    with pytest.raises(UnsupportedError, match="image_dim = 1280 but added_kv_proj_dim = None"):
         load(transformer_dir)

@@ -19,6 +19,7 @@ import atexit
 import itertools
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -276,22 +277,45 @@ def _quiet_other_ranks(state: ParallelState) -> None:
     set_rank(state.rank, state.world_size)
 
 
+_LEFT_KEY = "composer/left"
+
+
+def _wait_for_peers_to_leave(store, world_size: int) -> None:
+    deadline = time.monotonic() + EXIT_BARRIER_S
+    try:
+        while store.add(_LEFT_KEY, 0) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - a store that fails now cannot be waited on
+        pass
+
+
 def shutdown() -> None:
     """Leave the process group composer joined (called at exit): every rank exits cleanly."""
     global _STATE, _OWNS_PROCESS_GROUP
     if _OWNS_PROCESS_GROUP and dist.is_initialized():
+        store, rank, world = None, dist.get_rank(), dist.get_world_size()
         try:
             if dist.get_backend() == "gloo":
                 # every rank done talking before any tears its gloo context down (a rank leaving while a peer
                 # still finishes its last collective can abort the peer at exit); short, as a rank that failed
                 # or died never comes
                 dist.monitored_barrier(timeout=timedelta(seconds=EXIT_BARRIER_S))
+                store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - a peer that already left must not turn a clean exit into an error
             pass
+        if store is not None and rank == 0:
+            # rank 0 leaves last when it hosts the TCP store: a peer still tearing down when the store went
+            # away aborted (SIGABRT) at exit; bounded, as a peer that died never says it left
+            _wait_for_peers_to_leave(store, world)
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - as above
             pass
+        if store is not None and rank != 0:
+            try:
+                store.add(_LEFT_KEY, 1)
+            except Exception:  # noqa: BLE001 - rank 0 gone already: nothing left to tell
+                pass
     _OWNS_PROCESS_GROUP = False
     _STATE = None
 

@@ -9,9 +9,12 @@ than left hanging, and a collective whose peer died fails after `collective_time
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,7 +53,8 @@ _PORT_TAKEN = ("EADDRINUSE", "Address already in use")
 def _spawn_once(worker, world_size: int, args: tuple, timeout_s: float, collective_timeout_s: float,
                 threads: int) -> None:
     port = free_port()
-    ctx = mp.spawn(_init_and_run, args=(world_size, port, worker, args, collective_timeout_s, threads),
+    done = tempfile.mkdtemp(prefix="composer-spawn-")
+    ctx = mp.spawn(_init_and_run, args=(world_size, port, worker, args, collective_timeout_s, threads, done),
                    nprocs=world_size, join=False)
     deadline = time.monotonic() + timeout_s
     try:
@@ -61,10 +65,11 @@ def _spawn_once(worker, world_size: int, args: tuple, timeout_s: float, collecti
         for process in ctx.processes:
             if process.is_alive():
                 process.kill()
+        shutil.rmtree(done, ignore_errors=True)
 
 
 def _init_and_run(rank: int, world_size: int, port: int, worker, args, collective_timeout_s: float,
-                  threads: int) -> None:
+                  threads: int, done: str) -> None:
     torch.set_num_threads(threads)  # shared cores: P processes with few threads each
     # what torchrun sets: composer's own initialisation (composer.parallel.state) reads the same variables
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -77,4 +82,19 @@ def _init_and_run(rank: int, world_size: int, port: int, worker, args, collectiv
         # peer still talks to it once aborted the peer at exit ("terminate called without an active exception").
         dist.barrier()
     finally:
+        _leave(rank, world_size, Path(done))
+
+
+def _leave(rank: int, world_size: int, done: Path, wait_s: float = 10.0) -> None:
+    """Destroy the process group, rank 0 last: rank 0 hosts the TCP store the others' groups hold on to, and a
+    rank still tearing down when the store went away aborted (SIGABRT, "terminate called without an active
+    exception"), seen in CI even after the barrier above. The others say they are done with a file; rank 0 waits
+    for them (bounded: a rank that died does not hold rank 0 forever)."""
+    if rank != 0:
         dist.destroy_process_group()
+        (done / str(rank)).touch()
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all((done / str(r)).exists() for r in range(1, world_size)):
+        time.sleep(0.02)
+    dist.destroy_process_group()
