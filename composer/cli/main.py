@@ -1,4 +1,4 @@
-"""`composer <verb>`: generate, models, convert. A ComposerError prints as one line and exits 1; no traceback."""
+"""`composer <verb>`: generate, models, convert, serve. A ComposerError prints as one line and exits 1; no traceback."""
 
 from __future__ import annotations
 
@@ -19,16 +19,17 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from composer import __version__
-    from composer.cli import convert, generate, models
+    from composer.cli import convert, generate, models, serve
 
     parser = ArgumentParser(
         prog="composer", description="Inference engine for video diffusion models.", allow_abbrev=False
     )
     parser.add_argument("--version", action="version", version=f"composer {__version__}")
-    sub = parser.add_subparsers(dest="verb", required=True, metavar="{generate,models,convert}")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="{generate,models,convert,serve}")
     generate.add_parser(sub)
     models.add_parser(sub)
     convert.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,7 @@
+"""`composer serve`: an HTTP jobs API (OpenAI-video-client shaped) over one loaded VideoGenerator.
+
+    app.py       the FastAPI app: routes, error responses, /health, /metrics
+    requests.py  a JSON body -> a checked SamplingParam (the checks generate_video makes, plus server limits)
+    jobs.py      job records and their persistence in the output folder
+    worker.py    the one worker thread running jobs in order (progress, cancel, timeout)
+"""

@@ -1,0 +1,216 @@
+"""The FastAPI app of `composer serve`: the jobs API, /health and /metrics over one generator.
+
+Everything mutable lives on the `ServerState` held by the app (`app.state.composer`): the generator (loaded in
+a background thread, so /health answers 503 until it is ready), the job store and the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request  # the serve extra: `composer serve` checks it is installed first
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
+
+from composer.logging import get_logger
+from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, JobStore, new_job_id
+from composer.serve.requests import RequestProblem, ServerLimits, check_body
+from composer.serve.worker import QueueFull, Worker
+
+logger = get_logger(__name__)
+
+MAX_BODY_BYTES = 16 * 2**20
+
+
+@dataclass
+class ServeConfig:
+    """How a server runs: where jobs go, how many may wait, the per-request limits and timeout."""
+
+    output_dir: Path = Path("outputs/serve")
+    max_queue: int = 16
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    request_timeout: float | None = 1800.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    loras: list[str] = field(default_factory=list)  # names of the adapters loaded at start (file stems)
+
+
+class ServerState:
+    """The app's one piece of mutable state: the generator once loaded, the store, the worker."""
+
+    def __init__(self, load: Callable[[], Any], config: ServeConfig):
+        self.config = config
+        self.store = JobStore(config.output_dir)
+        self.generator: Any = None
+        self.worker: Worker | None = None
+        self.load_error: str | None = None
+        self._load = load
+        self._thread = threading.Thread(target=self._load_model, name="composer-serve-load", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _load_model(self) -> None:
+        try:
+            generator = self._load()
+        except Exception as exc:  # noqa: BLE001 - reported by /health; the CLI checks flags before this
+            logger.error("loading the model failed: %s", exc)
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.worker = Worker(generator, self.store, self.config.max_queue, self.config.request_timeout)
+        self.generator = generator
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+
+def error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
+    """An OpenAI-style error body: {"error": {"message", "type", "param"}}."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": field, "code": status}}, status,
+                        headers=headers)
+
+
+def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
+    """The app serving the generator `load()` returns (called once, in a background thread at startup)."""
+    state = ServerState(load, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start()
+        yield
+        state.stop()
+
+    app = FastAPI(title="composer serve", description="Video generation jobs (OpenAI video API shaped).",
+                  lifespan=lifespan)
+    app.state.composer = state
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return error(422, str(exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error serving %s", request.url.path)
+        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    def ready():
+        if state.generator is None:
+            why = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"
+            return error(503, why, headers={"Retry-After": "5"})
+        return None
+
+    def find(job_id: str) -> Job | Any:
+        job = state.store.get(job_id)
+        return job if job is not None else error(404, f"no job {job_id!r} (GET /v1/videos lists the jobs)", "id")
+
+    @app.get("/health")
+    async def health():
+        """200 once the model is loaded, 503 while loading (or when loading failed)."""
+        return ready() or {"status": "ok", "model": state.generator.model_path, "family": state.generator.family}
+
+    @app.post("/v1/videos", status_code=200)
+    async def create_video(request: Request):
+        """Queue a video. The body's fields are generate_video's (prompt, height, width, num_frames, ...);
+        `size` ("WIDTHxHEIGHT") and `seconds` are accepted as OpenAI's aliases."""
+        if (not_ready := ready()) is not None:
+            return not_ready
+        try:
+            body = await _read_json(request, config.max_body_bytes)
+            checked = check_body(body, state.generator, config.limits, config.loras)
+        except RequestProblem as exc:
+            return error(exc.status, str(exc), exc.field)
+        job = Job(new_job_id(), checked.params, model=str(state.generator.model_path), inputs=checked.inputs)
+        state.store.add(job)
+        try:
+            state.worker.submit(job)
+        except QueueFull:
+            state.store.remove(job.id)
+            return error(429, f"the queue is full ({config.max_queue} jobs waiting); retry later", None,
+                         headers={"Retry-After": "10"})
+        return job.to_json()
+
+    @app.get("/v1/videos")
+    async def list_videos():
+        """Every job, oldest first."""
+        return {"object": "list", "data": [job.to_json() for job in state.store.all()]}
+
+    @app.get("/v1/videos/{job_id}")
+    async def get_video(job_id: str):
+        """A job's status: queued, in_progress (with progress 0..1), completed, failed (with the error), cancelled."""
+        job = find(job_id)
+        return job.to_json() if isinstance(job, Job) else job
+
+    @app.get("/v1/videos/{job_id}/content")
+    async def get_content(job_id: str):
+        """The finished video (mp4); 409 while the job is not completed."""
+        job = find(job_id)
+        if not isinstance(job, Job):
+            return job
+        if job.status != COMPLETED:
+            return error(409, f"job {job_id} is {job.status}: the video is available once it is completed", "id")
+        path = state.store.video_path(job_id)
+        if not path.is_file():
+            return error(404, f"the video of job {job_id} is missing from the output folder", "id")
+        return FileResponse(path, media_type="video/mp4", filename=f"{job_id}.mp4")
+
+    @app.delete("/v1/videos/{job_id}")
+    async def delete_video(job_id: str):
+        """Cancel a queued or running job (a running one stops at its next transformer block)."""
+        job = find(job_id)
+        if not isinstance(job, Job):
+            return job
+        if job.status in FINISHED:
+            return error(409, f"job {job_id} is already {job.status}", "id")
+        if state.worker is None or not state.worker.cancel(job):
+            return error(409, f"job {job_id} is already {job.status}", "id")
+        return job.to_json()
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        """Prometheus text format: queue length, jobs by state, seconds per denoising step."""
+        worker = state.worker
+        lines = ["# HELP composer_ready 1 once the model is loaded", "# TYPE composer_ready gauge",
+                 f"composer_ready {int(state.generator is not None)}",
+                 "# HELP composer_queue_length jobs waiting for the worker", "# TYPE composer_queue_length gauge",
+                 f"composer_queue_length {worker.queue_length if worker else 0}",
+                 "# HELP composer_jobs jobs by state", "# TYPE composer_jobs gauge"]
+        counts = state.store.counts()
+        lines += [f'composer_jobs{{state="{s}"}} {counts[s]}' for s in STATES]
+        lines += ["# HELP composer_step_seconds denoising step time", "# TYPE composer_step_seconds summary",
+                  f"composer_step_seconds_sum {worker.step_seconds_sum if worker else 0.0:.6f}",
+                  f"composer_step_seconds_count {worker.steps if worker else 0}",
+                  f"# generated at {time.time():.0f}"]
+        return "\n".join(lines) + "\n"
+
+    return app
+
+
+async def _read_json(request: Any, limit: int) -> Any:
+    """The body as JSON: 413 past `limit` bytes (by Content-Length or as read), 400 when it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestProblem(f"the body is {int(declared)} bytes; this server accepts at most {limit}", status=413)
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise RequestProblem(f"the body is over {limit} bytes, the most this server accepts", status=413)
+    if not data:
+        raise RequestProblem("the body is empty: send a JSON object with at least a prompt", status=400)
+    try:
+        return json.loads(bytes(data))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestProblem(f"the body is not valid JSON ({exc})", status=400) from None

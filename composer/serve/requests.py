@@ -1,0 +1,185 @@
+"""A JSON body -> the keyword arguments of generate_video, checked as generate_video checks them, plus the
+server's limits. Every problem is a RequestProblem naming the field (an HTTP 4xx)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import io
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from composer._fields import base_type, field_types
+from composer.errors import ComposerError
+from composer.request_check import ModelLimits, RequestError, check_request
+
+# Set by the server, never by a request: where the video goes, and one video per job.
+SERVER_FIELDS = ("output_path", "overwrite", "num_videos_per_prompt")
+IMAGE_FIELDS = ("image", "last_image", "start_image")
+ALIASES = ("size", "seconds", "lora", "lora_scale")
+SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+
+
+class RequestProblem(Exception):
+    """A request the server refuses: `status` (400, 413, 422...), the message, and the field at fault."""
+
+    def __init__(self, message: str, field: str | None = None, status: int = 422):
+        super().__init__(message)
+        self.field = field
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-request limits of `composer serve` (None: no limit beyond the model's)."""
+
+    max_frames: int | None = 81
+    max_size: int | None = 1280  # the longer side, in pixels
+    max_steps: int | None = 100
+
+
+@dataclass
+class CheckedRequest:
+    """What a job runs: JSON-safe SamplingParam fields (the record) and decoded input images."""
+
+    params: dict[str, Any]
+    inputs: dict[str, Any]
+
+
+def check_body(body: Any, generator: Any, limits: ServerLimits, loras: list[str]) -> CheckedRequest:
+    """Check a parsed JSON body for `generator`; RequestProblem on the first class of problem found."""
+    if not isinstance(body, dict):
+        raise RequestProblem(f"the body must be a JSON object of request fields, not {type(body).__name__}")
+    defaults = generator.default_sampling
+    hints = field_types(type(defaults))
+    accepted = [name for name in hints if name not in SERVER_FIELDS and not name.startswith("_")]
+    unknown = [key for key in body if key not in accepted and key not in ALIASES]
+    image_keys = [key for key in unknown if key in IMAGE_FIELDS]
+    if image_keys:
+        raise RequestProblem(f"{image_keys[0]} given, but {generator.family} is a text-to-video model and takes no "
+                             "input image; use an image-to-video model", image_keys[0])
+    if unknown:
+        raise RequestProblem(f"unknown field {unknown[0]!r}: accepted fields are {', '.join(accepted + list(ALIASES))}",
+                             unknown[0])
+    if "prompt" not in body:
+        raise RequestProblem("prompt is required: a non-empty string", "prompt")
+    params: dict[str, Any] = {}
+    inputs: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in ALIASES or value is None:
+            continue
+        if key in IMAGE_FIELDS:
+            inputs[key] = decode_image(value, key)
+        else:
+            params[key] = _typed(key, value, hints[key])
+    _apply_aliases(body, params, generator)
+    _check_lora(body, loras)
+    _check_limits(params, defaults, limits)
+    try:
+        sp = defaults.updated(**params, **inputs)
+        check_request(sp, ModelLimits.from_pipeline(generator.pipeline))
+    except RequestError as exc:
+        raise RequestProblem(str(exc), exc.failures[0][0].split("[")[0]) from None
+    except ComposerError as exc:
+        raise RequestProblem(str(exc)) from None
+    if sp.seed is None:  # a fixed seed, so the record says how to make the video again
+        import random
+
+        sp = sp.updated(seed=random.randrange(2**31))
+    record = {k: v for k, v in dataclasses.asdict(sp).items()
+              if k not in SERVER_FIELDS and k not in IMAGE_FIELDS and _json_safe(v)}
+    return CheckedRequest(record, inputs)
+
+
+def _typed(key: str, value: Any, annotation: Any) -> Any:
+    """JSON types as the field's: an integer for int fields (not true/false, not 1.5), a number for floats."""
+    typ = base_type(annotation)
+    ok = {int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          bool: isinstance(value, bool), str: isinstance(value, str)}.get(typ, True)
+    if typ is float and ok and value != value:  # NaN cannot come from JSON, but be sure
+        ok = False
+    if not ok:
+        kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[typ]
+        raise RequestProblem(f"{key} = {value!r}: expected {kind}", key)
+    return value
+
+
+def _apply_aliases(body: dict, params: dict[str, Any], generator: Any) -> None:
+    """OpenAI's `size` ("WIDTHxHEIGHT") and `seconds` (at the request's fps) as composer's fields."""
+    if "size" in body:
+        if "height" in body or "width" in body:
+            raise RequestProblem("give size or height/width, not both", "size")
+        match = SIZE.match(body["size"]) if isinstance(body["size"], str) else None
+        if match is None:
+            raise RequestProblem(f"size = {body['size']!r}: expected \"WIDTHxHEIGHT\", e.g. \"832x480\"", "size")
+        params["width"], params["height"] = int(match.group(1)), int(match.group(2))
+    if "seconds" in body:
+        if "num_frames" in body:
+            raise RequestProblem("give seconds or num_frames, not both", "seconds")
+        seconds = body["seconds"]
+        if isinstance(seconds, str):  # OpenAI's client sends "4"
+            try:
+                seconds = float(seconds)
+            except ValueError:
+                seconds = None
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 3600:
+            raise RequestProblem(f"seconds = {body['seconds']!r}: expected a number of seconds > 0", "seconds")
+        fps = params.get("fps", generator.default_sampling.fps)
+        limits = ModelLimits.from_pipeline(generator.pipeline)
+        t = limits.temporal_factor or 1
+        params["num_frames"] = max(0, round(seconds * fps) - 1) // t * t + 1  # a valid length (t k + 1 frames)
+
+
+def _check_lora(body: dict, loras: list[str]) -> None:
+    """`lora` names an adapter loaded at start (every loaded adapter applies to every video)."""
+    if "lora_scale" in body:
+        raise RequestProblem("lora_scale per request is not supported: adapters are set when the server starts "
+                             "(--lora-path, --lora-scale)", "lora_scale")
+    if "lora" not in body:
+        return
+    name = body["lora"]
+    if not isinstance(name, str) or name not in loras:
+        have = ", ".join(loras) if loras else "none (start the server with --lora-path)"
+        raise RequestProblem(f"lora = {name!r}: expected one of the loaded adapters: {have}", "lora")
+
+
+def _check_limits(params: dict[str, Any], defaults: Any, limits: ServerLimits) -> None:
+    """The server's limits, named by field (after the model's own checks would find nothing to add)."""
+    frames = params.get("num_frames", defaults.num_frames)
+    if limits.max_frames is not None and isinstance(frames, int) and frames > limits.max_frames:
+        raise RequestProblem(f"num_frames = {frames}: this server allows at most {limits.max_frames}", "num_frames")
+    for key in ("height", "width"):
+        value = params.get(key, getattr(defaults, key))
+        if limits.max_size is not None and isinstance(value, int) and value > limits.max_size:
+            raise RequestProblem(f"{key} = {value}: this server allows at most {limits.max_size}", key)
+    steps = params.get("num_inference_steps", defaults.num_inference_steps)
+    if limits.max_steps is not None and isinstance(steps, int) and steps > limits.max_steps:
+        raise RequestProblem(f"num_inference_steps = {steps}: this server allows at most {limits.max_steps}",
+                             "num_inference_steps")
+
+
+def decode_image(value: Any, key: str) -> Any:
+    """A base64 string or a `data:image/...;base64,` URL -> an RGB PIL image."""
+    import PIL.Image
+
+    if not isinstance(value, str):
+        raise RequestProblem(f"{key}: expected a base64-encoded image (or a data URL), not {type(value).__name__}",
+                             key)
+    text = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestProblem(f"{key}: expected base64-encoded image data (it does not decode as base64)", key) from None
+    try:
+        with PIL.Image.open(io.BytesIO(data)) as image:
+            image.load()
+            return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as exc:
+        raise RequestProblem(f"{key}: the base64 data is not a readable image ({exc})", key) from None
+
+
+def _json_safe(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool, list))

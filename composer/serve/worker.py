@@ -1,0 +1,155 @@
+"""The worker: one thread taking jobs from a bounded queue and running them one after another on the generator.
+
+The HTTP loop only queues and reads records; it never waits on generation. A job's CancelToken stops it at the
+next transformer block (DELETE, or the request timeout); any exception fails that job alone and the worker
+goes on with the next.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from composer.cancel import CancelToken
+from composer.engine.engine import EngineHook, StepInfo
+from composer.errors import Cancelled
+from composer.logging import get_logger
+from composer.serve.jobs import CANCELLED, COMPLETED, FAILED, IN_PROGRESS, QUEUED, Job, JobStore
+from composer.video import save_video
+
+logger = get_logger(__name__)
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` jobs already."""
+
+
+class ProgressHook(EngineHook):
+    """Engine hook: after each denoising step, the running job's progress and the seconds the step took."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self._last = time.perf_counter()
+
+    def before_step(self, info: StepInfo) -> None:
+        if info.index == 0:
+            self._last = time.perf_counter()
+
+    def after_step(self, info: StepInfo) -> None:
+        now = time.perf_counter()
+        self.worker.step_done(now - self._last, (info.index + 1) / max(info.num_steps, 1))
+        self._last = now
+
+
+class Worker:
+    """Runs queued jobs in order on `generator` (anything with VideoGenerator's generate_video)."""
+
+    def __init__(self, generator: Any, store: JobStore, max_queue: int, request_timeout: float | None):
+        self.generator = generator
+        self.store = store
+        self.request_timeout = request_timeout
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._tokens: dict[str, CancelToken] = {}
+        self._lock = threading.Lock()
+        self._running: Job | None = None
+        self.step_seconds_sum = 0.0
+        self.steps = 0
+        self._engines = list(getattr(getattr(generator, "pipeline", None), "engines", []))
+        self._hook = ProgressHook(self)
+        for engine in self._engines:
+            engine.add_hook(self._hook)
+        self._thread = threading.Thread(target=self._loop, name="composer-serve-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_length(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        """Queue `job` (QueueFull when the queue is full)."""
+        with self._lock:
+            self._tokens[job.id] = CancelToken()
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            with self._lock:
+                self._tokens.pop(job.id, None)
+            raise QueueFull from None
+
+    def cancel(self, job: Job) -> bool:
+        """Cancel a queued job (it is skipped) or a running one (it stops at the next block); False when done."""
+        with self._lock:
+            token = self._tokens.get(job.id)
+            if token is None or job.status not in (QUEUED, IN_PROGRESS):
+                return False
+            token.cancel("cancelled by the client")
+            if job.status == QUEUED:  # the worker skips it when it comes up
+                self.store.update(job, status=CANCELLED, completed_at=time.time(), error=None)
+        return True
+
+    def step_done(self, seconds: float, progress: float) -> None:
+        job = self._running
+        if job is None:  # someone else's call on the same generator
+            return
+        self.step_seconds_sum += seconds
+        self.steps += 1
+        self.store.update(job, persist=False, progress=min(progress, 0.99))
+
+    def stop(self) -> None:
+        """Cancel the running job and end the thread after it (queued jobs stay queued on disk: failed on restart)."""
+        with self._lock:
+            if self._running is not None and self._running.id in self._tokens:
+                self._tokens[self._running.id].cancel("the server is shutting down")
+        self._queue.put(None)  # blocks only while the queue is full, which the cancel drains
+        self._thread.join(timeout=30)
+        for engine in self._engines:
+            if self._hook in engine.hooks:
+                engine.hooks.remove(self._hook)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                token = self._tokens.get(job.id)
+                if token is None or token.cancelled or job.status != QUEUED:
+                    self._tokens.pop(job.id, None)
+                    continue
+                self._running = job
+                self.store.update(job, status=IN_PROGRESS, started_at=time.time())
+            try:
+                self._run(job, token)
+            finally:
+                with self._lock:
+                    self._running = None
+                    self._tokens.pop(job.id, None)
+
+    def _run(self, job: Job, token: CancelToken) -> None:
+        timer = None
+        if self.request_timeout:
+            timer = threading.Timer(self.request_timeout, token.cancel, args=("timeout",))
+            timer.daemon = True
+            timer.start()
+        try:
+            result = self.generator.generate_video(cancel=token, **job.request, **job.inputs)
+            save_video(result.frames, self.store.video_path(job.id), fps=job.request.get("fps", 16))
+        except Cancelled:
+            if token.reason == "timeout":
+                self._finish(job, FAILED, f"the job ran past the request timeout ({self.request_timeout:g} s) and "
+                             "was cancelled")
+            else:
+                self._finish(job, CANCELLED, None)
+        except Exception as exc:  # noqa: BLE001 - one failing job must not stop the server
+            logger.warning("job %s failed: %s: %s", job.id, type(exc).__name__, exc)
+            self._finish(job, FAILED, f"{type(exc).__name__}: {exc}")
+        else:
+            self._finish(job, COMPLETED, None, progress=1.0)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _finish(self, job: Job, status: str, error: str | None, **changes: Any) -> None:
+        self.store.update(job, status=status, error=error, completed_at=time.time(), **changes)

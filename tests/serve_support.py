@@ -1,0 +1,78 @@
+"""A real `composer serve` app on 127.0.0.1 (uvicorn in a thread, a free port) for the serve tests, and a
+small stdlib HTTP client (no httpx)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from composer.serve.app import ServeConfig, create_app
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Server:
+    """A running server; `request` talks to it, `stop` shuts it down (the worker too)."""
+
+    def __init__(self, load: Callable[[], Any], config: ServeConfig):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.app = create_app(load, config)
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                     lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.time() + 60
+        while not self._server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def request(self, method: str, path: str, body: Any = None, raw: bytes | None = None,
+                headers: dict | None = None) -> Reply:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        hdrs = {"Content-Type": "application/json", **(headers or {})}
+        try:
+            conn.request(method, path, body=data, headers=hdrs)
+            resp = conn.getresponse()
+            return Reply(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+        finally:
+            conn.close()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while self.request("GET", "/health").status != 200:
+            assert time.time() < deadline, "the model did not load"
+            time.sleep(0.05)
+
+    def wait(self, job_id: str, states: tuple[str, ...] = ("completed", "failed", "cancelled"),
+             timeout: float = 60) -> dict:
+        deadline = time.time() + timeout
+        while True:
+            job = self.request("GET", f"/v1/videos/{job_id}").json
+            if job["status"] in states:
+                return job
+            assert time.time() < deadline, f"job {job_id} stayed {job['status']}"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)

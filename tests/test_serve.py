@@ -1,0 +1,194 @@
+"""`composer serve` end to end: a real server on 127.0.0.1 over the embedded shapes model (2 steps, 5 frames).
+
+Jobs that must stay queued or running for a while, or must fail, run on a scripted wrapper of the loaded
+generator (prompts starting "gate" wait for the test, "boom" raise); the rest generate real videos."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from serve_support import Server
+
+from composer.errors import Cancelled
+from composer.generator import VideoGenerator
+from composer.serve.app import ServeConfig
+from composer.serve.requests import ServerLimits
+from composer.video import read_frames
+
+SMALL = {"num_inference_steps": 2, "num_frames": 5}
+
+
+class Scripted:
+    """The real generator, except for prompts starting "gate" (wait for `gate`, cancellable) and "boom" (raise)."""
+
+    def __init__(self, generator: VideoGenerator):
+        self._generator = generator
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def generate_video(self, prompt=None, *, cancel=None, **kwargs):
+        if prompt.startswith("boom"):
+            raise RuntimeError("boom: the transformer exploded")
+        if prompt.startswith("gate"):
+            while not self.gate.wait(0.01):
+                if cancel is not None and cancel.cancelled:
+                    raise Cancelled("request cancelled")
+            return self._generator.generate_video(prompt, cancel=cancel, **{**kwargs, **SMALL})
+        return self._generator.generate_video(prompt, cancel=cancel, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def generator():
+    return VideoGenerator.from_pretrained(None, progress=False)
+
+
+@pytest.fixture
+def scripted(generator):
+    return Scripted(generator)
+
+
+@pytest.fixture
+def server(scripted, tmp_path):
+    config = ServeConfig(output_dir=tmp_path / "serve", limits=ServerLimits(max_steps=1000))
+    srv = Server(lambda: scripted, config)
+    srv.wait_ready()
+    yield srv
+    scripted.gate.set()
+    srv.stop()
+
+
+def submit(srv: Server, prompt: str, **fields) -> str:
+    reply = srv.request("POST", "/v1/videos", {"prompt": prompt, "seed": 3, **SMALL, **fields})
+    assert reply.status == 200, reply.body
+    assert reply.json["status"] == "queued"
+    return reply.json["id"]
+
+
+def test_a_failing_job_fails_alone_and_the_next_gives_generate_videos_frames(server, generator, tmp_path):
+    bad = submit(server, "boom")
+    good = submit(server, "a red circle moving right", seed=7)
+    failed = server.wait(bad)
+    assert failed["status"] == "failed" and "boom: the transformer exploded" in failed["error"]["message"]
+    assert server.request("GET", f"/v1/videos/{bad}/content").status == 409
+    done = server.wait(good)
+    assert done["status"] == "completed", done
+    assert done["progress"] == 1.0 and done["seed"] == 7 and done["size"] == "64x64"
+    reply = server.request("GET", f"/v1/videos/{good}/content")
+    assert reply.status == 200 and reply.headers["content-type"] == "video/mp4"
+    (tmp_path / "served.mp4").write_bytes(reply.body)
+    direct = generator.generate_video("a red circle moving right", seed=7, output_path=str(tmp_path / "direct.mp4"),
+                                      **SMALL)
+    served = read_frames(tmp_path / "served.mp4")
+    assert served.shape == direct.frames.shape
+    np.testing.assert_array_equal(served, read_frames(tmp_path / "direct.mp4"))
+    listed = [job["id"] for job in server.request("GET", "/v1/videos").json["data"]]
+    assert listed == [bad, good]
+    metrics = server.request("GET", "/metrics").body.decode()
+    assert 'composer_jobs{state="completed"} 1' in metrics and 'composer_jobs{state="failed"} 1' in metrics
+    assert "composer_step_seconds_count 2" in metrics
+
+
+def test_cancel_a_queued_job_and_a_running_one(server, scripted):
+    running = submit(server, "gate one")
+    server.wait(running, ("in_progress",))
+    queued = submit(server, "a blue square")
+    reply = server.request("DELETE", f"/v1/videos/{queued}")
+    assert reply.status == 200 and reply.json["status"] == "cancelled"
+    assert server.request("GET", f"/v1/videos/{queued}/content").status == 409
+    assert server.request("DELETE", f"/v1/videos/{running}").status == 200
+    assert server.wait(running)["status"] == "cancelled"
+    assert server.request("DELETE", f"/v1/videos/{running}").status == 409  # already finished
+
+
+def test_cancel_stops_a_real_generation_at_the_next_step(server):
+    job = submit(server, "a green triangle", num_inference_steps=1000)
+    deadline = time.time() + 60
+    while server.request("GET", f"/v1/videos/{job}").json["progress"] == 0:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    assert 0 < server.request("GET", f"/v1/videos/{job}").json["progress"] < 0.1
+    start = time.time()
+    server.request("DELETE", f"/v1/videos/{job}")
+    assert server.wait(job)["status"] == "cancelled"
+    assert time.time() - start < 20
+
+
+def test_queue_full_gives_429_with_retry_after(scripted, tmp_path):
+    srv = Server(lambda: scripted, ServeConfig(output_dir=tmp_path / "serve", max_queue=1))
+    try:
+        srv.wait_ready()
+        running = submit(srv, "gate running")
+        srv.wait(running, ("in_progress",))
+        submit(srv, "gate waiting")
+        reply = srv.request("POST", "/v1/videos", {"prompt": "one too many"})
+        assert reply.status == 429 and int(reply.headers["retry-after"]) > 0
+        assert "queue is full" in reply.json["error"]["message"]
+        assert len(srv.request("GET", "/v1/videos").json["data"]) == 2  # the refused job left no record
+    finally:
+        for job in srv.request("GET", "/v1/videos").json["data"]:
+            srv.request("DELETE", f"/v1/videos/{job['id']}")
+        srv.stop()
+
+
+def test_a_job_past_the_request_timeout_is_cancelled_and_failed(scripted, tmp_path):
+    srv = Server(lambda: scripted, ServeConfig(output_dir=tmp_path / "serve", request_timeout=0.3))
+    try:
+        srv.wait_ready()
+        job = srv.wait(submit(srv, "gate forever"))
+        assert job["status"] == "failed" and "request timeout" in job["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_restart_keeps_completed_jobs_and_fails_unfinished_ones(scripted, tmp_path):
+    out = tmp_path / "serve"
+    first = Server(lambda: scripted, ServeConfig(output_dir=out))
+    try:
+        first.wait_ready()
+        done = submit(first, "gate released")
+        scripted.gate.set()
+        assert first.wait(done)["status"] == "completed"
+        video = first.request("GET", f"/v1/videos/{done}/content").body
+    finally:
+        first.stop()
+    # a job that was running when the server died
+    crashed = json.loads((out / "jobs" / f"{done}.json").read_text())
+    crashed.update(id="video_crashed", status="in_progress")
+    (out / "jobs" / "video_crashed.json").write_text(json.dumps(crashed))
+    second = Server(lambda: scripted, ServeConfig(output_dir=out))
+    try:
+        assert second.request("GET", f"/v1/videos/{done}").json["status"] == "completed"  # before the model loads
+        assert second.request("GET", f"/v1/videos/{done}/content").body == video
+        lost = second.request("GET", "/v1/videos/video_crashed").json
+        assert lost["status"] == "failed" and lost["error"]["message"] == "server restarted"
+    finally:
+        second.stop()
+
+
+def test_health_is_503_while_the_model_loads(scripted, tmp_path):
+    loaded = threading.Event()
+
+    def load():
+        loaded.wait(30)
+        return scripted
+
+    srv = Server(load, ServeConfig(output_dir=tmp_path / "serve"))
+    try:
+        assert srv.request("GET", "/health").status == 503
+        reply = srv.request("POST", "/v1/videos", {"prompt": "too early"})
+        assert reply.status == 503 and "loading" in reply.json["error"]["message"]
+        assert "composer_ready 0" in srv.request("GET", "/metrics").body.decode()
+        loaded.set()
+        srv.wait_ready()
+        assert srv.request("GET", "/health").json["status"] == "ok"
+        assert srv.request("GET", "/docs").status == 200
+        assert "/v1/videos" in srv.request("GET", "/openapi.json").json["paths"]
+    finally:
+        loaded.set()
+        srv.stop()
