@@ -192,3 +192,23 @@ def test_health_is_503_while_the_model_loads(scripted, tmp_path):
     finally:
         loaded.set()
         srv.stop()
+
+
+def test_cli_refuses_bad_serve_flags_before_loading(capsys):
+    from composer.cli.main import main
+
+    assert main(["serve", "--max-queue", "0"]) == 1
+    assert "--max-queue 0: expected an integer >= 1" in capsys.readouterr().err
+    assert main(["serve", "--dtype", "fp13"]) == 1
+    assert "dtype" in capsys.readouterr().err
+
+
+def test_cli_without_the_serve_extra_says_how_to_install_it(monkeypatch, capsys):
+    import sys
+
+    from composer.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
+    assert main(["serve"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install 'composer[serve]'" in err and "uvicorn" in err

@@ -76,7 +76,6 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: list[str]
             params[key] = _typed(key, value, hints[key])
     _apply_aliases(body, params, generator)
     _check_lora(body, loras)
-    _check_limits(params, defaults, limits)
     try:
         sp = defaults.updated(**params, **inputs)
         check_request(sp, ModelLimits.from_pipeline(generator.pipeline))
@@ -84,6 +83,7 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: list[str]
         raise RequestProblem(str(exc), exc.failures[0][0].split("[")[0]) from None
     except ComposerError as exc:
         raise RequestProblem(str(exc)) from None
+    _check_limits(sp, limits)
     if sp.seed is None:  # a fixed seed, so the record says how to make the video again
         import random
 
@@ -146,19 +146,13 @@ def _check_lora(body: dict, loras: list[str]) -> None:
         raise RequestProblem(f"lora = {name!r}: expected one of the loaded adapters: {have}", "lora")
 
 
-def _check_limits(params: dict[str, Any], defaults: Any, limits: ServerLimits) -> None:
-    """The server's limits, named by field (after the model's own checks would find nothing to add)."""
-    frames = params.get("num_frames", defaults.num_frames)
-    if limits.max_frames is not None and isinstance(frames, int) and frames > limits.max_frames:
-        raise RequestProblem(f"num_frames = {frames}: this server allows at most {limits.max_frames}", "num_frames")
-    for key in ("height", "width"):
-        value = params.get(key, getattr(defaults, key))
-        if limits.max_size is not None and isinstance(value, int) and value > limits.max_size:
-            raise RequestProblem(f"{key} = {value}: this server allows at most {limits.max_size}", key)
-    steps = params.get("num_inference_steps", defaults.num_inference_steps)
-    if limits.max_steps is not None and isinstance(steps, int) and steps > limits.max_steps:
-        raise RequestProblem(f"num_inference_steps = {steps}: this server allows at most {limits.max_steps}",
-                             "num_inference_steps")
+def _check_limits(sp: Any, limits: ServerLimits) -> None:
+    """The server's limits on what the request would run (defaults included), named by field."""
+    for key, limit in (("num_frames", limits.max_frames), ("height", limits.max_size), ("width", limits.max_size),
+                       ("num_inference_steps", limits.max_steps)):
+        value = getattr(sp, key)
+        if limit is not None and value > limit:
+            raise RequestProblem(f"{key} = {value}: this server allows at most {limit}", key)
 
 
 def decode_image(value: Any, key: str) -> Any:
