@@ -155,6 +155,10 @@ def test_restart_keeps_completed_jobs_and_fails_unfinished_ones(scripted, tmp_pa
         scripted.gate.set()
         assert first.wait(done)["status"] == "completed"
         video = first.request("GET", f"/v1/videos/{done}/content").body
+        scripted.gate.clear()
+        held = submit(first, "gate held at stop")
+        first.wait(held, ("in_progress",))
+        waiting = submit(first, "queued at stop")
     finally:
         first.stop()
     # a job that was running when the server died
@@ -167,6 +171,9 @@ def test_restart_keeps_completed_jobs_and_fails_unfinished_ones(scripted, tmp_pa
         assert second.request("GET", f"/v1/videos/{done}/content").body == video
         lost = second.request("GET", "/v1/videos/video_crashed").json
         assert lost["status"] == "failed" and lost["error"]["message"] == "server restarted"
+        stopped = second.request("GET", f"/v1/videos/{held}").json
+        assert stopped["status"] == "failed" and "server stopped" in stopped["error"]["message"]
+        assert second.request("GET", f"/v1/videos/{waiting}").json["error"]["message"] == "server restarted"
     finally:
         second.stop()
 

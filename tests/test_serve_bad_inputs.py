@@ -68,6 +68,7 @@ CASES = [
     ("seconds not a number", {**OK, "seconds": "abc"}, 422, "seconds", "seconds > 0"),
     ("seconds and num_frames", {**OK, "seconds": 2, "num_frames": 17}, 422, "seconds", "not both"),
     ("too many seconds", {**OK, "seconds": 60}, 422, "num_frames", "at most 33"),
+    ("another model", {**OK, "model": "sora-2"}, 422, "model", "this server serves"),
     ("a JSON array", [OK], 422, None, "JSON object"),
     ("a JSON string", "a red circle", 422, None, "JSON object"),
 ]
@@ -135,9 +136,13 @@ def test_an_unknown_job_or_route_is_404(server, method, path):
 
 def test_the_server_keeps_serving_after_the_catalogue(server):
     assert server.request("GET", "/health").status == 200
-    reply = server.request("POST", "/v1/videos", {**OK, "num_inference_steps": 2, "num_frames": 5, "size": "64x64"})
+    reply = server.request("POST", "/v1/videos", {**OK, "num_inference_steps": 2, "num_frames": 5, "size": "64x64",
+                                                  "model": "shapes-t2v"})
     assert reply.status == 200 and reply.json["status"] == "queued"
     assert reply.json["request"]["width"] == 64
+    seconds = server.request("POST", "/v1/videos", {**OK, "num_inference_steps": 2, "seconds": "2", "fps": 8}).json
+    assert seconds["request"]["num_frames"] == 17  # 2 s at 8 fps: 16 frames, the nearest valid length 17
+    server.request("DELETE", f"/v1/videos/{seconds['id']}")
     server.request("DELETE", f"/v1/videos/{reply.json['id']}")
     assert not any(job["status"] == "queued" for job in server.request("GET", "/v1/videos").json["data"][:-1])
 

@@ -18,7 +18,7 @@ from composer.request_check import ModelLimits, RequestError, check_request
 # Set by the server, never by a request: where the video goes, and one video per job.
 SERVER_FIELDS = ("output_path", "overwrite", "num_videos_per_prompt")
 IMAGE_FIELDS = ("image", "last_image", "start_image")
-ALIASES = ("size", "seconds", "lora", "lora_scale")
+ALIASES = ("model", "size", "seconds", "lora", "lora_scale")
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 
@@ -74,6 +74,7 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: list[str]
             inputs[key] = decode_image(value, key)
         else:
             params[key] = _typed(key, value, hints[key])
+    _check_model(body, generator)
     _apply_aliases(body, params, generator)
     _check_lora(body, loras)
     try:
@@ -130,7 +131,18 @@ def _apply_aliases(body: dict, params: dict[str, Any], generator: Any) -> None:
         fps = params.get("fps", generator.default_sampling.fps)
         limits = ModelLimits.from_pipeline(generator.pipeline)
         t = limits.temporal_factor or 1
-        params["num_frames"] = max(0, round(seconds * fps) - 1) // t * t + 1  # a valid length (t k + 1 frames)
+        params["num_frames"] = max(0, round((seconds * fps - 1) / t)) * t + 1  # the nearest valid length (t k + 1)
+
+
+def _check_model(body: dict, generator: Any) -> None:
+    """OpenAI clients send `model`: it must name the served model (its family, folder name or path)."""
+    if "model" not in body:
+        return
+    path = str(generator.model_path)
+    names = {generator.family, path, path.rstrip("/").rsplit("/", 1)[-1]}
+    if body["model"] not in names:
+        raise RequestProblem(f"model = {body['model']!r}: this server serves {generator.family} ({path}); leave "
+                             "model out or name that one", "model")
 
 
 def _check_lora(body: dict, loras: list[str]) -> None:

@@ -54,6 +54,7 @@ class Worker:
         self._tokens: dict[str, CancelToken] = {}
         self._lock = threading.Lock()
         self._running: Job | None = None
+        self._stopping = threading.Event()
         self.step_seconds_sum = 0.0
         self.steps = 0
         self._engines = list(getattr(getattr(generator, "pipeline", None), "engines", []))
@@ -98,11 +99,16 @@ class Worker:
         self.store.update(job, persist=False, progress=min(progress, 0.99))
 
     def stop(self) -> None:
-        """Cancel the running job and end the thread after it (queued jobs stay queued on disk: failed on restart)."""
+        """Cancel the running job (failed: "the server stopped") and end the thread; queued jobs stay queued on
+        disk, and the next start marks them failed ("server restarted")."""
+        self._stopping.set()
         with self._lock:
-            if self._running is not None and self._running.id in self._tokens:
-                self._tokens[self._running.id].cancel("the server is shutting down")
-        self._queue.put(None)  # blocks only while the queue is full, which the cancel drains
+            for token in self._tokens.values():
+                token.cancel("the server stopped")
+        try:
+            self._queue.put_nowait(None)  # wakes an idle worker; a busy one sees _stopping after its job
+        except queue.Full:
+            pass
         self._thread.join(timeout=30)
         for engine in self._engines:
             if self._hook in engine.hooks:
@@ -111,7 +117,7 @@ class Worker:
     def _loop(self) -> None:
         while True:
             job = self._queue.get()
-            if job is None:
+            if job is None or self._stopping.is_set():
                 return
             with self._lock:
                 token = self._tokens.get(job.id)
@@ -140,6 +146,8 @@ class Worker:
             if token.reason == "timeout":
                 self._finish(job, FAILED, f"the job ran past the request timeout ({self.request_timeout:g} s) and "
                              "was cancelled")
+            elif token.reason == "the server stopped":
+                self._finish(job, FAILED, "the server stopped while the job ran")
             else:
                 self._finish(job, CANCELLED, None)
         except Exception as exc:  # noqa: BLE001 - one failing job must not stop the server
