@@ -51,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--request-timeout {args.request_timeout}: expected seconds >= 0 (0: no limit)")
     runtime = collect(args, args._runtime_names)
     runtime_args = RuntimeArgs.from_kwargs(**runtime)  # bad runtime flags: one error before anything loads
+    from composer.parallel import state as parallel_state
+
+    if (runtime_args.num_gpus or 1) > 1 or parallel_state.under_launcher():
+        raise ConfigError("composer serve runs on one rank for now: leave out --num-gpus (and torchrun); serving "
+                          "on several ranks is a later part of issue 26")
     resolve_model(args.model_path, runtime_args.model_family)  # an unknown model: an error now, not in /health
     config = ServeConfig(
         output_dir=Path(args.output_dir), max_queue=args.max_queue,
