@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request  # the serve extra: `composer serve` checks it is installed first
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from composer.logging import get_logger
@@ -129,7 +130,8 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             return not_ready
         try:
             body = await _read_json(request, config.max_body_bytes)
-            checked = check_body(body, state.generator, config.limits, config.loras)
+            # image decoding and the request check off the event loop: other clients keep being answered
+            checked = await run_in_threadpool(check_body, body, state.generator, config.limits, config.loras)
         except RequestProblem as exc:
             return error(exc.status, str(exc), exc.field)
         job = Job(new_job_id(), checked.params, model=str(state.generator.model_path), inputs=checked.inputs)
