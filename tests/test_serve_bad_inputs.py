@@ -68,6 +68,7 @@ CASES = [
     ("seconds not a number", {**OK, "seconds": "abc"}, 422, "seconds", "seconds > 0"),
     ("seconds and num_frames", {**OK, "seconds": 2, "num_frames": 17}, 422, "seconds", "not both"),
     ("too many seconds", {**OK, "seconds": 60}, 422, "num_frames", "at most 33"),
+    ("start_image for a text-only model", {**OK, "start_image": "/etc/passwd"}, 422, "start_image", "text-to-video"),
     ("another model", {**OK, "model": "sora-2"}, 422, "model", "this server serves"),
     ("a JSON array", [OK], 422, None, "JSON object"),
     ("a JSON string", "a red circle", 422, None, "JSON object"),
@@ -170,3 +171,16 @@ def test_an_image_model_takes_a_data_url(i2v_server):
     assert "image" not in reply.json["request"]  # decoded pixels stay out of the record
     i2v_server.request("DELETE", f"/v1/videos/{reply.json['id']}")
     assert i2v_server.request("GET", "/health").status == 200
+
+
+def test_a_causal_models_start_frames_are_never_read_from_the_servers_disk():
+    from types import SimpleNamespace
+
+    from composer.configs.causal_wan import CausalWanSamplingParam
+    from composer.serve.requests import RequestProblem, check_body
+
+    causal = SimpleNamespace(default_sampling=CausalWanSamplingParam(), family="causal-wan", pipeline=None)
+    for key in ("start_image", "start_video"):
+        with pytest.raises(RequestProblem, match="names a file on the server") as exc:
+            check_body({**OK, key: "/etc/passwd"}, causal, LIMITS, [])
+        assert exc.value.field == key

@@ -17,7 +17,9 @@ from composer.request_check import ModelLimits, RequestError, check_request
 
 # Set by the server, never by a request: where the video goes, and one video per job.
 SERVER_FIELDS = ("output_path", "overwrite", "num_videos_per_prompt")
-IMAGE_FIELDS = ("image", "last_image", "start_image")
+IMAGE_FIELDS = ("image", "last_image")
+# Paths on the server's disk (a causal model's start frames): a client must not name the server's files.
+SERVER_PATHS = ("start_image", "start_video")
 ALIASES = ("model", "size", "seconds", "lora", "lora_scale")
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
@@ -54,9 +56,14 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: list[str]
         raise RequestProblem(f"the body must be a JSON object of request fields, not {type(body).__name__}")
     defaults = generator.default_sampling
     hints = field_types(type(defaults))
-    accepted = [name for name in hints if name not in SERVER_FIELDS and not name.startswith("_")]
+    accepted = [name for name in hints
+                if name not in SERVER_FIELDS and name not in SERVER_PATHS and not name.startswith("_")]
     unknown = [key for key in body if key not in accepted and key not in ALIASES]
-    image_keys = [key for key in unknown if key in IMAGE_FIELDS]
+    paths = [key for key in unknown if key in SERVER_PATHS and key in hints]
+    if paths:
+        raise RequestProblem(f"{paths[0]} names a file on the server and is not accepted over HTTP (not built yet: "
+                             "uploaded start frames)", paths[0])
+    image_keys = [key for key in unknown if key in IMAGE_FIELDS or key in SERVER_PATHS]
     if image_keys:
         raise RequestProblem(f"{image_keys[0]} given, but {generator.family} is a text-to-video model and takes no "
                              "input image; use an image-to-video model", image_keys[0])
