@@ -68,7 +68,7 @@ CASES = [
     ("seconds not a number", {**OK, "seconds": "abc"}, 422, "seconds", "seconds > 0"),
     ("seconds and num_frames", {**OK, "seconds": 2, "num_frames": 17}, 422, "seconds", "not both"),
     ("too many seconds", {**OK, "seconds": 60}, 422, "num_frames", "at most 33"),
-    ("start_image for a text-only model", {**OK, "start_image": "/etc/passwd"}, 422, "start_image", "text-to-video"),
+    ("start_image for a text-only model", {**OK, "start_image": "/etc/passwd"}, 422, "start_image", "unknown field"),
     ("another model", {**OK, "model": "sora-2"}, 422, "model", "this server serves"),
     ("a JSON array", [OK], 422, None, "JSON object"),
     ("a JSON string", "a red circle", 422, None, "JSON object"),

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from composer._fields import base_type, field_types
-from composer.errors import ComposerError
+from composer.errors import ComposerError, InvalidInputError
+from composer.images import refuse_image_knobs
 from composer.request_check import ModelLimits, RequestError, check_request
 
 # Set by the server, never by a request: where the video goes, and one video per job.
@@ -64,9 +65,11 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: list[str]
         raise RequestProblem(f"{paths[0]} names a file on the server and is not accepted over HTTP (not built yet: "
                              "uploaded start frames)", paths[0])
     image_keys = [key for key in unknown if key in IMAGE_FIELDS or key in SERVER_PATHS]
-    if image_keys:
-        raise RequestProblem(f"{image_keys[0]} given, but {generator.family} is a text-to-video model and takes no "
-                             "input image; use an image-to-video model", image_keys[0])
+    if image_keys:  # composer's own message: a text-to-video model, or a first-frame-only one
+        try:
+            refuse_image_knobs(image_keys, hints, generator.family)
+        except InvalidInputError as exc:
+            raise RequestProblem(str(exc), image_keys[0]) from None
     if unknown:
         raise RequestProblem(f"unknown field {unknown[0]!r}: accepted fields are {', '.join(accepted + list(ALIASES))}",
                              unknown[0])
