@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -193,8 +192,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
         lines += [f'composer_jobs{{state="{s}"}} {counts[s]}' for s in STATES]
         lines += ["# HELP composer_step_seconds denoising step time", "# TYPE composer_step_seconds summary",
                   f"composer_step_seconds_sum {worker.step_seconds_sum if worker else 0.0:.6f}",
-                  f"composer_step_seconds_count {worker.steps if worker else 0}",
-                  f"# generated at {time.time():.0f}"]
+                  f"composer_step_seconds_count {worker.steps if worker else 0}"]
         return "\n".join(lines) + "\n"
 
     return app
