@@ -11,6 +11,9 @@ import time
 
 import numpy as np
 import pytest
+
+pytest.importorskip("fastapi", reason="composer serve needs the serve extra (fastapi, uvicorn)")
+pytest.importorskip("uvicorn", reason="composer serve needs the serve extra (fastapi, uvicorn)")
 from serve_support import Server
 
 from composer.errors import Cancelled

@@ -12,6 +12,9 @@ import json
 import numpy as np
 import PIL.Image
 import pytest
+
+pytest.importorskip("fastapi", reason="composer serve needs the serve extra (fastapi, uvicorn)")
+pytest.importorskip("uvicorn", reason="composer serve needs the serve extra (fastapi, uvicorn)")
 from serve_support import Server
 
 from composer.generator import VideoGenerator
