@@ -187,3 +187,14 @@ def test_a_causal_models_start_frames_are_never_read_from_the_servers_disk():
         with pytest.raises(RequestProblem, match="names a file on the server") as exc:
             check_body({**OK, key: "/etc/passwd"}, causal, LIMITS, [])
         assert exc.value.field == key
+
+
+def test_lora_names_an_adapter_loaded_at_start(server):
+    from composer.serve.requests import RequestProblem, check_body
+
+    generator = server.app.state.composer.generator
+    checked = check_body({**OK, "lora": "style"}, generator, LIMITS, ["style"])
+    assert "lora" not in checked.params  # every loaded adapter applies; the field only checks it is there
+    with pytest.raises(RequestProblem, match="one of the loaded adapters: style") as exc:
+        check_body({**OK, "lora": "other"}, generator, LIMITS, ["style"])
+    assert exc.value.field == "lora"
