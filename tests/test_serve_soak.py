@@ -1,0 +1,26 @@
+"""benchmarks/serve_soak.py runs a small soak: concurrent clients, malformed and cancelled requests, every
+completed video fetched and decoded, no crash, no lost job (its exit status says so)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the `serve` extra (fastapi, uvicorn) is not installed")
+pytest.importorskip("uvicorn", reason="the `serve` extra (fastapi, uvicorn) is not installed")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_small_soak_loses_nothing():
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "serve_soak.py"), "--requests", "12",
+                          "--clients", "3", "--malformed", "2", "--cancel", "2", "--steps", "1", "--max-queue", "2",
+                          "--timeout", "180"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "server crashes: 0; lost jobs: 0; failed checks: 0" in run.stdout
+    assert "malformed refused with a 4xx: 2" in run.stdout
