@@ -28,6 +28,13 @@ WAN22_NEGATIVE_PROMPT = (
 )
 
 
+def guidance_scale_2_field(default: float) -> Any:
+    """The low-noise expert's CFG scale knob of a two-expert (A14B) family, with the family's default."""
+    return field(default=default, metadata={
+        "help": "classifier-free guidance scale of the low-noise expert (Wan2.2 A14B; default: the family's value, "
+                "or guidance_scale when unset); guidance_scale is the high-noise expert's"})
+
+
 @dataclass
 class Wan22A14BConfig(PipelineConfig):
     """Wan2.2 T2V A14B: two 14B experts, the high-noise one for timesteps >= boundary_ratio * num_train_timesteps,
@@ -52,11 +59,7 @@ class Wan22A14BSamplingParam(SamplingParam):
     num_frames: int = 81
     num_inference_steps: int = 40
     guidance_scale: float = 4.0
-    guidance_scale_2: float | None = field(
-        default=3.0,
-        metadata={"help": "classifier-free guidance scale of the low-noise expert (Wan2.2 A14B; default: the "
-                  "family's value, or guidance_scale when unset); guidance_scale is the high-noise expert's"},
-    )
+    guidance_scale_2: float | None = guidance_scale_2_field(3.0)
     flow_shift: float | None = 12.0
     fps: int = 16
 
@@ -115,11 +118,7 @@ class Wan22I2VA14BSamplingParam(SamplingParam):
     num_frames: int = 81
     num_inference_steps: int = 40
     guidance_scale: float = 3.5
-    guidance_scale_2: float | None = field(
-        default=3.5,
-        metadata={"help": "classifier-free guidance scale of the low-noise expert (Wan2.2 A14B; default: the "
-                  "family's value, or guidance_scale when unset); guidance_scale is the high-noise expert's"},
-    )
+    guidance_scale_2: float | None = guidance_scale_2_field(3.5)
     flow_shift: float | None = 5.0
     fps: int = 16
     image: Any = input_image_field()

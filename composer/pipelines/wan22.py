@@ -36,11 +36,12 @@ from composer.stages.token_timesteps import TokenTimestepDenoisingStage
 logger = get_logger(__name__)
 
 
-def wan22_pipeline_for(index: ModelIndex) -> type[WanPipeline] | None:
-    """The Wan2.2 pipeline class a WanPipeline folder needs, or None for a Wan2.1 folder."""
+def wan22_pipeline_for(index: ModelIndex, two_experts: type[WanPipeline] | None = None) -> type[WanPipeline] | None:
+    """The Wan2.2 pipeline class a folder needs, or None for a Wan2.1 folder: `two_experts` (default the T2V
+    Wan22A14BPipeline) for `transformer_2` / `boundary_ratio`, Wan22TI2VPipeline for `expand_timesteps`."""
     extra = index.extra
     if "transformer_2" in index.components or extra.get("boundary_ratio") is not None:
-        return Wan22A14BPipeline
+        return two_experts or Wan22A14BPipeline
     if extra.get("expand_timesteps"):
         return Wan22TI2VPipeline
     return None

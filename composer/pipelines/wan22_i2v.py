@@ -18,7 +18,7 @@ from composer.configs.wan22 import Wan22I2VA14BConfig
 from composer.errors import ConfigError
 from composer.loader.model_index import ModelIndex
 from composer.pipelines.base import ComposedPipeline
-from composer.pipelines.wan22 import Wan22A14BPipeline, Wan22TI2VPipeline
+from composer.pipelines.wan22 import Wan22A14BPipeline, wan22_pipeline_for
 from composer.stages.decoding import DecodingStage
 from composer.stages.image_denoising import ImageExpertDenoisingStage
 from composer.stages.image_encoding import ImageCondition
@@ -26,13 +26,9 @@ from composer.stages.image_latents import ImageLatentStage
 
 
 def wan22_image_pipeline_for(index: ModelIndex) -> type[ComposedPipeline] | None:
-    """The Wan2.2 pipeline class a WanImageToVideoPipeline folder needs, or None for a Wan2.1 I2V / FLF2V one."""
-    extra = index.extra
-    if "transformer_2" in index.components or extra.get("boundary_ratio") is not None:
-        return Wan22I2VA14BPipeline
-    if extra.get("expand_timesteps"):
-        return Wan22TI2VPipeline
-    return None
+    """The Wan2.2 pipeline class a WanImageToVideoPipeline folder needs, or None for a Wan2.1 I2V / FLF2V one:
+    the same entries as a WanPipeline folder's, with the image-conditioned two-expert class."""
+    return wan22_pipeline_for(index, two_experts=Wan22I2VA14BPipeline)
 
 
 class Wan22I2VA14BPipeline(Wan22A14BPipeline):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.models.attention import Attention
-from composer.models.layers.embeddings import sinusoidal_timestep_embedding
+from composer.models.layers.embeddings import MLPEmbedder, sinusoidal_timestep_embedding
 from composer.models.layers.rotary import apply_rotary
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
@@ -35,18 +35,6 @@ class HeadRMSNorm(nn.Module):
         if self.weight.dtype in (torch.float16, torch.bfloat16):
             normed = normed.to(self.weight.dtype)
         return (normed * self.weight).to(x.dtype)
-
-
-class MLPEmbedder(nn.Module):
-    """Linear -> SiLU -> Linear (timestep, guidance and pooled-text embedders)."""
-
-    def __init__(self, in_dim: int, dim: int):
-        super().__init__()
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
 
 
 def embed_scalar(embedder: MLPEmbedder, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 
 from composer.errors import InvalidInputError, UnsupportedError
 from composer.models.attention import Attention
-from composer.models.layers.embeddings import sinusoidal_timestep_embedding
+from composer.models.layers.embeddings import MLPEmbedder, sinusoidal_timestep_embedding
 from composer.models.layers.norm import FP32LayerNorm
 from composer.models.layers.rotary import apply_rotary, rope_frequencies
 from composer.models.wan.config import WanTransformerConfig
@@ -176,16 +176,6 @@ class WanTransformerBlock(nn.Module):
         return x
 
 
-class WanTimestepMLP(nn.Module):
-    def __init__(self, in_dim: int, dim: int):
-        super().__init__()
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(F.silu(self.linear_1(x)))
-
-
 class WanTextProjection(nn.Module):
     def __init__(self, in_dim: int, dim: int):
         super().__init__()
@@ -223,7 +213,7 @@ class WanConditionEmbedder(nn.Module):
         super().__init__()
         dim = config.hidden_size
         self.freq_dim = config.freq_dim
-        self.time_embedder = WanTimestepMLP(config.freq_dim, dim)
+        self.time_embedder = MLPEmbedder(config.freq_dim, dim)
         self.time_proj = nn.Linear(dim, 6 * dim)
         self.text_embedder = WanTextProjection(config.text_dim, dim)
         if config.takes_image:
