@@ -33,6 +33,19 @@ def add_parser(sub) -> None:
                                                       dataclass_flags(RuntimeArgs)))
 
 
+def lora_options(paths: list[str], scales: list[float] | None) -> list:
+    """The --lora-path adapters as the names requests pick them by (file stems, which must differ)."""
+    from composer.serve.requests import LoraOption
+
+    options = [LoraOption(Path(p).stem, str(p), float(s)) for p, s in zip(paths, scales or [1.0] * len(paths))]
+    names = [o.name for o in options]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"--lora-path: requests pick adapters by file name (without .safetensors), and {twice[0]!r} "
+                          "names two files; rename one")
+    return options
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -61,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         output_dir=Path(args.output_dir), max_queue=args.max_queue,
         limits=ServerLimits(args.max_frames, args.max_size, args.max_steps),
         request_timeout=args.request_timeout or None,
-        loras=[Path(p).stem for p in runtime_args.lora_path or []],
+        loras=lora_options(runtime_args.lora_path or [], runtime_args.lora_scale),
     )
     app = create_app(lambda: VideoGenerator.from_pretrained(args.model_path, **runtime), config)
     print(f"composer serve: http://{args.host}:{args.port} (API docs at /docs; jobs in {config.output_dir})")

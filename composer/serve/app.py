@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 
 from composer.logging import get_logger
 from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, JobStore, new_job_id
-from composer.serve.requests import RequestProblem, ServerLimits, check_body
+from composer.serve.requests import LoraOption, RequestProblem, ServerLimits, check_body
 from composer.serve.worker import QueueFull, Worker
 
 logger = get_logger(__name__)
@@ -39,7 +39,7 @@ class ServeConfig:
     limits: ServerLimits = field(default_factory=ServerLimits)
     request_timeout: float | None = 1800.0
     max_body_bytes: int = MAX_BODY_BYTES
-    loras: list[str] = field(default_factory=list)  # names of the adapters loaded at start (file stems)
+    loras: list[LoraOption] = field(default_factory=list)  # the adapters loaded at start (--lora-path)
 
 
 class ServerState:
@@ -64,7 +64,8 @@ class ServerState:
             logger.error("loading the model failed: %s", exc)
             self.load_error = f"{type(exc).__name__}: {exc}"
             return
-        self.worker = Worker(generator, self.store, self.config.max_queue, self.config.request_timeout)
+        self.worker = Worker(generator, self.store, self.config.max_queue, self.config.request_timeout,
+                             self.config.loras)
         self.generator = generator
 
     def stop(self) -> None:
@@ -133,7 +134,8 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             checked = await run_in_threadpool(check_body, body, state.generator, config.limits, config.loras)
         except RequestProblem as exc:
             return error(exc.status, str(exc), exc.field)
-        job = Job(new_job_id(), checked.params, model=str(state.generator.model_path), inputs=checked.inputs)
+        job = Job(new_job_id(), checked.params, model=str(state.generator.model_path), inputs=checked.inputs,
+                  lora=checked.lora)
         state.store.add(job)
         try:
             state.worker.submit(job)

@@ -35,6 +35,7 @@ class Job:
     started_at: float | None = None
     completed_at: float | None = None
     error: str | None = None
+    lora: list = field(default_factory=list)  # [name, scale] pairs of the adapters it runs with ([]: none)
     inputs: dict[str, Any] = field(default_factory=dict, repr=False)  # decoded images: not in the record
 
     def to_json(self) -> dict[str, Any]:
@@ -45,7 +46,7 @@ class Job:
             "model": self.model, "created_at": self.created_at, "started_at": self.started_at,
             "completed_at": self.completed_at, "size": f"{req.get('width')}x{req.get('height')}",
             "seconds": _seconds(req), "prompt": req.get("prompt"), "seed": req.get("seed"),
-            "error": {"message": self.error} if self.error else None, "request": req,
+            "error": {"message": self.error} if self.error else None, "lora": self.lora, "request": req,
         }
 
     @classmethod

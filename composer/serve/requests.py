@@ -7,8 +7,10 @@ import base64
 import binascii
 import dataclasses
 import io
+import math
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from composer._fields import base_type, field_types
@@ -43,15 +45,26 @@ class ServerLimits:
     max_steps: int | None = 100
 
 
+@dataclass(frozen=True)
+class LoraOption:
+    """An adapter the server loaded at start (--lora-path): requests pick among these by `name` (the file stem)."""
+
+    name: str
+    path: str
+    scale: float = 1.0  # its --lora-scale: the scale a request gets unless it says otherwise
+
+
 @dataclass
 class CheckedRequest:
-    """What a job runs: JSON-safe SamplingParam fields (the record) and decoded input images."""
+    """What a job runs: JSON-safe SamplingParam fields (the record), decoded input images, and the LoRA adapters
+    to apply as [name, scale] pairs (empty: the base model)."""
 
     params: dict[str, Any]
     inputs: dict[str, Any]
+    lora: list[list] = field(default_factory=list)
 
 
-def check_body(body: Any, generator: Any, limits: ServerLimits, loras: list[str]) -> CheckedRequest:
+def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[LoraOption] = ()) -> CheckedRequest:
     """Check a parsed JSON body for `generator`; RequestProblem on the first class of problem found."""
     if not isinstance(body, dict):
         raise RequestProblem(f"the body must be a JSON object of request fields, not {type(body).__name__}")
@@ -86,7 +99,7 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: list[str]
             params[key] = _typed(key, value, hints[key])
     _check_model(body, generator)
     _apply_aliases(body, params, generator)
-    _check_lora(body, loras)
+    lora = select_lora(body, loras, generator)
     try:
         sp = defaults.updated(**params, **inputs)
         check_request(sp, ModelLimits.from_pipeline(generator.pipeline))
@@ -101,7 +114,7 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: list[str]
         sp = sp.updated(seed=random.randrange(2**31))
     record = {k: v for k, v in dataclasses.asdict(sp).items()
               if k not in SERVER_FIELDS and k not in IMAGE_FIELDS and _json_safe(v)}
-    return CheckedRequest(record, inputs)
+    return CheckedRequest(record, inputs, lora)
 
 
 def _typed(key: str, value: Any, annotation: Any) -> Any:
@@ -155,17 +168,48 @@ def _check_model(body: dict, generator: Any) -> None:
                              "model out or name that one", "model")
 
 
-def _check_lora(body: dict, loras: list[str]) -> None:
-    """`lora` names an adapter loaded at start (every loaded adapter applies to every video)."""
-    if "lora_scale" in body:
-        raise RequestProblem("lora_scale per request is not supported: adapters are set when the server starts "
-                             "(--lora-path, --lora-scale)", "lora_scale")
-    if "lora" not in body:
-        return
-    name = body["lora"]
-    if not isinstance(name, str) or name not in loras:
-        have = ", ".join(loras) if loras else "none (start the server with --lora-path)"
-        raise RequestProblem(f"lora = {name!r}: expected one of the loaded adapters: {have}", "lora")
+def select_lora(body: dict, loras: Sequence[LoraOption], generator: Any = None) -> list[list]:
+    """The adapters a request runs with, as [name, scale] pairs.
+
+    `lora`: a loaded adapter's name, a list of names, or [] for the base model; left out, every adapter loaded at
+    start applies at its start scale. `lora_scale`: one number (for every selected adapter) or one per name.
+    """
+    names = [o.name for o in loras]
+    have = ", ".join(names) if names else "none (start the server with --lora-path)"
+    if body.get("lora") is not None:  # null: as if left out, like every other field
+        chosen = body["lora"]
+        chosen = [chosen] if isinstance(chosen, str) else chosen
+        if not isinstance(chosen, list) or not all(isinstance(n, str) for n in chosen):
+            raise RequestProblem(f"lora = {body['lora']!r}: expected an adapter's name, a list of names, or [] for "
+                                 f"the base model; loaded adapters: {have}", "lora")
+        unknown = [n for n in chosen if n not in names]
+        if unknown:
+            raise RequestProblem(f"lora = {unknown[0]!r}: expected one of the loaded adapters: {have}", "lora")
+        if len(set(chosen)) != len(chosen):
+            raise RequestProblem(f"lora = {body['lora']!r}: an adapter is named twice", "lora")
+    else:
+        chosen = names
+    by_name = {o.name: o for o in loras}
+    scales = [by_name[n].scale for n in chosen]
+    if body.get("lora_scale") is not None:
+        given = body["lora_scale"]
+        if not chosen:
+            raise RequestProblem("lora_scale is set but no adapter is selected (loaded adapters: " + have + ")",
+                                 "lora_scale")
+        values = given if isinstance(given, list) else [given] * len(chosen)
+        ok = len(values) == len(chosen) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= 100
+            for v in values)
+        if not ok:
+            raise RequestProblem(f"lora_scale = {given!r}: expected a finite number (|scale| <= 100), or a list of "
+                                 f"one per selected adapter ({', '.join(chosen)})", "lora_scale")
+        scales = [float(v) for v in values]
+    selection = [[n, s] for n, s in zip(chosen, scales)]
+    offload = getattr(getattr(getattr(generator, "pipeline", None), "runtime", None), "offload", "none")
+    if offload != "none" and selection != [[o.name, o.scale] for o in loras]:
+        raise RequestProblem(f"this server offloads weights (offload = {offload}): its LoRA adapters were arranged "
+                             "at load and cannot change per request; leave lora and lora_scale out", "lora")
+    return selection
 
 
 def _check_limits(sp: Any, limits: ServerLimits) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from composer.cancel import CancelToken
@@ -17,6 +18,7 @@ from composer.engine.engine import EngineHook, StepInfo
 from composer.errors import Cancelled
 from composer.logging import get_logger
 from composer.serve.jobs import CANCELLED, COMPLETED, FAILED, IN_PROGRESS, QUEUED, Job, JobStore
+from composer.serve.requests import LoraOption
 from composer.video import save_video
 
 logger = get_logger(__name__)
@@ -46,8 +48,11 @@ class ProgressHook(EngineHook):
 class Worker:
     """Runs queued jobs in order on `generator` (anything with VideoGenerator's generate_video)."""
 
-    def __init__(self, generator: Any, store: JobStore, max_queue: int, request_timeout: float | None):
+    def __init__(self, generator: Any, store: JobStore, max_queue: int, request_timeout: float | None,
+                 loras: Sequence[LoraOption] = ()):
         self.generator = generator
+        self._lora_paths = {o.name: o.path for o in loras}
+        self._lora: list | None = [[o.name, o.scale] for o in loras]  # what the model has now (None: unknown)
         self.store = store
         self.request_timeout = request_timeout
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
@@ -140,6 +145,7 @@ class Worker:
             timer.daemon = True
             timer.start()
         try:
+            self._use_lora(job.lora)
             result = self.generator.generate_video(cancel=token, **job.request, **job.inputs)
             save_video(result.frames, self.store.video_path(job.id), fps=job.request.get("fps", 16))
         except Cancelled:
@@ -158,6 +164,19 @@ class Worker:
         finally:
             if timer is not None:
                 timer.cancel()
+
+    def _use_lora(self, lora: list) -> None:
+        """Switch the model's adapters to the job's [name, scale] pairs when they differ from the last job's."""
+        if lora == self._lora:
+            return
+        self._lora = None  # a switch that fails half way leaves the model in a state we do not name
+        if lora:
+            described = self.generator.set_lora([self._lora_paths[n] for n, _ in lora], [s for _, s in lora])
+        else:
+            self.generator.unset_lora()
+            described = "LoRA: none"
+        logger.info("adapters for the next job: %s", described)
+        self._lora = [list(pair) for pair in lora]
 
     def _finish(self, job: Job, status: str, error: str | None, **changes: Any) -> None:
         self.store.update(job, status=status, error=error, completed_at=time.time(), **changes)
