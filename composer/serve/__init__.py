@@ -4,4 +4,5 @@
     requests.py  a JSON body -> a checked SamplingParam (the checks generate_video makes, plus server limits)
     jobs.py      job records and their persistence in the output folder
     worker.py    the one worker thread running jobs in order (progress, cancel, timeout)
+    page.py      the web page at / (static/: plain HTML, CSS, JS) and GET /v1/model, which it reads
 """

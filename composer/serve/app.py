@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from composer.logging import get_logger
 from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, JobStore, new_job_id
+from composer.serve.page import add_page_routes
 from composer.serve.requests import LoraOption, RequestProblem, ServerLimits, check_body
 from composer.serve.worker import QueueFull, Worker
 
@@ -93,6 +94,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
     app = FastAPI(title="composer serve", description="Video generation jobs (OpenAI video API shaped).",
                   lifespan=lifespan)
     app.state.composer = state
+    add_page_routes(app, state)  # the web page at / and GET /v1/model (page.py)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
