@@ -402,3 +402,38 @@ def test_the_live_view_streams_the_causal_model(causal, page, tmp_path):
         assert page.is_hidden("#live-error") and page.problems == []
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_the_form_picks_a_loaded_lora_and_its_scale(t2v, page, tmp_path):
+    """A server with adapters loaded shows them; the chosen one (or none) and a scale reach the job's record."""
+    from composer.serve.requests import LoraOption
+
+    loras = [LoraOption("style", str(tmp_path / "style.safetensors"), 0.8),
+             LoraOption("motion", str(tmp_path / "motion.safetensors"), 1.0)]
+    srv = Server(lambda: t2v, ServeConfig(output_dir=tmp_path / "serve", loras=loras))
+    try:
+        srv.wait_ready()
+        assert srv.request("GET", "/v1/model").json["loras"] == [{"name": "style", "scale": 0.8},
+                                                                 {"name": "motion", "scale": 1.0}]
+        page.goto(f"http://127.0.0.1:{srv.port}/")
+        wait_for(page, "() => document.querySelector('#health').classList.contains('ready')")
+        assert page.is_visible("#lora") and page.is_visible("#lora_scale")
+        fill_form(page, prompt="a red circle", num_inference_steps=1, num_frames=1, seed=1)
+        page.select_option("#lora", "(none)")  # the base model: "lora": [] (t2v has no adapters to take off)
+        page.click("#submit")
+        wait_for(page, "() => document.querySelectorAll('#gallery-list figure').length === 1")
+        page.select_option("#lora", "motion")
+        page.fill("#lora_scale", "0.25")
+        page.click("#submit")
+        wait_for(page, "() => document.querySelector('#queue-list li[data-status=failed]')")  # no such file here
+        jobs = srv.request("GET", "/v1/videos").json["data"]
+    finally:
+        srv.stop()
+    assert [job["lora"] for job in jobs] == [[], [["motion", 0.25]]]
+    assert "motion.safetensors" in jobs[1]["error"]["message"]
+
+
+def test_model_lists_no_loras_when_none_are_loaded(server):
+    assert server.request("GET", "/v1/model").json["loras"] == []

@@ -41,11 +41,12 @@ def add_page_routes(app: FastAPI, state: Any) -> None:
             return JSONResponse({"status": "failed" if failed else "loading",
                                  "error": {"message": message, "type": "server_error", "param": None, "code": 503}},
                                 503, headers={"Retry-After": "5"})
-        return {"status": "ready", **model_info(state.generator, state.config.limits)}
+        return {"status": "ready", **model_info(state.generator, state.config.limits, state.config.loras)}
 
 
-def model_info(generator: Any, limits: Any) -> dict[str, Any]:
-    """What a client needs to build a request form for `generator` under the server's `limits`."""
+def model_info(generator: Any, limits: Any, loras: Any = ()) -> dict[str, Any]:
+    """What a client needs to build a request form for `generator` under the server's `limits`, with the LoRA
+    adapters it loaded at start (what `lora` may name, and the scale each runs at by default)."""
     pipeline = generator.pipeline
     model_limits = ModelLimits.from_pipeline(pipeline)
     hidden = set(SERVER_FIELDS) | set(SERVER_PATHS) | set(IMAGE_FIELDS)
@@ -61,4 +62,5 @@ def model_info(generator: Any, limits: Any) -> dict[str, Any]:
                       "frames_per_block": model_limits.frames_per_block},
         "fixed_steps": model_limits.fixed_steps,
         "limits": {"max_frames": limits.max_frames, "max_size": limits.max_size, "max_steps": limits.max_steps},
+        "loras": [{"name": o.name, "scale": o.scale} for o in loras],
     }

@@ -3,9 +3,11 @@
 "use strict";
 
 const FIELDS = ["prompt", "negative_prompt", "width", "height", "num_frames", "num_inference_steps",
-  "guidance_scale", "seed"];
+  "guidance_scale", "seed", "lora", "lora_scale"];
 const LABELS = {prompt: "Prompt", negative_prompt: "Negative prompt", width: "Width", height: "Height",
-  num_frames: "Frames", num_inference_steps: "Steps", guidance_scale: "Guidance", seed: "Seed"};
+  num_frames: "Frames", num_inference_steps: "Steps", guidance_scale: "Guidance", seed: "Seed", lora: "LoRA",
+  lora_scale: "LoRA scale"};
+const NO_LORA = "(none)";  // the select's value for the base model: "lora": []
 const ACTIVE = ["queued", "in_progress"];
 const POLL_ACTIVE_MS = 500, POLL_IDLE_MS = 2000, HEALTH_MS = 5000, MODEL_RETRY_MS = 1000;
 const SHOWN_FINISHED_PROBLEMS = 10;  // failed / cancelled jobs kept in the queue list
@@ -66,6 +68,7 @@ async function loadModel() {
   $("model-name").title = page.model.model;
   fillDefaults();
   showHints();
+  showLoras();
   setHealth("ready");
   if (page.model.causal && window.ComposerLive) window.ComposerLive.setup(page.model);
   setTimeout(checkHealth, HEALTH_MS);
@@ -85,12 +88,23 @@ async function checkHealth() {
 function fillDefaults() {
   const defaults = page.model.defaults;
   for (const name of FIELDS) {
-    if (name === "prompt") continue;  // the user's, never reset
+    if (name === "prompt" || name === "lora") continue;  // the user's, never reset; the LoRA list: showLoras
     const value = defaults[name];
     $(name).value = value === null || value === undefined ? "" : value;
   }
   const steps = $("num_inference_steps");
   steps.readOnly = page.model.fixed_steps !== null;
+}
+
+function showLoras() {
+  // the adapters the server loaded (--lora-path): the default runs them all at their start scales
+  const loras = page.model.loras || [];
+  $("lora-fields").hidden = loras.length === 0;
+  const select = $("lora");
+  select.replaceChildren();
+  const options = [["", `all loaded (${loras.map((l) => `${l.name} ×${l.scale}`).join(", ")})`],
+    [NO_LORA, "none: the base model"], ...loras.map((l) => [l.name, `${l.name} (start scale ${l.scale})`])];
+  for (const [value, text] of options) select.append(new Option(text, value));
 }
 
 function showHints() {
@@ -115,6 +129,9 @@ function requestBody() {
       if (text === "") continue;  // blank: the model's default (a random seed)
       const number = Number(text);
       body[name] = Number.isNaN(number) ? text : number;  // the server names a non-number
+    } else if (name === "lora") {
+      if (text === NO_LORA) body.lora = [];
+      else if (text !== "") body.lora = text;
     } else if (name === "prompt" || text !== "") {
       body[name] = input.value;
     }
