@@ -324,13 +324,16 @@ class VideoGenerator:
 
         `prompts`: one prompt (for as many blocks as num_frames asks), or (prompt, num_blocks) segments - a
         prompt switch after each segment. Segments are read lazily, so an iterator can supply the next prompt
-        while earlier blocks stream (interactive use). Iterate the returned VideoStream for VideoChunk objects;
-        afterwards it holds the whole video (`frames`, `latents`) and the profile (`stats`). For endless streams
+        while earlier blocks stream (interactive use); a source with an `ends_segment(block_index) -> bool` method
+        is also asked before each block of a segment after its first, and True ends that segment there (a live
+        prompt switch: the next segment is read and starts at that block). Iterate the returned VideoStream for
+        VideoChunk objects; afterwards it holds the whole video (`frames`, `latents`) and the profile (`stats`). For endless streams
         consumed as they go (written to disk), `keep_video=False` keeps neither frames nor old latents.
         `cancel`: a CancelToken; once cancelled, iteration raises `Cancelled` within one transformer block.
         """
         segments = None
         prompt = None
+        ends_segment = getattr(prompts, "ends_segment", None)
         if isinstance(prompts, str) or prompts is None:
             prompt = prompts
         else:
@@ -347,6 +350,10 @@ class VideoGenerator:
         check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
         batch = self._new_batch(sp, None, cancel)
         self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
+        if callable(ends_segment):  # a live source: it may end the running segment before its last block
+            from composer.stages.causal_denoising import CausalPlan
+
+            batch.get(CausalPlan).ends_segment = ends_segment
         return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)
 
     def _new_batch(self, sp: SamplingParam, videos: VideoRequests | None = None,

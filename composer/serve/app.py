@@ -24,6 +24,7 @@ from composer.logging import get_logger
 from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, JobStore, new_job_id
 from composer.serve.page import add_page_routes
 from composer.serve.requests import LoraOption, RequestProblem, ServerLimits, check_body
+from composer.serve.stream import add_stream_routes
 from composer.serve.worker import QueueFull, Worker
 
 logger = get_logger(__name__)
@@ -95,6 +96,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
                   lifespan=lifespan)
     app.state.composer = state
     add_page_routes(app, state)  # the web page at / and GET /v1/model (page.py)
+    streams = add_stream_routes(app, state)  # WebSocket /v1/streams (live streams of causal models)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -185,7 +187,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        """Prometheus text format: queue length, jobs by state, seconds per denoising step."""
+        """Prometheus text format: queue length, jobs by state, seconds per denoising step, live streams."""
         worker = state.worker
         lines = ["# HELP composer_ready 1 once the model is loaded", "# TYPE composer_ready gauge",
                  f"composer_ready {int(state.generator is not None)}",
@@ -197,6 +199,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
         lines += ["# HELP composer_step_seconds denoising step time", "# TYPE composer_step_seconds summary",
                   f"composer_step_seconds_sum {worker.step_seconds_sum if worker else 0.0:.6f}",
                   f"composer_step_seconds_count {worker.steps if worker else 0}"]
+        lines += streams.metric_lines()
         return "\n".join(lines) + "\n"
 
     return app

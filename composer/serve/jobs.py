@@ -36,14 +36,16 @@ class Job:
     completed_at: float | None = None
     error: str | None = None
     lora: list = field(default_factory=list)  # [name, scale] pairs of the adapters it runs with ([]: none)
+    kind: str = "video"  # "video" (POST /v1/videos) or "stream" (a live WebSocket stream, serve/stream.py)
     inputs: dict[str, Any] = field(default_factory=dict, repr=False)  # decoded images: not in the record
 
     def to_json(self) -> dict[str, Any]:
         """The record as the API returns it (OpenAI's video object fields, plus composer's request)."""
         req = self.request
         return {
-            "id": self.id, "object": "video", "status": self.status, "progress": round(self.progress, 4),
-            "model": self.model, "created_at": self.created_at, "started_at": self.started_at,
+            "id": self.id, "object": "video", "kind": self.kind, "status": self.status,
+            "progress": round(self.progress, 4), "model": self.model, "created_at": self.created_at,
+            "started_at": self.started_at,
             "completed_at": self.completed_at, "size": f"{req.get('width')}x{req.get('height')}",
             "seconds": _seconds(req), "prompt": req.get("prompt"), "seed": req.get("seed"),
             "error": {"message": self.error} if self.error else None, "lora": self.lora, "request": req,

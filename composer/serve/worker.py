@@ -2,7 +2,8 @@
 
 The HTTP loop only queues and reads records; it never waits on generation. A job's CancelToken stops it at the
 next transformer block (DELETE, or the request timeout); any exception fails that job alone and the worker
-goes on with the next.
+goes on with the next. A live stream (serve/stream.py) is a job too, submitted with its StreamSession: the
+worker runs it here, in turn, with stream_video, handing each chunk to the session and writing it to the file.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from composer.errors import Cancelled
 from composer.logging import get_logger
 from composer.serve.jobs import CANCELLED, COMPLETED, FAILED, IN_PROGRESS, QUEUED, Job, JobStore
 from composer.serve.requests import LoraOption
-from composer.video import save_video
+from composer.video import VideoWriter, save_video
 
 logger = get_logger(__name__)
 
@@ -59,6 +60,8 @@ class Worker:
         self._tokens: dict[str, CancelToken] = {}
         self._lock = threading.Lock()
         self._running: Job | None = None
+        self._streams: dict[str, Any] = {}  # job id -> StreamSession, for live streams
+        self._progress_span = (0.0, 1.0)  # a step's progress maps into [lo, lo + span) of the job's
         self._stopping = threading.Event()
         self.step_seconds_sum = 0.0
         self.steps = 0
@@ -73,16 +76,26 @@ class Worker:
     def queue_length(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, job: Job) -> None:
-        """Queue `job` (QueueFull when the queue is full)."""
+    def submit(self, job: Job, stream: Any = None) -> None:
+        """Queue `job` (QueueFull when the queue is full); `stream`: a live stream's StreamSession."""
         with self._lock:
             self._tokens[job.id] = CancelToken()
+            if stream is not None:
+                self._streams[job.id] = stream
         try:
             self._queue.put_nowait(job)
         except queue.Full:
             with self._lock:
                 self._tokens.pop(job.id, None)
+                self._streams.pop(job.id, None)
             raise QueueFull from None
+
+    def jobs_ahead(self, job: Job) -> int:
+        """Jobs that run before `job`: the running one and the queued ones before it."""
+        with self._queue.mutex:
+            waiting = list(self._queue.queue)
+        before = waiting[:waiting.index(job)] if job in waiting else []
+        return sum(1 for j in before if j is not None and j.status == QUEUED) + (self._running is not None)
 
     def cancel(self, job: Job) -> bool:
         """Cancel a queued job (it is skipped) or a running one (it stops at the next block); False when done."""
@@ -91,8 +104,11 @@ class Worker:
             if token is None or job.status not in (QUEUED, IN_PROGRESS):
                 return False
             token.cancel("cancelled by the client")
-            if job.status == QUEUED:  # the worker skips it when it comes up
+            queued = job.status == QUEUED
+            if queued:  # the worker skips it when it comes up
                 self.store.update(job, status=CANCELLED, completed_at=time.time(), error=None)
+        if queued:
+            self._end_stream(job)
         return True
 
     def step_done(self, seconds: float, progress: float) -> None:
@@ -101,7 +117,8 @@ class Worker:
             return
         self.step_seconds_sum += seconds
         self.steps += 1
-        self.store.update(job, persist=False, progress=min(progress, 0.99))
+        low, span = self._progress_span
+        self.store.update(job, persist=False, progress=min(low + progress * span, 0.99))
 
     def stop(self) -> None:
         """Cancel the running job (failed: "the server stopped") and end the thread; queued jobs stay queued on
@@ -126,11 +143,15 @@ class Worker:
                 return
             with self._lock:
                 token = self._tokens.get(job.id)
-                if token is None or token.cancelled or job.status != QUEUED:
+                skip = token is None or token.cancelled or job.status != QUEUED
+                if skip:
                     self._tokens.pop(job.id, None)
-                    continue
-                self._running = job
-                self.store.update(job, status=IN_PROGRESS, started_at=time.time())
+                else:
+                    self._running = job
+                    self.store.update(job, status=IN_PROGRESS, started_at=time.time())
+            if skip:
+                self._end_stream(job)
+                continue
             try:
                 self._run(job, token)
             finally:
@@ -144,10 +165,14 @@ class Worker:
             timer = threading.Timer(self.request_timeout, token.cancel, args=("timeout",))
             timer.daemon = True
             timer.start()
+        stream = self._streams.get(job.id)
         try:
             self._use_lora(job.lora)
-            result = self.generator.generate_video(cancel=token, **job.request, **job.inputs)
-            save_video(result.frames, self.store.video_path(job.id), fps=job.request.get("fps", 16))
+            if stream is not None:
+                self._run_stream(job, token, stream)
+            else:
+                result = self.generator.generate_video(cancel=token, **job.request, **job.inputs)
+                save_video(result.frames, self.store.video_path(job.id), fps=job.request.get("fps", 16))
         except Cancelled:
             if token.reason == "timeout":
                 self._finish(job, FAILED, f"the job ran past the request timeout ({self.request_timeout:g} s) and "
@@ -164,6 +189,34 @@ class Worker:
         finally:
             if timer is not None:
                 timer.cancel()
+            self._end_stream(job)
+
+    def _run_stream(self, job: Job, token: CancelToken, session: Any) -> None:
+        """A live stream: its chunks to the session (which waits while the client is behind) and to the file."""
+        request = {k: v for k, v in job.request.items() if k != "prompt"}  # the session's prompts name them
+        chunks = iter(self.generator.stream_video(session.prompts, keep_video=False, cancel=token, **request))
+        session.started(job)
+        total = max(session.num_blocks, 1)
+        self._progress_span = (0.0, 1 / total)
+        try:
+            with VideoWriter(self.store.video_path(job.id), fps=job.request.get("fps", 16)) as writer:
+                for done, chunk in enumerate(chunks, 1):
+                    writer.append(chunk.frames)
+                    session.chunk(chunk, token)
+                    self.store.update(job, persist=False, progress=min(done / total, 0.99))
+                    self._progress_span = (done / total, 1 / total)
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:  # the pipeline's stream lets go of the request at once
+                close()
+            self._progress_span = (0.0, 1.0)
+
+    def _end_stream(self, job: Job) -> None:
+        """Tell a live stream's session that its job is over (its last message to the client)."""
+        with self._lock:
+            session = self._streams.pop(job.id, None)
+        if session is not None:
+            session.finished(job)
 
     def _use_lora(self, lora: list) -> None:
         """Switch the model's adapters to the job's [name, scale] pairs when they differ from the last job's."""

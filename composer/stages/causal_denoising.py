@@ -24,7 +24,9 @@ Long videos and prompt switches: a segment (prompt, num_blocks) may span several
 `rollout_blocks` blocks. Each new rollout, and each new prompt, starts a fresh cache (frame positions
 restart at 0) prefilled at `context_noise` with the last `overlap_frames` latent frames generated so far,
 in chunks of one block; a new prompt also gets new cross-attention keys/values. The first rollout is
-prefilled with the request's start latents (image-to-video / video extension), if any.
+prefilled with the request's start latents (image-to-video / video extension), if any. A live segment
+source may end its current segment early (`CausalPlan.ends_segment`): the next segment (a new prompt) then
+starts from the next block, and the blocks made before it are those of the unswitched video.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class CausalPlan:
     overlap_frames: int = 3  # latent frames carried into the next rollout / prompt
     use_kv_cache: bool = True  # off: the uncached block-causal recompute (the reference)
     keep_video: bool = True  # off: keep only the latent frames the next rollout needs (endless streams)
+    # A live source's cut (stream_video sets it from the source's `ends_segment`): asked before each block of a
+    # segment after the segment's first, with that block's index; True ends the segment there and the next
+    # segment is read. The blocks already made stay those of the unswitched video (composer serve's streams).
+    ends_segment: Callable[[int], bool] | None = None
 
 
 @dataclass
@@ -210,8 +216,9 @@ class CausalDenoisingStage(Stage):
             texts = [engine.text_inputs(self.encode_prompts([prompt] * bsz).to(device, dtype))]
             if uncond_text is not None:
                 texts.append(uncond_text)
+            segment_start = block_index
             remaining = num_blocks
-            while remaining > 0:
+            while remaining > 0 and not self._cut(plan, segment_start, block_index):
                 blocks = min(remaining, plan.rollout_blocks or remaining)
                 remaining -= blocks
                 # Rollout context: the start latents (first rollout) or the newest `overlap` frames.
@@ -245,6 +252,9 @@ class CausalDenoisingStage(Stage):
                 # the recompute path re-reads the rollout's clean frames; the cached path has them as keys
                 rollout_clean = [] if context is None or caches is not None else [context]
                 for b in range(blocks):
+                    if b > 0 and self._cut(plan, segment_start, block_index):
+                        remaining = 0  # the rest of this rollout's noise goes unused
+                        break
                     start = time.perf_counter()
                     s = prefix + b * n
                     x = noise[:, :, b * n:(b + 1) * n]
@@ -271,6 +281,11 @@ class CausalDenoisingStage(Stage):
         if block_index == 0 and batch.start_latents is None:
             raise InvalidInputError("nothing to generate: every segment has 0 blocks")
         batch.latents = torch.cat(video, dim=2) if video else None
+
+    @staticmethod
+    def _cut(plan: CausalPlan, segment_start: int, block_index: int) -> bool:
+        """Whether a live source ends the current segment before `block_index` (never before its first block)."""
+        return plan.ends_segment is not None and block_index > segment_start and bool(plan.ends_segment(block_index))
 
     def _recompute_inputs(self, texts: list[ModelInputs], rollout_clean: list[torch.Tensor], prefill_frames: int,
                           n: int, tpf: int, device: torch.device) -> list[ModelInputs]:

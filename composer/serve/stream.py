@@ -1,0 +1,424 @@
+"""Live streams of causal models over a WebSocket (`/v1/streams`): each decoded block goes to the client as JPEG
+frames while the next block is made, and the client may switch the prompt or stop as it watches.
+
+A stream is a job like any other: the one worker runs it (serialized with the ordinary jobs), it is listed by
+GET /v1/videos with `"kind": "stream"`, DELETE cancels it, and its whole video is written to the output folder.
+Between the worker (the producer) and the socket (the consumer) sits a buffer of at most `BUFFERED_CHUNKS`
+chunks: a slow client pauses generation instead of letting the server hold the video in memory.
+The protocol is in docs/serving.md ("Live streams").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from starlette.concurrency import run_in_threadpool
+
+from composer.cancel import CancelToken
+from composer.errors import ComposerError
+from composer.logging import get_logger
+from composer.request_check import ModelLimits
+from composer.serve.jobs import CANCELLED, COMPLETED, FINISHED, QUEUED, STATES, Job, new_job_id
+from composer.serve.requests import RequestProblem, check_body
+from composer.serve.worker import QueueFull
+
+logger = get_logger(__name__)
+
+STREAM = "stream"  # Job.kind of a stream
+BUFFERED_CHUNKS = 2  # chunks made but not yet sent, at most, per stream
+MAX_PENDING_SWITCHES = 16
+FIRST_MESSAGE_TIMEOUT = 60.0  # seconds a new socket may take to send its request
+STALL_TIMEOUT = 60.0  # seconds a stream waits for a client that reads nothing (at most the request timeout)
+JPEG_QUALITY = 90
+# WebSocket close codes: 1000 normal (done, cancelled), 1008 policy violation (a refused request),
+# 1011 server error (the generation failed), 1013 try again later (loading, queue full)
+NORMAL, REFUSED, FAILED_CODE, TRY_LATER = 1000, 1008, 1011, 1013
+
+
+class StreamStalled(ComposerError):
+    """The client read nothing for longer than the server waits: its stream is cancelled."""
+
+
+def error_message(message: str, param: str | None = None) -> dict[str, Any]:
+    return {"type": "error", "error": {"message": message, "param": param}}
+
+
+class LivePrompts:
+    """The segments of a stream, read by the causal sampler as it goes (a live source for `stream_video`).
+
+    The stream is `num_blocks` blocks long. Each prompt switch the client sends waits in order; the sampler
+    takes the next one when it reads its next segment, which is before the next block when the running
+    segment is open-ended (a switch without `blocks`), or when the running one's `blocks` are done. With no
+    switch waiting, the prompt in use goes on. `stop()` ends the stream after the block being made.
+    Thread-safe: the socket's task switches, the worker's sampler reads.
+    """
+
+    def __init__(self, prompt: str, num_blocks: int, announce: Callable[[dict], None] = lambda message: None):
+        self.prompt = prompt
+        self.num_blocks = num_blocks
+        self.announce = announce  # called with {"type": "prompt", ...} as each switch takes effect
+        self._lock = threading.Lock()
+        self._switches: deque[tuple[str, int | None]] = deque()
+        self._stopped = False
+        self._read = False  # the first segment was handed out
+        self._end = 0  # the block the running segment ends before
+        self._open = True  # the running segment lasts until the next switch
+
+    @property
+    def pending(self) -> int:
+        """Prompt switches waiting to take effect."""
+        with self._lock:
+            return len(self._switches)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def switch(self, prompt: str, blocks: int | None = None) -> None:
+        """Queue a switch to `prompt` (for `blocks` blocks, or until the next switch)."""
+        with self._lock:
+            if len(self._switches) >= MAX_PENDING_SWITCHES:
+                raise RequestProblem(f"{MAX_PENDING_SWITCHES} prompt switches are already waiting; send the next "
+                                     "once one is acknowledged", "prompt")
+            self._switches.append((prompt, blocks))
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+
+    def __iter__(self) -> LivePrompts:
+        return self
+
+    def __next__(self) -> tuple[str, int]:
+        with self._lock:
+            start = self._end if self._read else 0
+            rest = self.num_blocks - start
+            if (self._stopped and self._read) or rest <= 0:
+                raise StopIteration
+            switched = bool(self._switches)
+            if switched:
+                self.prompt, blocks = self._switches.popleft()
+            else:
+                blocks = None
+            self._read, self._open = True, blocks is None
+            count = rest if blocks is None else min(blocks, rest)
+            self._end = start + count
+            prompt = self.prompt
+        if switched:
+            self.announce({"type": "prompt", "prompt": prompt, "from_block": start})
+        return prompt, count
+
+    def ends_segment(self, block_index: int) -> bool:
+        """Asked by the sampler before each block of a segment after its first: end the segment here?"""
+        with self._lock:
+            if self._stopped or (self._open and self._switches):
+                self._end = block_index
+                return True
+            return False
+
+
+def encode_jpeg(frame: np.ndarray, quality: int = JPEG_QUALITY) -> bytes:
+    """One uint8 [H, W, 3] frame as JPEG (4:4:4, so thin coloured edges survive)."""
+    import PIL.Image
+
+    out = io.BytesIO()
+    PIL.Image.fromarray(frame).save(out, format="JPEG", quality=quality, subsampling=0)
+    return out.getvalue()
+
+
+class StreamSession:
+    """The bridge between the worker (which calls `started`, `chunk`, `finished` from its thread) and one
+    socket (whose task takes the messages with `next_item` and calls `sent` after each chunk).
+
+    Messages go through one queue on the socket's event loop, in order; chunks also take one of
+    `BUFFERED_CHUNKS` slots, released once the chunk is sent, so the worker waits (generation pauses) while
+    the client is behind. Waiting longer than `stall_timeout` fails the stream (StreamStalled)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, job: Job, prompts: LivePrompts,
+                 stall_timeout: float | None, buffered: int = BUFFERED_CHUNKS):
+        self.loop = loop
+        self.job = job
+        self.prompts = prompts
+        self.num_blocks = prompts.num_blocks
+        self.stall_timeout = stall_timeout
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._slots = threading.Semaphore(buffered)
+        self._lock = threading.Lock()
+        self.buffered = 0  # chunks made and not yet sent
+        self.max_buffered = 0
+        self.chunks = 0  # chunks handed to the socket
+        self.frames = 0  # their frames
+        self.closed = threading.Event()  # the socket is gone: nothing more to post
+        prompts.announce = self.post_message
+
+    # -- the worker's side --------------------------------------------------------------------------
+    def _post(self, item: tuple) -> None:
+        if self.closed.is_set():
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server stopped
+            self.closed.set()
+
+    def post_message(self, message: dict) -> None:
+        self._post(("message", message))
+
+    def started(self, job: Job) -> None:
+        req = job.request
+        self.post_message({"type": "started", "id": job.id, "seed": req.get("seed"), "fps": req.get("fps"),
+                           "height": req.get("height"), "width": req.get("width"), "num_blocks": self.num_blocks})
+
+    def chunk(self, chunk: Any, token: CancelToken) -> None:
+        """Encode a decoded chunk and queue it for the socket, waiting for a free slot (cancellable)."""
+        jpegs = [encode_jpeg(frame) for frame in np.asarray(chunk.frames)]
+        waited = time.perf_counter()
+        while not self._slots.acquire(timeout=0.05):
+            token.check()
+            if self.stall_timeout is not None and time.perf_counter() - waited > self.stall_timeout:
+                raise StreamStalled(f"the client read nothing for {self.stall_timeout:g} s; the stream was stopped")
+        with self._lock:
+            index, self.chunks = self.chunks, self.chunks + 1
+            self.buffered += 1
+            self.max_buffered = max(self.max_buffered, self.buffered)
+            header = {"type": "chunk", "index": index, "block": chunk.block_index, "frames": len(jpegs),
+                      "first_frame": chunk.start_frame, "prompt": chunk.prompt}
+            self.frames += len(jpegs)
+        self._post(("chunk", header, jpegs))
+
+    def finished(self, job: Job) -> None:
+        """The job ended (completed, failed or cancelled, queued or running): the last message."""
+        if job.status == COMPLETED:
+            message = {"type": "done", "id": job.id, "frames": self.frames, "video": f"/v1/videos/{job.id}/content"}
+            code = NORMAL
+        elif job.status == CANCELLED:
+            message, code = error_message(f"stream {job.id} was cancelled"), NORMAL
+        else:
+            message, code = error_message(f"stream {job.id} failed: {job.error}"), FAILED_CODE
+        self._post(("end", message, code))
+
+    # -- the socket's side --------------------------------------------------------------------------
+    def sent(self) -> None:
+        """A chunk went out: its slot is free again."""
+        with self._lock:
+            self.buffered -= 1
+        self._slots.release()
+
+
+class StreamRoutes:
+    """The `/v1/streams` route's shared state (`app.state.streams`): the open streams, how long a stream waits for
+    a client that reads nothing, and the metrics /metrics shows."""
+
+    def __init__(self, state: Any):
+        self.state = state
+        self.open: dict[str, StreamSession] = {}
+        timeout = state.config.request_timeout
+        self.stall_timeout: float | None = STALL_TIMEOUT if timeout is None else min(STALL_TIMEOUT, timeout)
+        self.first_chunk_sum = 0.0
+        self.first_chunk_count = 0
+        self.max_buffered = 0  # the most chunks any stream had made and not yet sent
+
+    def metric_lines(self) -> list[str]:
+        """Prometheus lines: streams by state, open streams, chunks buffered, time to first chunk."""
+        counts = dict.fromkeys(STATES, 0)
+        for job in self.state.store.all():
+            if job.kind == STREAM:
+                counts[job.status] += 1
+        sessions = list(self.open.values())
+        lines = ["# HELP composer_streams live streams (jobs of kind stream) by state", "# TYPE composer_streams gauge"]
+        lines += [f'composer_streams{{state="{s}"}} {counts[s]}' for s in STATES]
+        lines += ["# HELP composer_streams_open WebSocket streams connected now", "# TYPE composer_streams_open gauge",
+                  f"composer_streams_open {len(sessions)}",
+                  "# HELP composer_stream_buffered_chunks chunks made and not yet sent, over the open streams",
+                  "# TYPE composer_stream_buffered_chunks gauge",
+                  f"composer_stream_buffered_chunks {sum(s.buffered for s in sessions)}",
+                  "# HELP composer_stream_first_chunk_seconds from a stream starting to run to its first chunk sent",
+                  "# TYPE composer_stream_first_chunk_seconds summary",
+                  f"composer_stream_first_chunk_seconds_sum {self.first_chunk_sum:.6f}",
+                  f"composer_stream_first_chunk_seconds_count {self.first_chunk_count}"]
+        return lines
+
+
+def add_stream_routes(app: FastAPI, state: Any) -> StreamRoutes:
+    """Register `/v1/streams` on `app` (its ServerState is `state`); returns the routes' metrics holder."""
+    routes = StreamRoutes(state)
+    app.state.streams = routes
+
+    @app.websocket("/v1/streams")
+    async def stream(ws: WebSocket):
+        """A live stream of a causal model's blocks (docs/serving.md, "Live streams")."""
+        await ws.accept()
+        generator = state.generator
+        if generator is None:
+            why = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"
+            return await _refuse(ws, why, None, TRY_LATER)
+        if not getattr(generator.pipeline, "can_stream", False):
+            return await _refuse(ws, f"{generator.family} makes whole videos and cannot stream; live streams need a "
+                                 "causal (block-autoregressive) model: POST /v1/videos for this one", "model")
+        try:
+            text = await asyncio.wait_for(ws.receive_text(), FIRST_MESSAGE_TIMEOUT)
+        except asyncio.TimeoutError:
+            return await _refuse(ws, f"no request within {FIRST_MESSAGE_TIMEOUT:g} s of connecting", None)
+        except WebSocketDisconnect:
+            return
+        except KeyError:  # a binary message
+            return await _refuse(ws, "the first message must be a JSON text message with the request", None)
+        try:
+            body = _parse(text)
+            checked, num_blocks = await run_in_threadpool(_check_stream_body, body, generator, state.config)
+        except RequestProblem as exc:
+            return await _refuse(ws, str(exc), exc.field)
+
+        job = Job(new_job_id(), checked.params, model=str(generator.model_path), kind=STREAM, lora=checked.lora)
+        prompts = LivePrompts(checked.params["prompt"], num_blocks)
+        session = StreamSession(asyncio.get_running_loop(), job, prompts, routes.stall_timeout)
+        state.store.add(job)
+        try:
+            state.worker.submit(job, stream=session)
+        except QueueFull:
+            state.store.remove(job.id)
+            return await _refuse(ws, f"the queue is full ({state.config.max_queue} jobs waiting); retry later", None,
+                                 TRY_LATER)
+        routes.open[job.id] = session
+        send_lock = asyncio.Lock()  # a chunk's header and its frames go out together
+        try:
+            ahead = state.worker.jobs_ahead(job)
+            if job.status == QUEUED and ahead:
+                await ws.send_text(json.dumps({"type": "queued", "id": job.id, "position": ahead}))
+            pump = asyncio.create_task(_pump(ws, session, send_lock, routes))
+            listen = asyncio.create_task(_listen(ws, session, send_lock, state))
+            done, pending = await asyncio.wait({pump, listen}, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    logger.info("stream %s: the socket closed (%s)", job.id, task.exception())
+        finally:
+            session.closed.set()
+            routes.open.pop(job.id, None)
+            if job.status not in FINISHED and state.worker is not None:
+                state.worker.cancel(job)  # the client left: stop within one block
+
+    return routes
+
+
+async def _refuse(ws: WebSocket, message: str, param: str | None, code: int = REFUSED) -> None:
+    try:
+        await ws.send_text(json.dumps(error_message(message, param)))
+        await ws.close(code)
+    except (WebSocketDisconnect, RuntimeError, OSError):  # the client left first
+        pass
+
+
+def _parse(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise RequestProblem(f"the message is not valid JSON ({exc})") from None
+
+
+def _check_stream_body(body: Any, generator: Any, config: Any) -> tuple[Any, int]:
+    """The first message -> (the checked request, the stream's length in blocks). `num_blocks` stands for the
+    num_frames it implies, so the server's --max-frames bounds a stream as it bounds a video."""
+    if not isinstance(body, dict):
+        raise RequestProblem(f"the first message must be a JSON object of request fields, not {type(body).__name__}")
+    limits = ModelLimits.from_pipeline(generator.pipeline)
+    per_block, temporal = limits.frames_per_block or 1, limits.temporal_factor or 1
+    body = dict(body)
+    blocks = body.pop("num_blocks", None)
+    if blocks is not None:
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+            raise RequestProblem(f"num_blocks = {blocks!r}: expected an integer >= 1", "num_blocks")
+        given = [key for key in ("num_frames", "seconds") if key in body]
+        if given:
+            raise RequestProblem(f"give num_blocks or {given[0]}, not both", "num_blocks")
+        body["num_frames"] = (blocks * per_block - 1) * temporal + 1
+    try:
+        checked = check_body(body, generator, config.limits, config.loras)
+    except RequestProblem as exc:
+        if blocks is not None and exc.field == "num_frames":
+            raise RequestProblem(f"num_blocks = {blocks} is {body['num_frames']} frames; {exc}", "num_blocks") from None
+        raise
+    latent = (checked.params["num_frames"] - 1) // temporal + 1
+    return checked, latent // per_block
+
+
+async def _pump(ws: WebSocket, session: StreamSession, lock: asyncio.Lock, routes: StreamRoutes) -> None:
+    """Send the session's messages in order until its last one, then close."""
+    first = True
+    while True:
+        kind, *rest = await session.queue.get()
+        if kind == "message":
+            async with lock:
+                await ws.send_text(json.dumps(rest[0]))
+        elif kind == "chunk":
+            header, jpegs = rest
+            async with lock:
+                await ws.send_text(json.dumps(header))
+                for data in jpegs:
+                    await ws.send_bytes(data)
+            routes.max_buffered = max(routes.max_buffered, session.max_buffered)
+            session.sent()
+            if first and session.job.started_at is not None:
+                routes.first_chunk_sum += time.time() - session.job.started_at
+                routes.first_chunk_count += 1
+            first = False
+        else:  # "end"
+            message, code = rest
+            async with lock:
+                await ws.send_text(json.dumps(message))
+                await ws.close(code)
+            return
+
+
+async def _listen(ws: WebSocket, session: StreamSession, lock: asyncio.Lock, state: Any) -> None:
+    """Take the client's messages (prompt switches, stop) until it disconnects; a bad one gets an error
+    message and the stream goes on."""
+    while True:
+        message = await ws.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+        text = message.get("text")
+        try:
+            if text is None:
+                raise RequestProblem("expected a JSON text message ({\"type\": \"prompt\", ...} or {\"type\": "
+                                     "\"stop\"}), got binary data")
+            _client_message(_parse(text), session, state)
+        except RequestProblem as exc:
+            async with lock:
+                await ws.send_text(json.dumps(error_message(str(exc), exc.field)))
+
+
+def _client_message(body: Any, session: StreamSession, state: Any) -> None:
+    """Act on one message from the client: {"type": "prompt", "prompt", "blocks"?} or {"type": "stop"}."""
+    if not isinstance(body, dict):
+        raise RequestProblem(f"expected a JSON object with a type, not {type(body).__name__}", "type")
+    kind = body.get("type")
+    if kind == "stop":
+        extra = sorted(set(body) - {"type"})
+        if extra:
+            raise RequestProblem(f"unknown field {extra[0]!r} in a stop message", extra[0])
+        session.prompts.stop()
+        if session.job.status == QUEUED:  # nothing made yet: nothing to keep
+            state.worker.cancel(session.job)
+        return
+    if kind != "prompt":
+        raise RequestProblem(f"type = {kind!r}: expected \"prompt\" (switch the prompt) or \"stop\"", "type")
+    extra = sorted(set(body) - {"type", "prompt", "blocks"})
+    if extra:
+        raise RequestProblem(f"unknown field {extra[0]!r} in a prompt message (fields: type, prompt, blocks)", extra[0])
+    prompt, blocks = body.get("prompt"), body.get("blocks")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RequestProblem(f"prompt = {prompt!r}: expected a non-empty string", "prompt")
+    if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
+        raise RequestProblem(f"blocks = {blocks!r}: expected an integer >= 1 (or leave it out: until the next "
+                             "switch)", "blocks")
+    session.prompts.switch(prompt, blocks)

@@ -1,0 +1,382 @@
+"""Live WebSocket streams (`/v1/streams`) end to end: a real server on 127.0.0.1 over the embedded causal shapes
+model (64x64, one latent frame per block, CFG off for speed) and the `websockets` sync client.
+
+A scripted wrapper of the loaded generator makes some streams deterministic or heavy: with `hold` set, a stream
+waits after its first chunk until the client's prompt switch or stop has arrived (so the block it takes effect
+from is known); prompts starting "noise" stream random 4-frame chunks at once, without the model (big,
+incompressible JPEGs, to fill socket buffers)."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi", reason="composer serve needs the serve extra (fastapi, uvicorn, websockets)")
+pytest.importorskip("uvicorn", reason="composer serve needs the serve extra (fastapi, uvicorn, websockets)")
+pytest.importorskip("websockets", reason="live streams need the serve extra (fastapi, uvicorn, websockets)")
+import PIL.Image
+from serve_support import Server
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from composer.errors import Cancelled
+from composer.generator import VideoGenerator
+from composer.serve.app import ServeConfig
+from composer.serve.requests import ServerLimits
+from composer.video import read_frames
+
+RED, BLUE = "a red circle moving right", "a blue square moving left"
+FAST = {"guidance_scale": 1.0, "seed": 5}  # the shapes model's CFG off: half the work
+FRAMES_OF_3_BLOCKS = [1, 4, 4]  # one latent frame per block: 1 frame, then 4 per block
+
+
+class Scripted:
+    """The real causal generator, plus `hold` (wait after the first chunk for a switch or stop) and "noise"."""
+
+    def __init__(self, generator: VideoGenerator):
+        self._generator = generator
+        self.hold = False
+        self.produced = 0  # chunks the noise streams made
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def generate_video(self, prompt=None, *, cancel=None, **kwargs):
+        if prompt.startswith("gate"):  # a job that runs until the test cancels it
+            while not self.gate.wait(0.01):
+                cancel.check()
+        return self._generator.generate_video(prompt, cancel=cancel, **kwargs)
+
+    def stream_video(self, prompts, *, keep_video=True, cancel=None, **kwargs):
+        if prompts.prompt.startswith("noise"):
+            return self._noise(prompts, cancel, kwargs["height"], kwargs["width"])
+        stream = self._generator.stream_video(prompts, keep_video=keep_video, cancel=cancel, **kwargs)
+        return self._held(stream, prompts, cancel) if self.hold else stream
+
+    def _held(self, stream, prompts, cancel):
+        for i, chunk in enumerate(stream):
+            yield chunk
+            if i == 0:
+                deadline = time.time() + 30
+                while not (prompts.pending or prompts.stopped):
+                    cancel.check()
+                    assert time.time() < deadline, "the client's message never arrived"
+                    time.sleep(0.005)
+
+    def _noise(self, prompts, cancel, height, width):
+        rng = np.random.default_rng(0)
+        for i in range(prompts.num_blocks):
+            if cancel.cancelled:
+                raise Cancelled("request cancelled")
+            frames = rng.integers(0, 256, (4, height, width, 3), dtype=np.uint8)
+            self.produced += 1
+            yield SimpleNamespace(frames=frames, block_index=i, start_frame=4 * i, prompt=prompts.prompt)
+
+
+class SwitchAt:
+    """A live segment source for stream_video: `first` until block `at`, then `then` (what a client's switch is)."""
+
+    def __init__(self, first: str, then: str, at: int, total: int):
+        self._segments = iter([(first, total), (then, total - at)])
+        self.at = at
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._segments)
+
+    def ends_segment(self, block_index: int) -> bool:
+        return block_index == self.at
+
+
+@pytest.fixture(scope="module")
+def generator():
+    return VideoGenerator.from_pretrained("shapes-causal", progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(generator):
+    """The 3-block red video stream_video makes, chunk by chunk."""
+    return [c.frames for c in generator.stream_video(RED, num_frames=9, **FAST)]
+
+
+@pytest.fixture
+def scripted(generator):
+    return Scripted(generator)
+
+
+def start(scripted, tmp_path, **config) -> Server:
+    srv = Server(lambda: scripted, ServeConfig(output_dir=tmp_path / "serve", limits=ServerLimits(max_frames=200),
+                                               **config))
+    srv.wait_ready()
+    return srv
+
+
+@pytest.fixture
+def server(scripted, tmp_path):
+    srv = start(scripted, tmp_path)
+    yield srv
+    scripted.gate.set()
+    srv.stop()
+
+
+def open_stream(srv: Server, small_buffer: bool = False):
+    sock = None
+    if small_buffer:  # a small receive window: a client that does not read fills the server's buffers soon
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+        sock.connect(("127.0.0.1", srv.port))
+    return connect(f"ws://127.0.0.1:{srv.port}/v1/streams", sock=sock, max_queue=2 if small_buffer else 16,
+                   open_timeout=30)
+
+
+def read(ws, until: str | None = None, timeout: float = 60) -> tuple[list[dict], int | None]:
+    """Messages until one of type `until` (its frames too, for a chunk) or the close; chunks carry their decoded
+    JPEGs as "images" and every message its arrival time as "at". Returns (messages, close code or None)."""
+    messages: list[dict] = []
+    while True:
+        if until and messages and messages[-1]["type"] == until and \
+                (until != "chunk" or len(messages[-1]["images"]) == messages[-1]["frames"]):
+            return messages, None
+        try:
+            data = ws.recv(timeout=timeout)
+        except ConnectionClosed as exc:
+            return messages, exc.rcvd.code if exc.rcvd else None
+        if isinstance(data, bytes):
+            assert messages and messages[-1]["type"] == "chunk", "a frame outside a chunk"
+            messages[-1]["images"].append(np.asarray(PIL.Image.open(io.BytesIO(data)).convert("RGB")))
+            continue
+        message = json.loads(data)
+        message["at"] = time.time()
+        if message["type"] == "chunk":
+            message["images"] = []
+        messages.append(message)
+
+
+def chunks_of(messages: list[dict]) -> list[dict]:
+    return [m for m in messages if m["type"] == "chunk"]
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the /metrics line `name value`."""
+    return next(float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] == name)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
+
+
+def test_a_stream_sends_each_block_as_it_is_decoded_and_saves_the_whole_video(server, reference, tmp_path):
+    with open_stream(server) as ws:
+        ws.send(json.dumps({"prompt": RED, "num_blocks": 3, **FAST}))
+        messages, code = read(ws)
+    assert code == 1000
+    assert [m["type"] for m in messages] == ["started", "chunk", "chunk", "chunk", "done"]
+    started, chunks, done = messages[0], messages[1:4], messages[4]
+    job_id = started["id"]
+    assert started == {"type": "started", "id": job_id, "seed": 5, "fps": 8, "height": 64, "width": 64,
+                       "num_blocks": 3, "at": started["at"]}
+    assert [(c["index"], c["block"], c["frames"], c["first_frame"], c["prompt"]) for c in chunks] == [
+        (0, 0, 1, 0, RED), (1, 1, 4, 1, RED), (2, 2, 4, 5, RED)]
+    assert [len(c["images"]) for c in chunks] == FRAMES_OF_3_BLOCKS
+    assert all(image.shape == (64, 64, 3) for c in chunks for image in c["images"])
+    for chunk, expected in zip(chunks, reference):  # stream_video's frames, through JPEG
+        assert psnr(np.stack(chunk["images"]), expected) > 30
+    assert done == {"type": "done", "id": job_id, "frames": 9, "video": f"/v1/videos/{job_id}/content",
+                    "at": done["at"]}
+
+    job = server.request("GET", f"/v1/videos/{job_id}").json
+    assert job["kind"] == "stream" and job["status"] == "completed" and job["progress"] == 1.0
+    assert chunks[0]["at"] < job["completed_at"]  # the first block arrived before the video was finished
+    assert [j["kind"] for j in server.request("GET", "/v1/videos").json["data"]] == ["stream"]
+    reply = server.request("GET", done["video"])
+    assert reply.status == 200 and reply.headers["content-type"] == "video/mp4"
+    (tmp_path / "stream.mp4").write_bytes(reply.body)
+    saved = read_frames(tmp_path / "stream.mp4")
+    assert saved.shape == (9, 64, 64, 3) and psnr(saved, np.concatenate(reference)) > 25
+
+    metrics = server.request("GET", "/metrics").body.decode()
+    assert "composer_stream_first_chunk_seconds_count 1" in metrics
+    first = metric(metrics, "composer_stream_first_chunk_seconds_sum")
+    assert 0 < first < job["completed_at"] - job["started_at"]
+    assert 'composer_streams{state="completed"} 1' in metrics and "composer_streams_open 0" in metrics
+    assert 'composer_jobs{state="completed"} 1' in metrics
+
+
+def test_a_prompt_switch_takes_effect_from_the_next_block(server, scripted, generator, reference):
+    scripted.hold = True  # block 1 starts only once the switch is in
+    with open_stream(server) as ws:
+        ws.send(json.dumps({"prompt": RED, "num_blocks": 3, **FAST}))
+        first, _ = read(ws, until="chunk")
+        ws.send(json.dumps({"type": "prompt", "prompt": BLUE}))
+        rest, code = read(ws)
+    assert code == 1000
+    messages = first + rest
+    assert [m["type"] for m in messages] == ["started", "chunk", "prompt", "chunk", "chunk", "done"]
+    assert {k: messages[2][k] for k in ("prompt", "from_block")} == {"prompt": BLUE, "from_block": 1}
+    chunks = chunks_of(messages)
+    assert [(c["block"], c["prompt"]) for c in chunks] == [(0, RED), (1, BLUE), (2, BLUE)]
+    # what was shown before the switch is the unswitched video's; after it, stream_video with the same switch
+    assert psnr(chunks[0]["images"][0], reference[0][0]) > 30
+    switched = generator.stream_video(SwitchAt(RED, BLUE, at=1, total=3), **FAST)
+    expected = [c.frames for c in switched]
+    assert [c.prompt for c in switched.chunks] == [RED, BLUE, BLUE]
+    for chunk, frames in zip(chunks, expected):
+        assert psnr(np.stack(chunk["images"]), frames) > 30
+    assert psnr(np.concatenate(expected[1:]), np.concatenate(reference[1:])) < 25  # the switch changed them
+
+
+def test_a_cut_segment_gives_the_explicit_segments_when_rollouts_are_one_block(generator):
+    """The sampler's cut (ends_segment) against an explicit segment list: with one-block rollouts both draw the
+    same noise, so a switch at block 1 of a 2-block red segment is [(red, 1), (blue, 1)] exactly."""
+    kwargs = {**FAST, "rollout_blocks": 1}
+    live = generator.stream_video(SwitchAt(RED, BLUE, at=1, total=2), **kwargs)
+    live_frames = np.concatenate([c.frames for c in live])
+    explicit = generator.stream_video([(RED, 1), (BLUE, 1)], **kwargs)
+    np.testing.assert_array_equal(live_frames, np.concatenate([c.frames for c in explicit]))
+    assert [(c.block_index, c.segment, c.prompt) for c in live.chunks] == [(0, 0, RED), (1, 1, BLUE)]
+
+
+def test_stop_ends_the_stream_after_the_current_block_and_keeps_the_video(server, scripted, tmp_path):
+    scripted.hold = True
+    with open_stream(server) as ws:
+        ws.send(json.dumps({"prompt": RED, "num_blocks": 4, **FAST}))
+        read(ws, until="chunk")
+        ws.send(json.dumps({"type": "stop"}))
+        rest, code = read(ws)
+    assert code == 1000 and [m["type"] for m in rest] == ["done"] and rest[0]["frames"] == 1
+    job = server.request("GET", f"/v1/videos/{rest[0]['id']}").json
+    assert job["status"] == "completed"
+    (tmp_path / "stopped.mp4").write_bytes(server.request("GET", rest[0]["video"]).body)
+    assert read_frames(tmp_path / "stopped.mp4").shape == (1, 64, 64, 3)
+
+
+def test_a_client_that_disconnects_cancels_its_stream_within_a_block(server):
+    with open_stream(server) as ws:
+        ws.send(json.dumps({"prompt": RED, "num_blocks": 20, **FAST}))
+        messages, _ = read(ws, until="chunk")
+    job_id = messages[0]["id"]
+    job = server.wait(job_id)
+    assert job["status"] == "cancelled" and job["progress"] < 0.5  # stopped early, not run to the end
+    assert server.request("GET", f"/v1/videos/{job_id}/content").status == 409
+    assert "composer_streams_open 0" in server.request("GET", "/metrics").body.decode()
+
+
+def test_a_slow_reader_gets_every_chunk_in_order_while_generation_waits(server, scripted):
+    with open_stream(server, small_buffer=True) as ws:
+        ws.send(json.dumps({"prompt": "noise", "num_blocks": 30, "height": 256, "width": 256}))
+        head, _ = read(ws, until="chunk")
+        time.sleep(1.0)  # not reading: the socket's buffers fill, then the worker waits for a free slot
+        paused_at = scripted.produced
+        time.sleep(0.5)
+        assert scripted.produced == paused_at < 30  # generation paused while the client read nothing
+        metrics = server.request("GET", "/metrics").body.decode()
+        assert metric(metrics, "composer_stream_buffered_chunks") <= 2
+        messages, code = head, None
+        while code is None:  # a chunk at a time, slowly, to the close
+            more, code = read(ws, until="chunk")
+            messages += more
+            time.sleep(0.01)
+    chunks = chunks_of(messages)
+    assert [c["index"] for c in chunks] == list(range(30)) and [c["block"] for c in chunks] == list(range(30))
+    assert all(len(c["images"]) == c["frames"] == 4 for c in chunks)
+    assert messages[-1]["type"] == "done" and messages[-1]["frames"] == 120 and code == 1000
+    assert server.app.state.streams.max_buffered <= 2
+
+
+def test_a_client_that_stops_reading_has_its_stream_failed_after_the_stall_timeout(server):
+    server.app.state.streams.stall_timeout = 0.5
+    with open_stream(server, small_buffer=True) as ws:
+        ws.send(json.dumps({"prompt": "noise", "num_blocks": 30, "height": 256, "width": 256}))
+        messages, _ = read(ws, until="started")
+        job = server.wait(messages[0]["id"], timeout=30)
+        assert job["status"] == "failed" and "read nothing for 0.5 s" in job["error"]["message"]
+        rest, code = read(ws)
+    assert rest[-1]["type"] == "error" and "read nothing" in rest[-1]["error"]["message"] and code == 1011
+
+
+def test_delete_cancels_a_running_stream(server):
+    with open_stream(server, small_buffer=True) as ws:
+        ws.send(json.dumps({"prompt": "noise", "num_blocks": 30, "height": 256, "width": 256}))
+        messages, _ = read(ws, until="chunk")
+        job_id = messages[0]["id"]
+        assert server.request("DELETE", f"/v1/videos/{job_id}").status == 200
+        assert server.wait(job_id)["status"] == "cancelled"
+        rest, code = read(ws)
+    assert rest[-1]["type"] == "error" and "cancelled" in rest[-1]["error"]["message"] and code == 1000
+    assert len(chunks_of(messages + rest)) < 30
+
+
+@pytest.mark.parametrize(("first", "param", "words"), [
+    ("not json", None, "not valid JSON"),
+    (b"\x00binary", None, "JSON text message"),
+    ("[1, 2]", None, "JSON object"),
+    ({"seed": 1}, "prompt", "prompt is required"),
+    ({"prompt": RED, "height": 30}, "height", "multiple"),
+    ({"prompt": RED, "num_blocks": 0}, "num_blocks", "integer >= 1"),
+    ({"prompt": RED, "num_blocks": 100}, "num_blocks", "at most 200"),
+    ({"prompt": RED, "num_blocks": 2, "num_frames": 5}, "num_blocks", "not both"),
+    ({"prompt": RED, "colour": "red"}, "colour", "unknown field"),
+])
+def test_a_bad_first_message_gets_an_error_naming_the_field_and_a_1008_close(server, first, param, words):
+    with open_stream(server) as ws:
+        ws.send(first if isinstance(first, (str, bytes)) else json.dumps(first))
+        messages, code = read(ws)
+    assert code == 1008 and [m["type"] for m in messages] == ["error"]
+    assert messages[0]["error"]["param"] == param and words in messages[0]["error"]["message"]
+    assert server.request("GET", "/v1/videos").json["data"] == []  # nothing was queued
+
+
+def test_bad_messages_mid_stream_get_errors_and_the_stream_goes_on(server, scripted):
+    scripted.hold = True  # the stream waits after its first chunk until a good switch arrives
+    bad = [("nonsense", None), (b"\x01", None), ('["prompt"]', "type"), ('{"type": "pause"}', "type"),
+           ('{"type": "prompt", "prompt": ""}', "prompt"), ('{"type": "prompt", "prompt": "x", "blocks": 0}', "blocks"),
+           ('{"type": "prompt", "prompt": "x", "colour": 1}', "colour"), ('{"type": "stop", "now": true}', "now")]
+    with open_stream(server) as ws:
+        ws.send(json.dumps({"prompt": RED, "num_blocks": 2, **FAST}))
+        read(ws, until="chunk")
+        for message, _ in bad:
+            ws.send(message)
+        errors = [read(ws, until="error")[0][-1] for _ in bad]
+        ws.send(json.dumps({"type": "prompt", "prompt": BLUE, "blocks": 1}))
+        rest, code = read(ws)
+    assert [e["error"]["param"] for e in errors] == [param for _, param in bad]
+    assert [m["type"] for m in rest] == ["prompt", "chunk", "done"] and code == 1000
+    assert rest[1]["prompt"] == BLUE and rest[2]["frames"] == 5
+
+
+def test_a_stream_waits_behind_a_running_job(server, scripted):
+    reply = server.request("POST", "/v1/videos", {"prompt": "gate job", "num_frames": 5, **FAST})
+    job = server.wait(reply.json["id"], ("in_progress",))
+    with open_stream(server) as ws:
+        ws.send(json.dumps({"prompt": "noise", "num_blocks": 2, "height": 64, "width": 64}))
+        queued, _ = read(ws, until="queued")
+        assert queued[0]["position"] == 1
+        assert server.request("GET", f"/v1/videos/{queued[0]['id']}").json["status"] == "queued"
+        assert scripted.produced == 0
+        server.request("DELETE", f"/v1/videos/{job['id']}")
+        messages, code = read(ws)
+    assert [m["type"] for m in messages] == ["started", "chunk", "chunk", "done"] and code == 1000
+    assert messages[0]["id"] == queued[0]["id"]
+
+
+def test_a_whole_video_model_refuses_streams(tmp_path):
+    t2v = VideoGenerator.from_pretrained(None, progress=False)  # the shapes text-to-video model
+    srv = Server(lambda: t2v, ServeConfig(output_dir=tmp_path / "serve"))
+    try:
+        srv.wait_ready()
+        with open_stream(srv) as ws:
+            messages, code = read(ws)
+        assert code == 1008 and messages[0]["type"] == "error" and "causal" in messages[0]["error"]["message"]
+    finally:
+        srv.stop()
