@@ -4,6 +4,8 @@
   engine hooks as a pipeline does: results, a failure on rank 1 alone, the same failure on every rank, a request
   rank 1 alone cannot take (pre-flight), cancel at a step, a set_lora failing on rank 1 (undone everywhere), lazy
   stream segments from a slow source, a stream closed early, idle keep-alives, stop;
+- the real causal pipeline streaming through the leader with lazy segments from a slow source, and cancelled
+  mid-stream;
 - the real server under torchrun over the embedded shapes model with Ulysses 2: the same frames as one process,
   a job failing on rank 1 only (tests/scripts/serve_ranks_script.py injects it) and the next completing, cancel,
   and a stop of rank 0 that ends every rank with exit code 0;
@@ -195,6 +197,50 @@ def test_the_protocol_on_two_ranks(tmp_path):
     assert not any(s[0] == "undecodable" for s in steps0 + steps1)  # refused at the pre-flight: run nowhere
     for prompt in ("one", "red/0", "blue/0", "blue/1"):
         assert [s for s in steps0 if s[0] == prompt] == [s for s in steps1 if s[0] == prompt] != []
+
+
+def _causal_stream(rank: int, world_size: int, out_dir: str) -> None:
+    from composer.cancel import CancelToken
+    from composer.errors import Cancelled
+    from composer.generator import VideoGenerator
+    from composer.serve.ranks import RankLeader, follow, load_on_every_rank
+
+    generator, channel = load_on_every_rank(
+        lambda: VideoGenerator.from_pretrained("shapes-causal", progress=False, ulysses_degree=2), 60)
+    if rank != 0:
+        assert follow(generator, channel) == 0
+        return
+    leader = RankLeader(generator, channel, heartbeat_s=0.5)
+
+    def source():  # read lazily, as a WebSocket's prompts are: the second comes while the first block streams
+        yield ("a red circle", 1)
+        time.sleep(1.0)
+        yield ("a blue square", 2)
+
+    frames = np.concatenate([chunk.frames for chunk in leader.stream_video(source(), seed=3)])
+    np.save(Path(out_dir) / "stream.npy", frames)
+    token, chunks = CancelToken(), 0
+    with pytest.raises(Cancelled, match="cancelled by the client"):
+        for _ in leader.stream_video(iter([("a green triangle", 50)]), seed=3, cancel=token):
+            chunks += 1
+            if chunks == 2:
+                token.cancel("cancelled by the client")
+    assert chunks == 2  # every rank stopped at the next block's first step
+    assert leader.generate_video("after", seed=1, num_frames=9).frames.shape == (9, 64, 64, 3)
+    leader.stop()
+
+
+def test_a_causal_stream_with_lazy_segments_gives_one_process_frames(tmp_path):
+    """The real causal pipeline on 2 ranks (Ulysses 2): lazy segments from rank 0, cancel mid-stream."""
+    spawn(_causal_stream, 2, str(tmp_path), timeout_s=240, collective_timeout_s=60)
+    from composer.generator import VideoGenerator
+
+    one = VideoGenerator.from_pretrained("shapes-causal", progress=False).stream_video(
+        [("a red circle", 1), ("a blue square", 2)], seed=3)
+    reference = np.concatenate([chunk.frames for chunk in one]).astype(int)
+    served = np.load(tmp_path / "stream.npy").astype(int)
+    assert served.shape == reference.shape
+    assert np.abs(served - reference).max() <= 1  # Ulysses vs one process (tests/test_parallel_pipeline.py)
 
 
 # ------------------------------------------------------------------------------ the server, under torchrun
