@@ -212,7 +212,7 @@ def test_cli_refuses_bad_serve_flags_before_loading(capsys):
     assert main(["serve", "--dtype", "fp13"]) == 1
     assert "dtype" in capsys.readouterr().err
     assert main(["serve", "--num-gpus", "2"]) == 1
-    assert "one rank" in capsys.readouterr().err
+    assert "torchrun --nproc-per-node 2 -m composer serve" in capsys.readouterr().err
 
 
 def test_cli_without_the_serve_extra_says_how_to_install_it(monkeypatch, capsys):

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import os
+import signal
+import threading
 from pathlib import Path
 
 from composer.cli.flags import add_flags, collect, dataclass_flags
 from composer.errors import ConfigError
 from composer.runtime import RuntimeArgs
+
+FOLLOWER_STOP_S = 60.0  # how long a rank other than 0, signalled, waits for rank 0 to stop it before it exits
 
 
 def add_parser(sub) -> None:
@@ -66,17 +73,84 @@ def run(args: argparse.Namespace) -> int:
     runtime_args = RuntimeArgs.from_kwargs(**runtime)  # bad runtime flags: one error before anything loads
     from composer.parallel import state as parallel_state
 
-    if (runtime_args.num_gpus or 1) > 1 or parallel_state.under_launcher():
-        raise ConfigError("composer serve runs on one rank for now: leave out --num-gpus (and torchrun); serving "
-                          "on several ranks is a later part of issue 26")
+    under_torchrun = parallel_state.under_launcher()
+    if (runtime_args.num_gpus or 1) > 1 and not under_torchrun:
+        n = runtime_args.num_gpus
+        raise ConfigError(f"--num-gpus {n}: composer serve runs its ranks under torchrun: `torchrun "
+                          f"--nproc-per-node {n} -m composer serve ... --ulysses-degree {n}` (the parallel degrees as "
+                          "flags, without --num-gpus; docs/serving.md)")
     resolve_model(args.model_path, runtime_args.model_family)  # an unknown model: an error now, not in /health
+    load = functools.partial(VideoGenerator.from_pretrained, args.model_path, **runtime)
+    if under_torchrun and int(os.environ.get("RANK", "0")) != 0:
+        return _follow(load, runtime_args.dist_timeout)
     config = ServeConfig(
         output_dir=Path(args.output_dir), max_queue=args.max_queue,
         limits=ServerLimits(args.max_frames, args.max_size, args.max_steps),
         request_timeout=args.request_timeout or None,
         loras=lora_options(runtime_args.lora_path or [], runtime_args.lora_scale),
     )
-    app = create_app(lambda: VideoGenerator.from_pretrained(args.model_path, **runtime), config)
-    print(f"composer serve: http://{args.host}:{args.port} (API docs at /docs; jobs in {config.output_dir})")
+    leader = _Leader(load, runtime_args.dist_timeout) if under_torchrun else None
+    app = create_app(leader.load if leader else load, config)
+    if leader is not None:
+        leader.stop_after(app)
+        # uvicorn raises a caught SIGINT/SIGTERM again once it has shut down; rank 0 has stopped every rank by
+        # then and leaves with 0, as they do
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+    ranks = f" on {os.environ['WORLD_SIZE']} ranks" if leader else ""
+    print(f"composer serve: http://{args.host}:{args.port}{ranks} (API docs at /docs; jobs in {config.output_dir})")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+class _Leader:
+    """Rank 0 under torchrun: loads with the other ranks (in the server's loading thread) and, when the server
+    stops, tells them to stop."""
+
+    def __init__(self, load, timeout_s: float):
+        self._load, self._timeout_s = load, timeout_s
+        self._loaded = threading.Event()
+        self.generator = None
+
+    def load(self):
+        from composer.serve.ranks import RankLeader, load_on_every_rank
+
+        try:
+            generator, channel = load_on_every_rank(self._load, self._timeout_s)
+            self.generator = RankLeader(generator, channel)
+            return self.generator
+        finally:
+            self._loaded.set()
+
+    def stop_after(self, app) -> None:
+        """Wrap the app's lifespan: after the server's own stop (the running job cancelled on every rank), stop
+        the other ranks."""
+        inner = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(a):
+            async with inner(a):
+                yield
+            self._loaded.wait(self._timeout_s)  # the ranks still loading finish first: they wait for the stop
+            if self.generator is not None:
+                self.generator.stop()
+
+        app.router.lifespan_context = lifespan
+
+
+def _follow(load, timeout_s: float) -> int:
+    """A rank other than 0 under torchrun: load with the others, then run what rank 0 sends until it stops."""
+    from composer.serve.ranks import follow, load_on_every_rank
+
+    def signalled(sig, frame) -> None:
+        # torchrun passes a stop on to every rank; rank 0 stops the others in step (the running job cancelled
+        # on all), so this rank waits for it: bounded, for a rank 0 that never says so
+        if not watchdog.is_alive():
+            watchdog.start()
+
+    watchdog = threading.Timer(FOLLOWER_STOP_S, os._exit, args=(1,))
+    watchdog.daemon = True
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signalled)
+    generator, channel = load_on_every_rank(load, timeout_s)
+    return follow(generator, channel)

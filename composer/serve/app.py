@@ -115,6 +115,9 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
         if state.generator is None:
             why = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"
             return error(503, why, headers={"Retry-After": "5"})
+        unhealthy = getattr(state.generator, "unhealthy", None)  # set by a multi-rank generator (serve/ranks.py)
+        if isinstance(unhealthy, str):
+            return error(503, unhealthy)
         return None
 
     def find(job_id: str) -> Job | Any:
@@ -123,7 +126,8 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        """200 once the model is loaded, 503 while loading (or when loading failed)."""
+        """200 once the model is loaded, 503 while loading (or when loading failed, or the ranks of a multi-rank
+        server lost contact)."""
         return ready() or {"status": "ok", "model": state.generator.model_path, "family": state.generator.family}
 
     @app.post("/v1/videos", status_code=200)

@@ -1,0 +1,267 @@
+"""The protocol the ranks of a multi-rank server follow on their control group (composer/serve/ranks.py).
+
+`ControlChannel` is the gloo group. `Runner` is one rank's side of a call: the pre-flight, the sync points
+(an engine hook before each denoising step, and each lazily read stream segment), and the report. A status
+code is gathered at each sync point: below FINAL the rank is still in the call; FINAL and above, it has left
+it (done, failed, cancelled, or aborted because a peer left).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from composer.engine.engine import EngineHook
+from composer.errors import Cancelled
+
+CALL, PING, STOP = "call", "ping", "stop"
+METHODS = ("generate_video", "stream_video", "set_lora", "unset_lora")
+# Status codes gathered at sync points. Below FINAL: still in the call; FINAL and above: this rank left it.
+RUNNING, CANCEL, WAITING = 0, 1, 2
+FINAL, DONE, FAILED, CANCELLED, ABORTED, STOPPED = 10, 10, 11, 12, 13, 14
+
+
+class LazySegments:
+    """Stands in, in a broadcast call, for a lazy segments iterator: each rank reads them from rank 0. `live`: the
+    source may also end a segment early (its `ends_segment`, a live prompt switch): each answer is sent too."""
+
+    def __init__(self, live: bool = False):
+        self.live = live
+
+
+class ControlChannel:
+    """A gloo process group over every rank for the serving protocol (CPU tensors only)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def broadcast_bytes(self, data: bytes | None = None) -> bytes:
+        """Rank 0's `data` on every rank: its length, then the bytes as a uint8 tensor."""
+        size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        if self.rank == 0:
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(buffer, src=0, group=self.group)
+        return data if self.rank == 0 else buffer.numpy().tobytes()
+
+    def gather_codes(self, code: int) -> list[int]:
+        """Every rank's status code, rank order."""
+        mine = torch.tensor([code], dtype=torch.int64)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [int(t.item()) for t in out]
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+
+def broke_a_group(exc: BaseException | None) -> bool:
+    """Whether an error came from a collective (a peer timed out or died): that group is unreliable after."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("gloo" in text or "nccl" in text)
+
+
+def describe(exc: BaseException | None) -> str:
+    text = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class PeerLeft(Exception):
+    """Another rank left the call (it failed): this rank leaves it too, at the same sync point."""
+
+
+class Call:
+    """The call under way on this rank: what its sync points contribute and what they learnt."""
+
+    def __init__(self, cancel: Any = None):
+        self.cancel = cancel  # rank 0: the caller's CancelToken; followers: None
+        self.cancelled = False
+        self.left: list[int] = []  # the ranks whose leaving ended this call here
+
+
+class SyncHook(EngineHook):
+    """Engine hook on every rank: a sync point before each denoising step."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+
+    def before_step(self, info: Any) -> None:
+        self.runner.sync_point()
+
+
+class Runner:
+    """One rank's side of the protocol: runs the broadcast calls on its generator, with the sync points."""
+
+    def __init__(self, generator: Any, channel: ControlChannel):
+        self.generator = generator
+        self.channel = channel
+        self.call: Call | None = None
+        self.skipped: list[tuple[int, str]] = []  # the last call's pre-flight problems, by rank
+        for engine in getattr(generator.pipeline, "engines", []):
+            engine.add_hook(SyncHook(self))
+
+    # -- sync points (every rank, the same number of times in a call)
+
+    def sync_point(self, code: int | None = None) -> list[int]:
+        """Gather every rank's code; raise Cancelled if rank 0 asks, PeerLeft if a rank has left the call."""
+        call = self.call
+        if call is None:  # a call not made through the protocol (nothing to agree with)
+            return []
+        if code is None:
+            code = CANCEL if call.cancel is not None and call.cancel.cancelled else RUNNING
+        codes = self.channel.gather_codes(code)
+        left = [r for r, c in enumerate(codes) if c >= FINAL]
+        if left:
+            call.left = left
+            raise PeerLeft(f"rank(s) {left} left the call")
+        if CANCEL in codes:
+            call.cancelled = True
+            reason = call.cancel.reason if call.cancel is not None else "cancelled on rank 0"
+            raise Cancelled(f"request cancelled ({reason})")
+        return codes
+
+    # -- one call
+
+    def decode(self, data: bytes) -> tuple[str, tuple, dict] | None:
+        """Unpickle a call and check it can run here; None (on every rank) when some rank cannot."""
+        problem, self.skipped = None, []
+        try:
+            method, args, kwargs = pickle.loads(data)
+            self.preflight(method, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - told to every rank, which all skip the call
+            problem = describe(exc)
+        problems = self.channel.gather_objects(problem)
+        self.skipped = [(r, p) for r, p in enumerate(problems) if p]
+        return None if self.skipped else (method, args, kwargs)
+
+    def preflight(self, method: str, args: tuple, kwargs: dict) -> None:
+        """What this rank checks before any rank starts: the method, and files it must read itself."""
+        if method not in METHODS:
+            raise ValueError(f"{method!r} is not a call ranks serve (expected one of {', '.join(METHODS)})")
+        if method == "set_lora":
+            paths = args[0] if args else kwargs.get("paths")
+            paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths or [])
+            missing = [str(p) for p in paths if not Path(p).is_file()]
+            if missing:
+                raise FileNotFoundError(f"LoRA file(s) missing on this rank: {', '.join(missing)}")
+
+    def start(self, method: str, args: tuple, kwargs: dict, cancel: Any, segments: Any) -> Any:
+        """Begin the call on this rank's generator (a stream is returned unread)."""
+        self.call = Call(cancel)
+        if method == "stream_video" and args and isinstance(args[0], LazySegments):
+            if args[0].live:  # the sampler finds `ends_segment` on the source it is given (generator.stream_video)
+                segments.ends_segment = segments.cut
+            args = (segments, *args[1:])
+        return getattr(self.generator, method)(*args, **kwargs)
+
+    def outcome(self, exc: BaseException | None) -> int:
+        call = self.call
+        if exc is None:
+            return DONE
+        if call is not None and call.left and isinstance(exc, PeerLeft):
+            return ABORTED
+        if call is not None and call.cancelled and isinstance(exc, Cancelled):
+            return CANCELLED
+        return FAILED
+
+    def finish(self, code: int, exc: BaseException | None) -> list[tuple]:
+        """The report: gather codes until every rank has left the call, then every rank's (code, error)."""
+        self.call = None  # no more sync points of this call here
+        while True:
+            codes = self.channel.gather_codes(code)
+            if all(c >= FINAL for c in codes):
+                break
+        failed = code == FAILED
+        report = (code, describe(exc) if failed else None, failed and broke_a_group(exc))
+        return self.channel.gather_objects(report)
+
+
+class SegmentsFromRank0:
+    """A follower's segments: each next one as rank 0 reads it (every rank asks at the same point)."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        while True:
+            while self.runner.sync_point()[0] == WAITING:  # rank 0 still waits for its source
+                pass
+            item = pickle.loads(self.runner.channel.broadcast_bytes())
+            if item is None:
+                return
+            yield item
+
+    def cut(self, block_index: int) -> bool:
+        """Rank 0's source's answer to ends_segment(block_index) (a sync point, then the answer's byte)."""
+        self.runner.sync_point()
+        return self.runner.channel.broadcast_bytes() == b"\x01"
+
+
+class SegmentsToRanks:
+    """Rank 0's segments: read from the caller's lazy source (in a thread: it may wait for a client for
+    long), keeping every rank informed meanwhile, then broadcast."""
+
+    def __init__(self, runner: Runner, source: Iterator, heartbeat_s: float):
+        self.source_cut = getattr(source, "ends_segment", None)
+        self.runner, self.source, self.heartbeat_s = runner, iter(source), heartbeat_s
+
+    def cut(self, block_index: int) -> bool:
+        """The source's ends_segment(block_index), told to every rank (the sampler asks on every rank at the same
+        block, so all of them end the segment there or none does)."""
+        answer = bool(self.source_cut(block_index))
+        self.runner.sync_point()
+        self.runner.channel.broadcast_bytes(b"\x01" if answer else b"\x00")
+        return answer
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        while True:
+            box, ready = _next_in_thread(self.source)
+            while True:
+                got = ready.wait(self.heartbeat_s)
+                if got and "error" in box:
+                    raise box["error"]
+                call = self.runner.call
+                cancel = call is not None and call.cancel is not None and call.cancel.cancelled
+                self.runner.sync_point(CANCEL if cancel else RUNNING if got else WAITING)
+                if got:
+                    break
+            self.runner.channel.broadcast_bytes(pickle.dumps(box["item"]))
+            if box["item"] is None:
+                return
+            yield box["item"]
+
+
+def _next_in_thread(source: Iterator) -> tuple[dict[str, Any], threading.Event]:
+    """next(source) on a thread: ({"item": ...} or {"error": ...}, set when there); item None at the end."""
+    box: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def pull() -> None:
+        try:
+            box["item"] = next(source)
+        except StopIteration:
+            box["item"] = None
+        except BaseException as exc:  # noqa: BLE001 - raised on the stream's thread
+            box["error"] = exc
+        ready.set()
+
+    threading.Thread(target=pull, name="composer-serve-segments", daemon=True).start()
+    return box, ready
+
+
