@@ -224,3 +224,23 @@ def test_cli_without_the_serve_extra_says_how_to_install_it(monkeypatch, capsys)
     assert main(["serve"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pip install 'composer[serve]'" in err and "uvicorn" in err
+
+
+def test_serve_says_when_live_streams_cannot_work(monkeypatch):
+    import importlib.util
+    import io
+    import logging
+
+    from composer.cli.serve import _check_websockets
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger("composer").addHandler(handler)
+    try:
+        _check_websockets()
+        assert stream.getvalue() == ""  # installed with the serve extra
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # as if neither were installed
+        _check_websockets()
+    finally:
+        logging.getLogger("composer").removeHandler(handler)
+    assert "live streams (/v1/streams) need the websockets package" in stream.getvalue()

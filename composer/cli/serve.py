@@ -98,9 +98,22 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
     ranks = f" on {os.environ['WORLD_SIZE']} ranks" if leader else ""
-    print(f"composer serve: http://{args.host}:{args.port}{ranks} (API docs at /docs; jobs in {config.output_dir})")
+    _check_websockets()
+    print(f"composer serve: http://{args.host}:{args.port}{ranks} (the web page at /, API docs at /docs; jobs in "
+          f"{config.output_dir})")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def _check_websockets() -> None:
+    """uvicorn refuses WebSocket upgrades without websockets (or wsproto): say so once, instead of a bare 404."""
+    import importlib.util
+
+    if not any(importlib.util.find_spec(name) for name in ("websockets", "wsproto")):
+        from composer.logging import get_logger
+
+        get_logger(__name__).warning("live streams (/v1/streams) need the websockets package, which the serve extra "
+                                     "installs: pip install 'composer[serve]' (or pip install websockets)")
 
 
 class _Leader:
