@@ -50,6 +50,27 @@ def tiny_causal_dir(tiny_wan_dir, tmp_path_factory):
                                 settings=CausalSettings(num_frames_per_block=2, local_attn_size=5, sink_size=1))
 
 
+@pytest.fixture(scope="session")
+def ti2v_dir(tmp_path_factory):
+    """A tiny Wan2.2 TI2V-5B folder (read only: tests/test_wan22.py and tests/test_wan22_i2v.py share it)."""
+    from composer.testing import build_tiny_wan22_ti2v
+
+    return build_tiny_wan22_ti2v(tmp_path_factory.mktemp("models") / "tiny-wan22-ti2v")
+
+
+@pytest.fixture()
+def cli(capsys):
+    """Run `composer ARGS...` in this process: (exit code, stdout, stderr) of that call alone."""
+    from composer.cli.main import main
+
+    def run(*args):
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        return code, *capsys.readouterr()
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module: its models are tiny, and on a busy 2-core machine a second thread

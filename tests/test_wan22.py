@@ -18,7 +18,7 @@ from composer.errors import ConfigError
 from composer.generator import resolve_model
 from composer.stages.expert_denoising import expert_switch_index
 from composer.stages.token_timesteps import TimestepMask, TokenTimestepSteps
-from composer.testing import build_tiny_wan, build_tiny_wan22_a14b, build_tiny_wan22_ti2v
+from composer.testing import build_tiny_wan, build_tiny_wan22_a14b
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,11 +43,6 @@ TI2V_CASES = {
 @pytest.fixture(scope="module")
 def a14b_dir(tmp_path_factory):
     return build_tiny_wan22_a14b(tmp_path_factory.mktemp("models") / "tiny-wan22-a14b")
-
-
-@pytest.fixture(scope="module")
-def ti2v_dir(tmp_path_factory):
-    return build_tiny_wan22_ti2v(tmp_path_factory.mktemp("models") / "tiny-wan22-ti2v")
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from composer.request_check import RequestError
 from composer.testing import (
     build_tiny_wan22_a14b,
     build_tiny_wan22_i2v_a14b,
-    build_tiny_wan22_ti2v,
     build_tiny_wan_i2v,
 )
 
@@ -48,11 +47,6 @@ TI2V_CASES = {
 @pytest.fixture(scope="module")
 def i2v_dir(tmp_path_factory):
     return build_tiny_wan22_i2v_a14b(tmp_path_factory.mktemp("models") / "tiny-wan22-i2v-a14b")
-
-
-@pytest.fixture(scope="module")
-def ti2v_dir(tmp_path_factory):
-    return build_tiny_wan22_ti2v(tmp_path_factory.mktemp("models") / "tiny-wan22-ti2v")
 
 
 @pytest.fixture(scope="module")
@@ -161,18 +155,6 @@ def test_an_image_given_to_wan22_t2v_a14b_is_refused(tmp_path):
     gen = VideoGenerator.from_pretrained(build_tiny_wan22_a14b(tmp_path / "t2v"), dtype="fp32", progress=False)
     with pytest.raises(InvalidInputError, match="^image given, but wan2.2-t2v-a14b is a text-to-video model"):
         gen.generate_video(PROMPT, image=make_image(8, 8), height=32, width=32, num_frames=5)
-
-
-@pytest.fixture()
-def cli(capsys):
-    from composer.cli.main import main
-
-    def run(*args):
-        capsys.readouterr()
-        code = main([str(a) for a in args])
-        return code, *capsys.readouterr()
-
-    return run
 
 
 def test_cli_generates_from_an_image_and_refuses_none(cli, i2v_dir, i2v_gen, tmp_path):

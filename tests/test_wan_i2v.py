@@ -205,18 +205,6 @@ def test_an_image_given_to_a_text_to_video_model(composer_gen):
         composer_gen.generate_video(PROMPT, image=make_image(8, 8), height=32, width=32, num_frames=5)
 
 
-@pytest.fixture()
-def cli(capsys):
-    from composer.cli.main import main
-
-    def run(*args):
-        capsys.readouterr()
-        code = main([str(a) for a in args])
-        return code, *capsys.readouterr()
-
-    return run
-
-
 def test_cli_generates_from_an_image(cli, i2v_dir, gen, tmp_path):
     image = make_image(60, 40)
     image.save(tmp_path / "in.png")
