@@ -1,0 +1,602 @@
+"""One command for the GPU measurements: composer at released model sizes (random weights, no download).
+
+    python benchmarks/gpu_suite.py                      # every part, CUDA, bf16, released sizes
+    python benchmarks/gpu_suite.py --tiny               # the same code at tiny sizes on CPU (CI runs this)
+    python benchmarks/gpu_suite.py --only dit-1.3b,quant-1.3b --out /tmp/suite
+
+Every part runs in its own subprocess with its own time budget, so a part that fails, runs out of memory or
+overruns is reported as such and the others still run. Results go to `<out>/gpu_suite.json` and a markdown
+table `<out>/gpu_suite.md` (also printed).
+
+Parts (sizes as on the GPU; `--tiny` shrinks the models and videos, same code):
+- dit-1.3b: Wan2.1-T2V-1.3B's released transformer config, 480x832, 81 frames (32760 tokens), bf16. One DiT
+  forward, composer vs diffusers, and one CFG step (composer: both branches as one batch, text k/v computed
+  once per video; diffusers: WanPipeline's two transformer calls), same weights in the same process (composer's
+  model holds diffusers' very tensors), max abs difference, peak `max_memory_allocated`.
+- dit-14b: Wan2.1-T2V-14B's config, 720x1280, 81 frames (75600 tokens): one DiT forward each.
+- e2e-1.3b: a model folder written to disk with the 1.3B transformer, the released Wan VAE (AutoencoderKLWan's
+  default config, full size) and a UMT5 text encoder of the released width (4096) with 2 layers instead of 24
+  (the text encoder runs once per video); prompt -> uint8 frames, composer vs diffusers, with the VAE decode.
+- compile-1.3b: composer's regional compile (each block's forward compiled once): cold first forward, steady.
+- quant-1.3b: weight-only int8 and fp8 (torchao) DiT forward against bf16, and the output difference.
+- offload-1.3b: layerwise offload (blocks streamed from pinned host memory, one block ahead) vs resident.
+- sparse: the sliding_window attention backend at the 1.3B's 480p token grid (benchmarks/sparse_attention.py).
+
+Speed does not depend on the weights' values: random weights give the same seconds as a real checkpoint. Quality
+figures (PSNR, differences) of approximate paths on random weights say little; docs/ quote them as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+# Released diffusers transformer configs (Wan-AI/Wan2.1-T2V-*-Diffusers, transformer/config.json).
+WAN_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+WAN_1_3B = dict(WAN_COMMON, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30)
+WAN_14B = dict(WAN_COMMON, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40)
+WAN_TINY = dict(WAN_COMMON, num_attention_heads=2, attention_head_dim=32, ffn_dim=128, num_layers=2, text_dim=64)
+
+VIDEO_480P = dict(num_frames=81, height=480, width=832)
+VIDEO_720P = dict(num_frames=81, height=720, width=1280)
+VIDEO_TINY = dict(num_frames=9, height=64, width=64)
+TEXT_LEN = 512
+SEED = 0
+PROMPT, NEGATIVE, GUIDANCE = "a red fox running through fresh snow", "blurry, low quality", 5.0
+
+# name -> (time budget in seconds on the GPU, one-line description)
+PARTS: dict[str, tuple[int, str]] = {
+    "dit-1.3b": (90, "Wan2.1 1.3B DiT forward and CFG step, 480p 81 frames, composer vs diffusers"),
+    "e2e-1.3b": (200, "Wan2.1 1.3B end to end (text, 4 steps, VAE decode), 480p 81 frames"),
+    "dit-14b": (120, "Wan2.1 14B DiT forward, 720p 81 frames, composer vs diffusers"),
+    "offload-1.3b": (90, "layerwise offload vs resident: DiT forward time and peak memory, 480p"),
+    "quant-1.3b": (90, "weight-only int8 / fp8 DiT forward vs the runtime dtype, 480p"),
+    "compile-1.3b": (150, "regional compile: cold start and steady DiT forward, 480p"),
+    "sparse": (90, "sliding_window attention at the 480p token grid (21x30x52, 12 heads x 128)"),
+}
+
+
+# -- measurement helpers -------------------------------------------------------------------------------------
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+@contextmanager
+def peak_memory(device, out: dict, key: str):
+    """Peak device memory above what was allocated before (CUDA); peak RSS of the process on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        yield
+        sync(device)
+        out[key] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    else:
+        import resource
+
+        yield
+        out[key] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB, whole process
+
+
+def sizes(tiny: bool, which: str) -> tuple[dict, dict]:
+    if tiny:
+        return dict(WAN_TINY), dict(VIDEO_TINY)
+    return (dict(WAN_14B), dict(VIDEO_720P)) if which == "14b" else (dict(WAN_1_3B), dict(VIDEO_480P))
+
+
+def latent_shape(config: dict, video: dict) -> tuple[int, ...]:
+    return (1, config["in_channels"], (video["num_frames"] - 1) // 4 + 1, video["height"] // 8, video["width"] // 8)
+
+
+def tokens_of(shape) -> int:
+    return shape[2] * (shape[3] // 2) * (shape[4] // 2)
+
+
+def build_diffusers_dit(config: dict, device, dtype):
+    """diffusers' WanTransformer3DModel, seeded, on `device`, cast as `from_pretrained(torch_dtype=dtype)` casts it
+    (its `_keep_in_fp32_modules` stay fp32)."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        model = WanTransformer3DModel(**config).eval()
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    for name, param in model.named_parameters():
+        if not keep.intersection(name.split(".")):
+            param.data = param.data.to(dtype)
+    return model
+
+
+def composer_twin(theirs):
+    """composer's WanTransformer3DModel holding the very tensors of diffusers' model `theirs` (no copy)."""
+    import torch
+
+    from composer.loader.weights import apply_rules
+    from composer.models.wan.config import WanTransformerConfig
+    from composer.models.wan.mapping import DIFFUSERS_TO_COMPOSER
+    from composer.models.wan.transformer import WanTransformer3DModel
+
+    config = WanTransformerConfig.from_dict(dict(theirs.config))
+    with torch.device("meta"):
+        ours = WanTransformer3DModel(config)
+    state = {apply_rules(k, DIFFUSERS_TO_COMPOSER): v for k, v in theirs.state_dict().items()}
+    state = {k: v for k, v in state.items() if k in ours.state_dict()}
+    ours.load_state_dict(state, assign=True, strict=True)
+    return ours.eval()
+
+
+def composer_dit(config: dict, device, dtype):
+    """composer's model alone (built through diffusers' seeded init, then diffusers' model dropped)."""
+    return composer_twin(build_diffusers_dit(config, device, dtype))
+
+
+def dit_inputs(config: dict, video: dict, device, dtype, seed: int = SEED):
+    import torch
+
+    g = torch.Generator("cpu").manual_seed(seed)
+    latents = torch.randn(latent_shape(config, video), generator=g).to(device, dtype)
+    text = torch.randn(1, TEXT_LEN, config["text_dim"], generator=g).to(device, dtype)
+    negative = torch.randn(1, TEXT_LEN, config["text_dim"], generator=g).to(device, dtype)
+    return latents, torch.tensor([500.0], device=device), text, negative
+
+
+def max_diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# -- parts ---------------------------------------------------------------------------------------------------
+
+
+def part_dit(args, which: str) -> dict:
+    import torch
+
+    from composer.engine import ClassifierFreeGuidance, DenoisingEngine, ModelInputs
+
+    device, dtype = torch.device(args.device), args.torch_dtype
+    config, video = sizes(args.tiny, which)
+    theirs = build_diffusers_dit(config, device, dtype)
+    ours = composer_twin(theirs)
+    latents, t, text, negative = dit_inputs(config, video, device, dtype)
+    out: dict[str, Any] = {"latent_shape": list(latents.shape), "tokens": tokens_of(latents.shape),
+                           "params_b": sum(p.numel() for p in theirs.parameters()) / 1e9}
+    results = {}
+    with torch.inference_mode():
+        calls = {"composer": lambda x=latents: results.__setitem__("composer", ours(x, t, text)),
+                 "diffusers": lambda x=latents: results.__setitem__("diffusers", theirs(x, t, text, return_dict=False)[0])}
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        if which == "1.3b":
+            for fn in calls.values():
+                fn()  # warmup
+            for i in range(args.repeats):
+                for name in (list(calls) if i % 2 == 0 else list(calls)[::-1]):
+                    times[name] += timed(calls[name], device, 1)
+            for name, fn in calls.items():
+                with peak_memory(device, out, f"forward_peak_gib_{name}"):
+                    fn()
+        else:  # a forward takes seconds: warm up on one latent frame, then one timed forward each
+            for fn in calls.values():
+                fn(latents[:, :, :1])
+            for name, fn in calls.items():
+                with peak_memory(device, out, f"forward_peak_gib_{name}"):
+                    times[name] += timed(fn, device, 1)
+        out["forward_s"] = {k: median(v) for k, v in times.items()}
+        out["forward_ratio"] = out["forward_s"]["diffusers"] / out["forward_s"]["composer"]
+        out["forward_max_abs_diff"] = max_diff(results["composer"], results["diffusers"])
+        if which == "1.3b":
+            engine = DenoisingEngine(ours)
+            guidance = ClassifierFreeGuidance(GUIDANCE)
+            cond, uncond = engine.text_inputs(text), engine.text_inputs(negative)
+            merged = ModelInputs.batched([cond, uncond])
+
+            def theirs_step():
+                c = theirs(latents, t, text, return_dict=False)[0]
+                u = theirs(latents, t, negative, return_dict=False)[0]
+                results["diffusers_step"] = u + GUIDANCE * (c - u)
+
+            steps = {"composer": lambda: results.__setitem__(
+                "composer_step", engine.predict(latents, t, cond, uncond, guidance, merged)),
+                "diffusers": theirs_step}
+            for fn in steps.values():
+                fn()
+            st = {k: timed(fn, device, args.repeats) for k, fn in steps.items()}
+            out["cfg_step_s"] = {k: median(v) for k, v in st.items()}
+            out["cfg_step_ratio"] = out["cfg_step_s"]["diffusers"] / out["cfg_step_s"]["composer"]
+            out["cfg_step_max_abs_diff"] = max_diff(results["composer_step"], results["diffusers_step"])
+    return out
+
+
+def build_e2e_folder(path: Path, tiny: bool) -> Path:
+    """A Wan2.1 T2V folder: the 1.3B transformer, the released VAE, UMT5 of the released width with 2 layers."""
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from composer.testing.tokenizer import build_tokenizer
+
+    config = WAN_TINY if tiny else WAN_1_3B
+    tokenizer = build_tokenizer()
+    torch.manual_seed(SEED)
+    d_model = config["text_dim"]
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=64 if not tiny else 16, d_ff=10240 if not tiny else 128,
+        num_layers=2, num_heads=64 if not tiny else 4, relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, dropout_rate=0.0, feed_forward_proj="gated-gelu")).eval()
+    vae = AutoencoderKLWan(base_dim=8, num_res_blocks=1) if tiny else AutoencoderKLWan()  # default = released
+    torch.manual_seed(SEED + 2)
+    transformer = WanTransformer3DModel(**config).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=scheduler)
+    pipe.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def part_e2e(args) -> dict:
+    import diffusers
+    import numpy as np
+    import torch
+
+    from composer import VideoGenerator
+
+    device = torch.device(args.device)
+    _, video = sizes(args.tiny, "1.3b")
+    steps = 4
+    out: dict[str, Any] = {"steps": steps, **video}
+    with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
+        t0 = time.perf_counter()
+        folder = build_e2e_folder(Path(tmp) / "wan13b", args.tiny)
+        out["build_s"] = time.perf_counter() - t0
+        gen = VideoGenerator.from_pretrained(folder, device=str(device), dtype=args.dtype, progress=False)
+        transformer = diffusers.WanTransformer3DModel.from_pretrained(folder, subfolder="transformer",
+                                                                      torch_dtype=args.torch_dtype)
+        pipe = diffusers.WanPipeline.from_pretrained(str(folder), transformer=transformer).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        small = dict(num_frames=5, height=video["height"] // 2, width=video["width"] // 2)
+        frames, timings = {}, {}
+
+        def run_composer(size):
+            res = gen.generate_video(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=steps,
+                                     guidance_scale=GUIDANCE, seed=SEED, **size)
+            frames["composer"], timings["composer"] = res.frames, res.timings
+
+        def run_diffusers(size):
+            v = pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=steps, guidance_scale=GUIDANCE,
+                     generator=torch.Generator("cpu").manual_seed(SEED), output_type="np", **size).frames[0]
+            frames["diffusers"] = (np.asarray(v, dtype=np.float32) * 255).round().clip(0, 255).astype(np.uint8)
+
+        run_composer(small)
+        run_diffusers(small)  # warmups at a smaller size: kernels loaded, nothing compiled
+        out["e2e_s"] = {}
+        for name, fn in (("composer", run_composer), ("diffusers", run_diffusers)):
+            with peak_memory(device, out, f"e2e_peak_gib_{name}"):
+                out["e2e_s"][name] = timed(lambda fn=fn: fn(video), device, 1)[0]
+        out["e2e_ratio"] = out["e2e_s"]["diffusers"] / out["e2e_s"]["composer"]
+        out["composer_stage_s"] = timings["composer"]
+        a, b = frames["composer"], frames["diffusers"]
+        out["max_uint8_diff"] = int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) if a.shape == b.shape else None
+    return out
+
+
+def _forward_timer(model, inputs, device, repeats):
+    import torch
+
+    latents, t, text, _ = inputs
+    with torch.inference_mode():
+        return timed(lambda: model(latents, t, text), device, repeats)
+
+
+def part_compile(args) -> dict:
+    import torch
+
+    from composer.accel.compile import compile_module
+
+    device, dtype = torch.device(args.device), args.torch_dtype
+    config, video = sizes(args.tiny, "1.3b")
+    model = composer_dit(config, device, dtype)
+    inputs = dit_inputs(config, video, device, dtype)
+    eager = _forward_timer(model, inputs, device, args.repeats + 1)[1:]
+    with torch.inference_mode():
+        ref = model(*inputs[:3])
+    for block in model.blocks:
+        compile_module(block, None)
+    cold = _forward_timer(model, inputs, device, 1)[0]
+    steady = _forward_timer(model, inputs, device, args.repeats)
+    with torch.inference_mode():
+        got = model(*inputs[:3])
+    return {"eager_s": median(eager), "compiled_cold_s": cold, "compiled_s": median(steady),
+            "speedup": median(eager) / median(steady), "max_abs_diff": max_diff(got, ref)}
+
+
+def part_quant(args) -> dict:
+    import torch
+
+    from composer.accel.quantize import linear_weight_bytes, quantize_model
+
+    device, dtype = torch.device(args.device), args.torch_dtype
+    config, video = sizes(args.tiny, "1.3b")
+    modes = ["int8"] + (["fp8"] if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) else [])
+    out: dict[str, Any] = {}
+    inputs = dit_inputs(config, video, device, dtype)
+    model = composer_dit(config, device, dtype)
+    out["dtype"] = args.dtype
+    out["bf16_s"] = median(_forward_timer(model, inputs, device, args.repeats + 1)[1:])
+    out["bf16_linear_gib"] = linear_weight_bytes(model) / 2**30
+    with torch.inference_mode():
+        ref = model(*inputs[:3]).float()
+    del model
+    for mode in modes:
+        model = composer_dit(config, device, dtype)
+        quantize_model(model, mode)
+        out[f"{mode}_s"] = median(_forward_timer(model, inputs, device, args.repeats + 1)[1:])
+        out[f"{mode}_linear_gib"] = linear_weight_bytes(model) / 2**30
+        with torch.inference_mode():
+            got = model(*inputs[:3]).float()
+        out[f"{mode}_rel_err"] = float((got - ref).norm() / ref.norm())
+        out[f"{mode}_ratio"] = out[f"{mode}_s"] / out["bf16_s"]
+        del model
+    return out
+
+
+def part_offload(args) -> dict:
+    import torch
+
+    from composer.accel.offload import LayerwiseOffload
+
+    device, dtype = torch.device(args.device), args.torch_dtype
+    config, video = sizes(args.tiny, "1.3b")
+    inputs = dit_inputs(config, video, device, dtype)
+    out: dict[str, Any] = {}
+    model = composer_dit(config, device, dtype)
+    with peak_memory(device, out, "resident_peak_gib"):
+        out["resident_s"] = median(_forward_timer(model, inputs, device, args.repeats + 1)[1:])
+    if device.type == "cuda":
+        out["resident_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    with torch.inference_mode():
+        ref = model(*inputs[:3])
+    model = model.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    hook = LayerwiseOffload(model, device, prefetch=1)
+    with peak_memory(device, out, "layerwise_peak_gib"):
+        out["layerwise_s"] = median(_forward_timer(model, inputs, device, args.repeats + 1)[1:])
+    if device.type == "cuda":
+        out["layerwise_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    with torch.inference_mode():
+        got = model(*inputs[:3])
+    out["max_abs_diff"] = max_diff(got, ref)
+    out["slowdown"] = out["layerwise_s"] / out["resident_s"]
+    hook.remove()
+    return out
+
+
+def part_sparse(args) -> dict:
+    grid = ["3", "4", "4"] if args.tiny else ["21", "30", "52"]
+    heads = ["2", "32"] if args.tiny else ["12", "128"]
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "sparse_attention.py"), "--grid", *grid, "--heads", heads[0],
+           "--head-dim", heads[1], "--device", args.device, "--skip-video", "--repeats", str(args.repeats)]
+    cmd += ["--windows", "full;default" if args.tiny else "full;default;3x6x8"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS["sparse"][0] * args.budget_scale)
+    if res.returncode:
+        raise RuntimeError(f"sparse_attention.py exited {res.returncode}: {res.stderr[-2000:]}")
+    return {"report": res.stdout[-4000:]}
+
+
+PART_FUNCS = {
+    "dit-1.3b": lambda a: part_dit(a, "1.3b"),
+    "dit-14b": lambda a: part_dit(a, "14b"),
+    "e2e-1.3b": part_e2e,
+    "compile-1.3b": part_compile,
+    "quant-1.3b": part_quant,
+    "offload-1.3b": part_offload,
+    "sparse": part_sparse,
+}
+
+
+# -- driver --------------------------------------------------------------------------------------------------
+
+
+def run_part_here(args) -> None:
+    import torch
+
+    args.torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
+    start = time.perf_counter()
+    result = PART_FUNCS[args.part](args)
+    result["wall_s"] = time.perf_counter() - start
+    Path(args.result).write_text(json.dumps(result, indent=1, default=str))
+
+
+def environment(args) -> dict:
+    env: dict[str, Any] = {"python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+                           "device": args.device, "dtype": args.dtype, "tiny": args.tiny}
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                       text=True).stdout.strip() or "unknown"
+    except OSError:
+        env["commit"] = "unknown"
+    code = ("import torch, json; d = {'torch': torch.__version__}\n"
+            "if torch.cuda.is_available(): d['gpu'] = torch.cuda.get_device_name(0)\n"
+            "try:\n import diffusers; d['diffusers'] = diffusers.__version__\nexcept ImportError: pass\n"
+            "print(json.dumps(d))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if res.returncode == 0:
+        env.update(json.loads(res.stdout.strip().splitlines()[-1]))
+    return env
+
+
+def fmt(x, unit: str = "", digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}{unit}"
+    return f"{x}{unit}"
+
+
+def summary_rows(name: str, r: dict) -> list[str]:
+    """One or more markdown table rows (part, measurement, composer, reference, ratio, note)."""
+    if r.get("status") != "ok":
+        return [f"| {name} | {r.get('status')} | - | - | - | {r.get('error', '')[:160]} |"]
+    if name.startswith("dit-"):
+        f, rows = r["forward_s"], []
+        rows.append(f"| {name} | DiT forward, {r['tokens']} tokens | {fmt(f['composer'], ' s')} | "
+                    f"{fmt(f['diffusers'], ' s')} | {r['forward_ratio']:.2f}x | max abs diff "
+                    f"{r['forward_max_abs_diff']:.1e}; peak {fmt(r.get('forward_peak_gib_composer'), ' GiB')} vs "
+                    f"{fmt(r.get('forward_peak_gib_diffusers'), ' GiB')} |")
+        if "cfg_step_s" in r:
+            s = r["cfg_step_s"]
+            rows.append(f"| {name} | CFG step (2 branches) | {fmt(s['composer'], ' s')} | {fmt(s['diffusers'], ' s')} "
+                        f"| {r['cfg_step_ratio']:.2f}x | max abs diff {r['cfg_step_max_abs_diff']:.1e} |")
+        return rows
+    if name == "e2e-1.3b":
+        e, st = r["e2e_s"], r.get("composer_stage_s", {})
+        stages = ", ".join(f"{k.replace('Stage', '')} {v:.2f}" for k, v in st.items())
+        return [f"| {name} | prompt -> frames, {r['steps']} steps, {r['num_frames']}x{r['height']}x{r['width']} | "
+                f"{fmt(e['composer'], ' s')} | {fmt(e['diffusers'], ' s')} | {r['e2e_ratio']:.2f}x | max uint8 diff "
+                f"{r['max_uint8_diff']}; composer stages (s): {stages} |"]
+    if name == "compile-1.3b":
+        return [f"| {name} | regional compile: cold first forward / steady | {fmt(r['compiled_cold_s'], ' s')} / "
+                f"{fmt(r['compiled_s'], ' s')} | eager {fmt(r['eager_s'], ' s')} | {r['speedup']:.2f}x | max abs diff "
+                f"{r['max_abs_diff']:.1e} |"]
+    if name == "quant-1.3b":
+        rows = []
+        for mode in ("int8", "fp8"):
+            if f"{mode}_s" in r:
+                rows.append(f"| {name} | {mode} weight-only DiT forward | {fmt(r[f'{mode}_s'], ' s')} | {r['dtype']} "
+                            f"{fmt(r['bf16_s'], ' s')} | {r[f'{mode}_ratio']:.2f} (time) | block linears "
+                            f"{r[f'{mode}_linear_gib']:.2f} vs {r['bf16_linear_gib']:.2f} GiB; rel. error "
+                            f"{r[f'{mode}_rel_err']:.1e} |")
+        return rows
+    if name == "offload-1.3b":
+        return [f"| {name} | layerwise offload DiT forward | {fmt(r['layerwise_s'], ' s')} | resident "
+                f"{fmt(r['resident_s'], ' s')} | {r['slowdown']:.2f} (time) | peak "
+                f"{fmt(r.get('layerwise_allocated_gib', r.get('layerwise_peak_gib')), ' GiB')} vs "
+                f"{fmt(r.get('resident_allocated_gib', r.get('resident_peak_gib')), ' GiB')}; max abs diff "
+                f"{r['max_abs_diff']:.1e} |"]
+    if name == "sparse":
+        return [f"| {name} | see the report in gpu_suite.json | - | - | - | |"]
+    return [f"| {name} | {json.dumps(r)[:200]} | | | | |"]
+
+
+def markdown(env: dict, results: dict) -> str:
+    head = (f"composer GPU suite: {env.get('gpu', env['device'])}, torch {env.get('torch')}, diffusers "
+            f"{env.get('diffusers')}, {env['dtype']}, commit {env['commit']}, {env['date']}"
+            f"{' (--tiny)' if env['tiny'] else ''}\n\n")
+    lines = ["| part | measurement | composer | reference | ratio (ref/composer, or time ratio) | notes |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in results.items():
+        lines += summary_rows(name, r)
+    tail = "".join(f"\n{name}:\n{r['report']}\n" for name, r in results.items() if r.get("status") == "ok" and "report" in r)
+    return head + "\n".join(lines) + "\n" + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny models and videos (CPU, fp32 unless told): CI's smoke run")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="default bf16 on cuda, fp32 on cpu")
+    p.add_argument("--only", default=None, help=f"comma-separated parts (default all): {', '.join(PARTS)}")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out")
+    p.add_argument("--out", default="gpu_suite_out", help="folder for gpu_suite.json and gpu_suite.md")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (after one warmup)")
+    p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
+    p.add_argument("--total-budget", type=float, default=None,
+                   help="seconds for the whole suite: a part gets at most what is left (default: no limit)")
+    p.add_argument("--scratch", default=None, help="folder for the e2e model folder (default: the system temp)")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    if args.part:
+        run_part_here(args)
+        return 0
+    names = [n.strip() for n in args.only.split(",")] if args.only else list(PARTS)
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        p.error(f"unknown part(s) {', '.join(unknown)}: expected some of {', '.join(PARTS)}")
+    names = [n for n in names if n not in set(args.skip.split(","))]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment(args)
+    print(f"gpu_suite: {env}", flush=True)
+    results: dict[str, dict] = {}
+    suite_start = time.perf_counter()
+    for name in names:
+        budget = PARTS[name][0] * args.budget_scale
+        if args.total_budget is not None:
+            budget = min(budget, args.total_budget - (time.perf_counter() - suite_start))
+            if budget < 15:
+                results[name] = {"status": "skipped", "error": "the suite's --total-budget was spent"}
+                continue
+        result_file = out_dir / f".part-{name}.json"
+        result_file.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--part", name, "--result", str(result_file), "--device", args.device,
+               "--dtype", args.dtype, "--repeats", str(args.repeats), "--budget-scale", str(args.budget_scale)]
+        cmd += ["--tiny"] if args.tiny else []
+        cmd += ["--scratch", args.scratch] if args.scratch else []
+        print(f"== {name}: {PARTS[name][1]} (budget {budget:.0f} s)", flush=True)
+        start = time.perf_counter()
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=budget,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            if res.returncode == 0 and result_file.exists():
+                results[name] = {"status": "ok", **json.loads(result_file.read_text())}
+            else:
+                lines = (res.stderr or res.stdout).strip().splitlines()
+                results[name] = {"status": "failed", "error": " / ".join(lines[-3:]), "log": res.stderr[-6000:]}
+        except subprocess.TimeoutExpired:
+            results[name] = {"status": "timeout", "error": f"over its {budget:.0f} s budget"}
+        results[name]["part_wall_s"] = time.perf_counter() - start
+        print(f"   {results[name]['status']} in {results[name]['part_wall_s']:.1f} s", flush=True)
+        result_file.unlink(missing_ok=True)
+        (out_dir / "gpu_suite.json").write_text(json.dumps({"env": env, "results": results}, indent=1, default=str))
+    text = markdown(env, results)
+    (out_dir / "gpu_suite.md").write_text(text)
+    print(text)
+    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
