@@ -30,7 +30,8 @@ def _qkv(grid, heads=2, head_dim=16, seed=0):
 
 
 def _backend(window):
-    return resolve_backend("sliding_window").with_window(window)
+    """The backend with its compiled flex_attention path forced (on the CPU `auto` uses SDPA with the mask)."""
+    return sliding_window.Backend(window, flex="always")
 
 
 def _brute_force_mask(grid, window):
@@ -84,6 +85,62 @@ def test_the_block_mask_is_built_once_per_grid_and_window():
     q2, k2, v2 = _qkv((2, 6, 8))
     backend(q2, k2, v2, token_grid=(2, 6, 8))
     assert sliding_window.block_mask_builds == before + 2
+
+
+def test_on_the_cpu_auto_runs_sdpa_with_the_window_mask():
+    grid, window = (2, 6, 10), (1, 3, 3)
+    q, k, v = _qkv(grid)
+    before = sliding_window.block_mask_builds
+    out = resolve_backend("sliding_window").with_window(window)(q, k, v, token_grid=grid)
+    assert sliding_window.block_mask_builds == before  # no flex_attention compiled
+    assert torch.equal(out, _sdpa(q, k, v, window_mask(grid, window)))
+
+
+def test_a_wrong_flex_result_is_caught_and_that_shape_runs_on_sdpa(monkeypatch, caplog):
+    grid, window = (2, 3, 5), (1, 2, 2)
+    q, k, v = _qkv(grid, seed=4)
+    calls = []
+
+    def broken_flex(q, k, v, block_mask):  # a kernel that gets one query row wrong (as inductor's AVX2 one did)
+        calls.append(1)
+        out = F.scaled_dot_product_attention(q, k, v)
+        out[:, 0, 0] = 0.0
+        return out
+
+    real = sliding_window.block_mask
+    monkeypatch.setattr(sliding_window, "block_mask",
+                        lambda *a: (*real(*a)[:3], broken_flex))
+    reference = _sdpa(q, k, v, window_mask(grid, window))
+    with caplog.at_level("WARNING"):
+        out = _backend(window)(q, k, v, token_grid=grid)
+    assert torch.equal(out, reference)
+    assert "gave a wrong result" in caplog.text and "(2, 3, 5) grid" in caplog.text
+    assert _backend(window)(q, k, v, token_grid=grid).equal(reference)
+    assert len(calls) == 1  # once found wrong, that shape no longer calls the kernel
+
+
+@pytest.mark.slow
+def test_the_result_does_not_depend_on_the_cpus_vector_width():
+    """inductor's CPU flex_attention kernel vectorised for AVX2 (torch 2.13) returns a wrong first row for 72 tokens;
+    run the backend with that kernel forced and check it still equals dense attention."""
+    import subprocess
+    import sys
+
+    code = (
+        "import math, torch, torch.nn.functional as F\n"
+        "from composer.models.attention.backends.sliding_window import Backend\n"
+        "grid = (3, 4, 6)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "q, k, v = [torch.randn(1, math.prod(grid), 2, 16, generator=g) for _ in range(3)]\n"
+        "out = Backend(grid, flex='always')(q, k, v, token_grid=grid)\n"
+        "ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)\n"
+        "print((out - ref).abs().max().item())\n"
+    )
+    for isa in ("avx2", "default"):
+        env = {**__import__("os").environ, "ATEN_CPU_CAPABILITY": isa, "OMP_NUM_THREADS": "1"}
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert float(res.stdout.strip().splitlines()[-1]) <= 1e-5, (isa, res.stdout, res.stderr[-2000:])
 
 
 def test_the_default_window_is_every_frame_and_half_of_each_side():

@@ -9,7 +9,16 @@ device) and shared by every layer. flex_attention skips whole 128 x 128 blocks o
 frame-major order a 128-token block is a strip of rows that nearly every window touches; so, as sliding tile
 attention does, tokens are reordered into tiles of TILE (1 frame x 8 rows x 16 cols) before the call and put
 back after it: a block is then a compact patch and a window skips most of them. Where flex_attention cannot run (no compiler, unsupported head size...) the
-same boolean mask goes to SDPA, said once in the log. Only self-attention over a whole grid takes it: the model
+same boolean mask goes to SDPA, said once in the log.
+
+A compiled kernel is checked, not trusted: the first call of each (grid, window, device, dtype, shape) compares
+flex_attention's output with SDPA under the same boolean mask (every query row up to 4096 tokens, a strided
+sample of rows beyond) and, if they differ or the output is not finite, that shape runs on SDPA from then on, said
+once in the log. This is not hypothetical: torch 2.13's inductor CPU flex_attention kernel, vectorised for AVX2
+(processors without AVX-512, or ATEN_CPU_CAPABILITY=avx2), returns a wrong first query row for a 72-token
+sequence, while AVX-512 gives the right one. On the CPU the backend uses SDPA with the mask by default anyway
+(compiled flex_attention is slower than SDPA there at every measured size, docs/sparse-attention.md);
+`Backend(window, flex="always")` forces the flex path (tests use it). Only self-attention over a whole grid takes it: the model
 passes the token grid for its full passes; cross-attention, KV-cached and sequence-parallel passes get none
 and run on SDPA (`unusable_reason`).
 """
@@ -32,6 +41,9 @@ _MAX_CACHED = 8
 _block_masks: OrderedDict[tuple, object] = OrderedDict()  # (grid, window, device) -> BlockMask
 _dense_masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # same key -> [S, S] bool (SDPA fallback)
 _flex_failed: str | None = None  # why compiled flex_attention failed here, once per process
+_flex_checked: dict[tuple, bool] = {}  # (grid, window, device, dtype, q shape) -> flex output matched SDPA's
+_CHECK_ALL_ROWS = 4096  # up to this many query tokens every row is checked, a strided sample beyond
+_CHECK_SAMPLE = 512
 block_mask_builds = 0  # how many BlockMasks were built in this process (tests pin the caching)
 
 
@@ -113,12 +125,42 @@ def block_mask(grid: Grid, window: Grid, device: torch.device):
     return _cached(_block_masks, (grid, window, str(device)), build)
 
 
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+
+
+def _check_rows(seq: int, device: torch.device) -> torch.Tensor:
+    if seq <= _CHECK_ALL_ROWS:
+        return torch.arange(seq, device=device)
+    step = seq / _CHECK_SAMPLE
+    return torch.unique(torch.tensor([int(i * step) for i in range(_CHECK_SAMPLE)] + [seq - 1], device=device))
+
+
+def flex_matches_sdpa(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid,
+                      window: Grid) -> tuple[bool, str]:
+    """Whether flex_attention's `out` [B, H, S, D] equals SDPA under the window's boolean mask on the checked
+    query rows (q, k, v [B, H, S, D], frame-major tokens); with the largest difference found."""
+    rows = _check_rows(q.shape[2], q.device)
+    tokens = torch.arange(q.shape[2], device=q.device)
+    mask = window_mask_mod(grid, window)(None, None, rows[:, None], tokens[None, :])
+    ref = F.scaled_dot_product_attention(q[:, :, rows], k, v, attn_mask=mask)
+    got = out[:, :, rows]
+    if not torch.isfinite(got).all():
+        return False, "non-finite values"
+    diff = (got.float() - ref.float()).abs().max().item()
+    scale = max(1.0, ref.float().abs().max().item())
+    return diff <= _tolerance(q.dtype) * scale, f"max abs diff {diff:.3g} against SDPA"
+
+
 class Backend:
     name = "sliding_window"
     priority = -10  # approximate attention: never chosen by `auto`, only by name
 
-    def __init__(self, window: tuple[int, ...] | None = None):
+    def __init__(self, window: tuple[int, ...] | None = None, flex: str = "auto"):
+        if flex not in ("auto", "always", "never"):
+            raise ValueError(f"flex = {flex!r}: expected 'auto' (not on the CPU), 'always' or 'never'")
         self.window = None if window is None else tuple(window)
+        self.flex = flex
 
     @classmethod
     def load(cls) -> Backend:
@@ -130,7 +172,7 @@ class Backend:
 
     def with_window(self, window: tuple[int, ...] | None) -> Backend:
         """This backend with `window` (frames, rows, cols); None: every frame x half of each side."""
-        return Backend(window)
+        return Backend(window, self.flex)
 
     def unusable_reason(self, query: torch.Tensor, attn_mask: torch.Tensor | None,
                         token_grid: Grid | None = None) -> str | None:
@@ -142,6 +184,37 @@ class Backend:
             return f"{query.shape[1]} query tokens for a {token_grid} grid"
         return None
 
+    def _wants_flex(self, device: torch.device) -> bool:
+        if self.flex == "auto" and device.type == "cpu":
+            log_once(logger, "sliding_window:cpu", "sliding_window on the CPU runs as SDPA with the window's boolean "
+                     "mask (the same result; compiled flex_attention is slower there)")
+            return False
+        return self.flex != "never" and _flex_failed is None
+
+    def _flex(self, q, k, v, grid: Grid, window: Grid) -> torch.Tensor | None:
+        """flex_attention's output [B, H, S, D], or None where it failed or did not match SDPA for this shape."""
+        global _flex_failed
+        key = (grid, window, str(q.device), q.dtype, tuple(q.shape))
+        if _flex_checked.get(key) is False:
+            return None
+        try:
+            mask, order, inverse, flex = block_mask(grid, window, q.device)
+            out = flex(q[:, :, order], k[:, :, order], v[:, :, order], block_mask=mask)[:, :, inverse]
+        except Exception as exc:  # noqa: BLE001 - any compile/kernel failure: the dense path is exact
+            _flex_failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            log_once(logger, "sliding_window:flex", f"flex_attention is unusable here ({_flex_failed}): "
+                     "sliding_window attention runs as SDPA with a dense boolean mask (same result, no saving)")
+            return None
+        if key not in _flex_checked:
+            ok, how = flex_matches_sdpa(out, q, k, v, grid, window)
+            _flex_checked[key] = ok
+            if not ok:
+                logger.warning("compiled flex_attention gave a wrong result for the %s grid, window %s, %s %s (%s): "
+                               "this shape runs as SDPA with the window's boolean mask instead", grid, window,
+                               q.device, str(q.dtype).removeprefix("torch."), how)
+                return None
+        return out
+
     def __call__(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
         token_grid: Grid | None = None,
@@ -149,16 +222,10 @@ class Backend:
         grid = tuple(token_grid)  # type: ignore[arg-type]
         window = resolve_window(grid, self.window)
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        global _flex_failed
-        if _flex_failed is None:
-            try:
-                mask, order, inverse, flex = block_mask(grid, window, query.device)
-                out = flex(q[:, :, order], k[:, :, order], v[:, :, order], block_mask=mask)
-                return out[:, :, inverse].transpose(1, 2)
-            except Exception as exc:  # noqa: BLE001 - any compile/kernel failure: the dense path is exact
-                _flex_failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                log_once(logger, "sliding_window:flex", f"flex_attention is unusable here ({_flex_failed}): "
-                         "sliding_window attention runs as SDPA with a dense boolean mask (same result, no saving)")
+        if self._wants_flex(query.device):
+            out = self._flex(q, k, v, grid, window)
+            if out is not None:
+                return out.transpose(1, 2)
         mask = _cached(_dense_masks, (grid, window, str(query.device)),
                        lambda: window_mask(grid, window, query.device))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
