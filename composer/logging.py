@@ -28,11 +28,43 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+# Warnings the libraries log at import when torchao (composer's `quant` extra) is installed, about features composer
+# does not use: torchao's optional CUDA/C++ kernels that do not load on this machine, diffusers' torchao-serialized
+# checkpoint types, and torch's pytree notice about torchao's enums. Dropped by exact logger and message, so a
+# user's first run is quiet; anything else those loggers say still shows.
+_LIBRARY_NOISE: dict[str, tuple[str, ...]] = {
+    "torchao": ("Failed to load ",),
+    "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
+}
+
+
+class _DropKnownNoise(logging.Filter):
+    def __init__(self, fragments: tuple[str, ...]):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        message = record.getMessage()
+        return not any(fragment in message for fragment in self.fragments)
+
+
+def quiet_library_noise() -> None:
+    """Drop the known, harmless import-time warnings of torchao and its users (see `_LIBRARY_NOISE`)."""
+    for name, fragments in _LIBRARY_NOISE.items():
+        lib_logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownNoise) for f in lib_logger.filters):
+            lib_logger.addFilter(_DropKnownNoise(fragments))
+
+
 def get_logger(name: str) -> logging.Logger:
     """The logger for a composer module; the first call gives `composer` a stderr handler."""
     global _configured
     if not _configured:
         _configured = True
+        quiet_library_noise()
         root = logging.getLogger("composer")
         if not root.handlers:
             handler = _TqdmHandler()

@@ -367,3 +367,32 @@ def test_training_script_names_a_device_it_cannot_use(device, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and not (tmp_path / "work").exists()
     assert f"--device: device = {device!r}" in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_the_first_run_prints_no_library_noise(tmp_path):
+    """`composer generate` on the embedded model, as a newcomer's first run: stderr holds composer's own lines and
+    progress bars only, even with the quant extra (torchao) installed, whose import warnings the libraries print."""
+    run = subprocess.run(
+        [sys.executable, "-m", "composer", "generate", "--prompt", "a red circle moving left", "--seed", "0",
+         "--num-inference-steps", "2", "--output", str(tmp_path / "demo.mp4")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    foreign = [line for line in run.stderr.replace("\r", "\n").splitlines()
+               if line.strip() and not line.startswith(("[composer]", "denoising", "Loading weights", "wrote "))]
+    assert foreign == [], foreign
+
+
+def test_only_the_known_library_warnings_are_dropped(caplog):
+    import logging
+
+    from composer.logging import quiet_library_noise
+
+    quiet_library_noise()
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: Could not load this library")
+        logging.getLogger("torchao").warning("something else torchao says")
+        logging.getLogger("torch.utils._pytree").warning(
+            "<enum 'X'> is an Enum subclass and is now natively supported by torch.compile as an opaque value type")
+    assert "something else torchao says" in caplog.text
+    assert "Failed to load" not in caplog.text and "Enum subclass" not in caplog.text
