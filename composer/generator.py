@@ -25,6 +25,7 @@ from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.images import refuse_image_knobs
+from composer.loader.components import check_component_configs
 from composer.loader.folder_settings import FolderSettings, read_folder_settings
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
@@ -80,7 +81,7 @@ class ResolvedModel:
 
 def resolve_model(model_path: str | os.PathLike | None, model_family: str | None = None) -> ResolvedModel:
     """Resolve a path or hub id to its folder, pipeline class, family and stated defaults (no weights read;
-    a bad composer.json fails here, before loading)."""
+    a bad composer.json, or a component config value of the wrong type, fails here, before loading)."""
     if model_path is None:
         from composer.default_model import default_model_path
 
@@ -89,6 +90,8 @@ def resolve_model(model_path: str | os.PathLike | None, model_family: str | None
     folder = resolve_model_path(model_path)
     index = read_model_index(folder)
     pipeline_cls = get_pipeline_class(index.class_name).for_folder(index)
+    check_component_configs(folder, [index.components[n] for n in pipeline_cls.required_modules
+                                     if n in index.components])
     settings = read_folder_settings(folder)
     configs = resolve_configs(
         model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,

@@ -259,6 +259,49 @@ def test_broken_weights_are_checkpoint_errors(how, text, tiny_wan_dir, tmp_path)
     assert not (tmp_path / "x.mp4").exists()
 
 
+# -- files: config values of the wrong type, refused before any component loads ---------------------------
+# (component, file, field, value, what the message says is expected)
+CONFIG_CASES = [
+    ("transformer", "config.json", "num_attention_heads", "four", "expected an integer"),
+    ("transformer", "config.json", "patch_size", [1, 2], "expected a list of 3"),
+    ("transformer", "config.json", "eps", True, "expected a finite number"),
+    ("transformer", "config.json", "cross_attn_norm", 1, "expected true or false"),
+    ("vae", "config.json", "z_dim", "sixteen", "expected a number"),
+    ("vae", "config.json", "temperal_downsample", "yes", "expected a list"),
+    ("text_encoder", "config.json", "d_model", "big", "expected a number"),
+    ("scheduler", "scheduler_config.json", "flow_shift", "3", "expected a number"),
+]
+
+
+@pytest.mark.parametrize("component, file, key, value, expected", CONFIG_CASES,
+                         ids=[f"{c[0]} {c[2]}" for c in CONFIG_CASES])
+def test_a_config_value_of_the_wrong_type_is_one_line_before_loading(component, file, key, value, expected,
+                                                                     tiny_wan_dir, tmp_path, monkeypatch):
+    from composer import VideoGenerator
+    from composer.errors import ModelFormatError
+    from composer.loader import components
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_wan_dir, folder)
+    path = folder / component / file
+    config = json.loads(path.read_text())
+    config[key] = value
+    path.write_text(json.dumps(config))
+    loaded = []
+    for cls in (components.ComposerModelLoader, components.DiffusersModelLoader,
+                components.TransformersModelLoader, components.TokenizerLoader, components.SchedulerLoader):
+        monkeypatch.setattr(cls, "load", lambda self, folder, spec, *a: loaded.append(spec.name))
+    with pytest.raises(ModelFormatError) as info:
+        VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False)
+    assert loaded == []  # not even the text encoder, which loads first
+    message = str(info.value)
+    for text in (str(path), f"'{component}'", f"{key} = {value!r}", expected):
+        assert text in message, message
+    code, err = cli("generate", "--model-path", folder, "--prompt", "x", *BASE, "-o", tmp_path / "x.mp4")
+    assert code == 1 and err.count("\n") == 1 and f"{key} = {value!r}" in err and "Traceback" not in err, err
+    assert loaded == [] and not (tmp_path / "x.mp4").exists()
+
+
 # -- atomic writing: a failure or Ctrl-C leaves no half-written file ---------------------------------------
 @pytest.mark.parametrize("target", ["clip.mp4", "clip.gif", "frames_out", "old.mp4", "frames"])
 @pytest.mark.parametrize("failure", [RuntimeError("boom"), KeyboardInterrupt()])
