@@ -182,7 +182,7 @@ def _describe(annotation: Any, strict: bool) -> str:
         return f"a list of {_plural(_describe(item, strict))}" if args else "a list"
     if origin is dict or annotation is dict:
         return "an object"
-    if annotation in (int, float, bool) and not strict:
+    if annotation in (int, float) and not strict:
         return "a number"
     if annotation is float:
         return "a finite number"

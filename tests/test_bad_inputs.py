@@ -302,6 +302,19 @@ def test_a_config_value_of_the_wrong_type_is_one_line_before_loading(component, 
     assert loaded == [] and not (tmp_path / "x.mp4").exists()
 
 
+def test_a_config_value_of_the_wrong_type_is_one_line_in_a_real_process(tiny_wan_dir, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_wan_dir, folder)
+    path = folder / "transformer" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "num_attention_heads": "four"}))
+    run = subprocess.run([sys.executable, "-m", "composer.cli.main", "generate", "--model-path", str(folder),
+                          "--prompt", "x", *BASE], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    assert "transformer/config.json (component 'transformer'): num_attention_heads = 'four': expected an integer" \
+        in run.stderr
+
+
 # -- atomic writing: a failure or Ctrl-C leaves no half-written file ---------------------------------------
 @pytest.mark.parametrize("target", ["clip.mp4", "clip.gif", "frames_out", "old.mp4", "frames"])
 @pytest.mark.parametrize("failure", [RuntimeError("boom"), KeyboardInterrupt()])

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(f"composer serve needs the serve extra ({exc.name} is not installed): "
                           "pip install 'composer[serve]'") from None
-    from composer.generator import VideoGenerator, resolve_model
+    from composer.generator import VideoGenerator, check_model_configs, resolve_model
     from composer.serve.app import ServeConfig, create_app
     from composer.serve.requests import ServerLimits
 
@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-gpus {n}: composer serve runs its ranks under torchrun: `torchrun "
                           f"--nproc-per-node {n} -m composer serve ... --ulysses-degree {n}` (the parallel degrees as "
                           "flags, without --num-gpus; docs/serving.md)")
-    resolve_model(args.model_path, runtime_args.model_family)  # an unknown model: an error now, not in /health
+    # an unknown model, or a config value of the wrong type: an error now, not in /health
+    check_model_configs(resolve_model(args.model_path, runtime_args.model_family))
     load = functools.partial(VideoGenerator.from_pretrained, args.model_path, **runtime)
     if under_torchrun and int(os.environ.get("RANK", "0")) != 0:
         return _follow(load, runtime_args.dist_timeout)

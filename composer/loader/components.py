@@ -79,11 +79,14 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return raw
 
 
-def check_component_configs(folder: Path, specs: list[ComponentSpec]) -> None:
+def check_component_configs(folder: Path, specs: list[ComponentSpec], libraries: bool = True) -> None:
     """Check the config file of every component in `specs` before any of them loads: a bad value in the last
-    component's file must not cost the first component's loading time, nor surface as a library's traceback."""
+    component's file must not cost the first component's loading time, nor surface as a library's traceback.
+    `libraries=False` checks only composer's own models (no diffusers or transformers import: the CLI's fast
+    check; the library components are checked again, in full, before loading)."""
     for spec in specs:
-        ComponentLoader.for_spec(spec, folder / spec.name).check_config(folder / spec.name, spec)
+        if libraries or has_model_class(_config_class_name(folder / spec.name) or spec.class_name):
+            ComponentLoader.for_spec(spec, folder / spec.name).check_config(folder / spec.name, spec)
 
 
 def _check_library_config(path: Path, spec: ComponentSpec, init: Any) -> None:
