@@ -6,7 +6,9 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import functools
 import math
+import operator
 import types
 import typing
 from typing import Any
@@ -145,7 +147,7 @@ def _fits(value: Any, annotation: Any, strict: bool) -> bool | None:
                 return False
             answers = [_fits(v, a, strict) for v, a in zip(value, args)]
         else:  # a list, tuple[X, ...], or a library's Tuple[int] (which often means any length)
-            item = typing.Union[tuple(a for a in args if a is not Ellipsis)] if args else None
+            item = _item_annotation(args)
             answers = [_fits(v, item, strict) for v in value] if args else [None]
         return False if False in answers else None if None in answers else True
     if origin is dict:
@@ -178,7 +180,7 @@ def _describe(annotation: Any, strict: bool) -> str:
     if origin is tuple and args and args[-1] is not Ellipsis and strict:
         return f"a list of {len(args)} ({', '.join(_describe(a, strict) for a in args)})"
     if origin in (list, tuple, collections.abc.Sequence) or annotation in (list, tuple):
-        item = typing.Union[tuple(a for a in args if a is not Ellipsis)] if args else None
+        item = _item_annotation(args)
         return f"a list of {_plural(_describe(item, strict))}" if args else "a list"
     if origin is dict or annotation is dict:
         return "an object"
@@ -187,6 +189,12 @@ def _describe(annotation: Any, strict: bool) -> str:
     if annotation is float:
         return "a finite number"
     return _KINDS.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _item_annotation(args: tuple) -> Any:
+    """The annotation one item of a list / tuple annotation's items must fit (None: no item annotation)."""
+    items = [a for a in args if a is not Ellipsis]
+    return functools.reduce(operator.or_, items) if items else None
 
 
 def _plural(kind: str) -> str:

@@ -58,7 +58,7 @@ def lora_options(paths: list[str], scales: list[float] | None) -> list:
 def run(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"composer serve needs the serve extra ({exc.name} is not installed): "
                           "pip install 'composer[serve]'") from None

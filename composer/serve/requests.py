@@ -7,7 +7,6 @@ import base64
 import binascii
 import dataclasses
 import io
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from composer._fields import field_types, json_value_problem
 from composer.errors import ComposerError, InvalidInputError
 from composer.images import refuse_image_knobs
 from composer.request_check import ModelLimits, RequestError, check_request
+from composer.runtime import lora_scale_problem
 
 # Set by the server, never by a request: where the video goes, and one video per job.
 SERVER_FIELDS = ("output_path", "overwrite", "num_videos_per_prompt")
@@ -195,12 +195,10 @@ def select_lora(body: dict, loras: Sequence[LoraOption], generator: Any = None) 
             raise RequestProblem("lora_scale is set but no adapter is selected (loaded adapters: " + have + ")",
                                  "lora_scale")
         values = given if isinstance(given, list) else [given] * len(chosen)
-        ok = len(values) == len(chosen) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= 100
-            for v in values)
+        ok = len(values) == len(chosen) and all(lora_scale_problem(v) is None for v in values)
         if not ok:
-            raise RequestProblem(f"lora_scale = {given!r}: expected a finite number (|scale| <= 100), or a list of "
-                                 f"one per selected adapter ({', '.join(chosen)})", "lora_scale")
+            raise RequestProblem(f"lora_scale = {given!r}: expected {lora_scale_problem(float('nan'))}, or a list "
+                                 f"of one per selected adapter ({', '.join(chosen)})", "lora_scale")
         scales = [float(v) for v in values]
     selection = [[n, s] for n, s in zip(chosen, scales)]
     offload = getattr(getattr(getattr(generator, "pipeline", None), "runtime", None), "offload", "none")
