@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from composer.errors import ConfigError
+from composer.errors import ConfigError, problems_message
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def unknown_key_errors(cls: type, keys: typing.Iterable[str], what: str) -> list
 
 def raise_if_errors(errors: list[str], what: str) -> None:
     if errors:
-        raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(errors))
+        raise ConfigError(problems_message(f"invalid {what}", errors))
 
 
 def _without_none(annotation: Any) -> Any:

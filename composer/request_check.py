@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from composer._fields import base_type, coerce, field_types, json_field_problems
-from composer.errors import InvalidInputError, ModelFormatError
+from composer.errors import InvalidInputError, ModelFormatError, problems_message
 from composer.images import describe_image, image_problem, refuse_image_knobs
 from composer.stages.validators import V, VerificationResult
 from composer.video import FRAME_FILE_PATTERN, SUPPORTED_OUTPUTS, output_kind, read_frames
@@ -36,7 +36,7 @@ class RequestError(InvalidInputError):
                  f"{field} {value}: expected {rule}" if cli else f"{field} = {value}: expected {rule}"
                  for field, value, rule in failures]
         head = "invalid request (nothing was loaded or generated)" if cli else "invalid request"
-        super().__init__(f"{head}: {lines[0]}" if len(lines) == 1 else f"{head}:\n  " + "\n  ".join(lines))
+        super().__init__(problems_message(head, lines))
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,8 @@ CLI_CASES = [
     ("causal", ["--start-image", "start.png/frame_00000.png", "--num-frames", "13"],
      ["--num-frames 13", "after 1 start latent frame(s)", "9, 17, 25", "nearest valid: 9"]),
     ("causal", ["--stream", "--prompt", ""], ["--prompt", "streaming needs a first prompt"]),
+    ("causal", ["--interactive", "--blocks-per-prompt", "0"], ["--blocks-per-prompt 0", "an integer >= 1"]),
+    ("causal", ["--segment", "x", "--blocks-per-prompt", "-2"], ["--blocks-per-prompt -2", "an integer >= 1"]),
 ]
 
 
@@ -137,9 +139,11 @@ def test_cli_refuses_before_loading(model, flags, expected, workdir, tiny_wan_di
     code, err = cli("generate", "--model-path", folder, "--prompt", "a cat", *BASE, *flags)
     assert code == 1, err
     assert err.startswith("composer: error:") and "Traceback" not in err
+    assert err.count("\n") == 1, err  # one line, however many problems (README)
     for text in expected:
         assert text in err, err
     assert "= -3" not in err and "InputValidationStage" not in err  # the value as given; no internal names
+    assert "--segment '" not in err or "--segment" in flags  # only flags the user gave are named
     assert snapshot(workdir) == before and snapshot(folder) == model_before  # nothing written or replaced
 
 
@@ -363,3 +367,14 @@ def test_real_process_prints_one_line(flags, text, tiny_wan_dir, tmp_path):
 
 def test_composer_errors_are_typed():
     assert issubclass(RequestError, InvalidInputError) and issubclass(RequestError, ComposerError)
+
+
+def test_several_problems_are_one_line_that_names_each(tiny_wan_dir, workdir, no_loading):
+    code, err = cli("generate", "--model-path", tiny_wan_dir, "--prompt", "x", "--dtype", "fp13", "--cfg-mode", "both")
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("composer: error: invalid runtime options (2 problems): dtype = 'fp13'"), err
+    assert "cfg_mode = 'both'" in err
+    code, err = cli("generate", "--model-path", tiny_wan_dir, "--prompt", "x", *BASE, "--height", "30", "--fps", "0")
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("composer: error: invalid request (nothing was loaded or generated) (2 problems): "
+                          "--height 30: expected"), err
