@@ -11,6 +11,14 @@ class ComposerError(Exception):
     """Base class of every error composer raises on purpose."""
 
 
+def problems_message(head: str, problems: list[str]) -> str:
+    """One line for one or several problems: `head: p` or `head (2 problems): p1; p2`. The CLI promises one error
+    line, so every problem is on it, the first one first."""
+    if len(problems) == 1:
+        return f"{head}: {problems[0]}"
+    return f"{head} ({len(problems)} problems): " + "; ".join(problems)
+
+
 class ConfigError(ComposerError, ValueError):
     """A runtime or sampling setting is unknown or out of range."""
 
@@ -54,11 +62,7 @@ class StageVerificationError(InvalidInputError):
         self.phase = phase
         self.failures = failures
         lines = [f"{field} = {value}: expected {rule}" for field, value, rule in failures]
-        if len(lines) == 1:
-            msg = f"{stage} {phase} check failed: {lines[0]}"
-        else:
-            msg = f"{stage} {phase} checks failed:\n  " + "\n  ".join(lines)
-        super().__init__(msg)
+        super().__init__(problems_message(f"{stage} {phase} check{'s' if len(lines) > 1 else ''} failed", lines))
 
 
 class Cancelled(ComposerError):

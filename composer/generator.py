@@ -25,6 +25,7 @@ from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.images import refuse_image_knobs
+from composer.loader.components import check_component_configs
 from composer.loader.folder_settings import FolderSettings, read_folder_settings
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
@@ -80,7 +81,7 @@ class ResolvedModel:
 
 def resolve_model(model_path: str | os.PathLike | None, model_family: str | None = None) -> ResolvedModel:
     """Resolve a path or hub id to its folder, pipeline class, family and stated defaults (no weights read;
-    a bad composer.json fails here, before loading)."""
+    a bad composer.json, or a value of the wrong type in a composer model's config, fails here, before loading)."""
     if model_path is None:
         from composer.default_model import default_model_path
 
@@ -89,6 +90,7 @@ def resolve_model(model_path: str | os.PathLike | None, model_family: str | None
     folder = resolve_model_path(model_path)
     index = read_model_index(folder)
     pipeline_cls = get_pipeline_class(index.class_name).for_folder(index)
+    check_component_configs(folder, _loaded_components(index, pipeline_cls), libraries=False)  # no library import
     settings = read_folder_settings(folder)
     configs = resolve_configs(
         model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,
@@ -97,6 +99,16 @@ def resolve_model(model_path: str | os.PathLike | None, model_family: str | None
     )
     stated = _folder_sampling(configs.sampling_param(), settings)
     return ResolvedModel(model_path, index, pipeline_cls, configs, settings, stated)
+
+
+def _loaded_components(index: Any, pipeline_cls: type) -> list:
+    return [index.components[name] for name in pipeline_cls.required_modules if name in index.components]
+
+
+def check_model_configs(resolved: ResolvedModel) -> None:
+    """Every component config the pipeline will load, the libraries' (VAE, text encoders, scheduler) too, checked
+    for values of the wrong type before anything loads."""
+    check_component_configs(resolved.index.folder, _loaded_components(resolved.index, resolved.pipeline_cls))
 
 
 def _with_folder_quantization(runtime: RuntimeArgs, settings: FolderSettings) -> RuntimeArgs:
@@ -135,6 +147,7 @@ class VideoGenerator:
         """
         runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
         resolved = resolve_model(model_path, runtime.model_family)
+        check_model_configs(resolved)
         runtime = _with_folder_quantization(runtime, resolved.settings)
         if runtime.num_gpus and runtime.num_gpus > 1 and not parallel_state.under_launcher():
             from composer.parallel.workers import WorkerVideoGenerator

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from composer._fields import base_type, coerce, field_types
-from composer.errors import InvalidInputError
+from composer._fields import base_type, coerce, field_types, json_field_problems
+from composer.errors import InvalidInputError, ModelFormatError, problems_message
 from composer.images import describe_image, image_problem, refuse_image_knobs
 from composer.stages.validators import V, VerificationResult
 from composer.video import FRAME_FILE_PATTERN, SUPPORTED_OUTPUTS, output_kind, read_frames
@@ -36,7 +36,7 @@ class RequestError(InvalidInputError):
                  f"{field} {value}: expected {rule}" if cli else f"{field} = {value}: expected {rule}"
                  for field, value, rule in failures]
         head = "invalid request (nothing was loaded or generated)" if cli else "invalid request"
-        super().__init__(f"{head}: {lines[0]}" if len(lines) == 1 else f"{head}:\n  " + "\n  ".join(lines))
+        super().__init__(problems_message(head, lines))
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class ModelLimits:
     def from_folder(cls, folder: Path, config: Any) -> ModelLimits:
         """From the folder's JSON configs and its family's PipelineConfig (with the folder's settings), without
         loading weights. Causal configs carry `num_frames_per_block` and `denoising_step_list`."""
-        vae = _read_json(folder / "vae" / "config.json")
-        transformer = _read_json(folder / "transformer" / "config.json")
+        vae = _read_json(folder / "vae" / "config.json", _VAE_KEYS)
+        transformer = _read_json(folder / "transformer" / "config.json", _TRANSFORMER_KEYS)
         downsample = vae.get("temperal_downsample") or [False, True, True]  # diffusers' AutoencoderKLWan default
         # AutoencoderKLWan names its factors scale_factor_*, other VAEs (HunyuanVideo's) *_compression_ratio
         spatial = (vae.get("scale_factor_spatial") or vae.get("spatial_compression_ratio")
@@ -96,11 +96,25 @@ def _image_inputs(transformer_config: dict) -> dict[str, bool]:
             "takes_last_image": bool(transformer_config.get("pos_embed_seq_len"))}
 
 
-def _read_json(path: Path) -> dict:
+# The config values read here, before the loaders' own checks: a value of another type is refused naming the file.
+_VAE_KEYS = {"temperal_downsample": list[bool] | None, "scale_factor_spatial": int | None,
+             "spatial_compression_ratio": int | None, "scale_factor_temporal": int | None,
+             "temporal_compression_ratio": int | None}
+_TRANSFORMER_KEYS = {"patch_size": int | list[int] | None, "in_channels": int | None, "out_channels": int | None,
+                     "image_dim": int | None, "pos_embed_seq_len": int | None}
+
+
+def _read_json(path: Path, types: dict[str, Any]) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}  # the loader reports a missing or broken config, with its own message
+    if not isinstance(raw, dict):
+        return {}
+    problems = json_field_problems(raw, types)
+    if problems:
+        raise ModelFormatError(f"{path} (component '{path.parent.name}'): {'; '.join(problems)}")
+    return raw
 
 
 def check_request(

@@ -7,6 +7,7 @@ Every field has the same name as a `VideoGenerator.from_pretrained` keyword, a `
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from composer._fields import coerce, field_types, raise_if_errors, unknown_key_errors
@@ -27,6 +28,20 @@ CFG_MODES = ("batched", "sequential")
 CACHE_MODES = ("none", "teacache", "dbcache")
 QUANTIZE_MODES = ("none", "int8", "fp8")
 COMPILE_TORCH_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+MAX_LORA_SCALE = 100.0  # beyond this a LoRA swamps the base weights (fused, it overflows half precision)
+
+
+def lora_scale_problem(scale: Any) -> str | None:
+    """The one rule for a LoRA scale, wherever it is given (lora_scale, set_lora, a server request): None when
+    `scale` is a finite number with |scale| <= MAX_LORA_SCALE, else what is expected."""
+    import math
+
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+            or abs(scale) > MAX_LORA_SCALE:
+        return f"a finite number with |scale| <= {MAX_LORA_SCALE:g}"
+    return None
 
 
 def attention_backend_choices() -> tuple[str, ...]:
@@ -246,6 +261,13 @@ class RuntimeArgs:
                               "frames rows cols (in latent tokens)")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             errors.append(f"max_batch_size = {self.max_batch_size}: expected a positive integer (or unset: no limit)")
+        for path in self.lora_path or []:
+            if not Path(path).expanduser().is_file():
+                what = "a folder" if Path(path).expanduser().is_dir() else "no such file"
+                errors.append(f"lora_path = {path!r}: expected an existing LoRA file (.safetensors); {what}")
+        for i, scale in enumerate(self.lora_scale or []):
+            if (rule := lora_scale_problem(scale)) is not None:
+                errors.append(f"lora_scale[{i}] = {scale!r}: expected {rule}")
         if self.lora_scale is not None:
             if not self.lora_path:
                 errors.append("lora_scale is set but lora_path is not: give the LoRA file(s) too")

@@ -126,6 +126,8 @@ CLI_CASES = [
     ("causal", ["--start-image", "start.png/frame_00000.png", "--num-frames", "13"],
      ["--num-frames 13", "after 1 start latent frame(s)", "9, 17, 25", "nearest valid: 9"]),
     ("causal", ["--stream", "--prompt", ""], ["--prompt", "streaming needs a first prompt"]),
+    ("causal", ["--interactive", "--blocks-per-prompt", "0"], ["--blocks-per-prompt 0", "an integer >= 1"]),
+    ("causal", ["--segment", "x", "--blocks-per-prompt", "-2"], ["--blocks-per-prompt -2", "an integer >= 1"]),
 ]
 
 
@@ -137,9 +139,11 @@ def test_cli_refuses_before_loading(model, flags, expected, workdir, tiny_wan_di
     code, err = cli("generate", "--model-path", folder, "--prompt", "a cat", *BASE, *flags)
     assert code == 1, err
     assert err.startswith("composer: error:") and "Traceback" not in err
+    assert err.count("\n") == 1, err  # one line, however many problems (README)
     for text in expected:
         assert text in err, err
     assert "= -3" not in err and "InputValidationStage" not in err  # the value as given; no internal names
+    assert "--segment '" not in err or "--segment" in flags  # only flags the user gave are named
     assert snapshot(workdir) == before and snapshot(folder) == model_before  # nothing written or replaced
 
 
@@ -259,6 +263,62 @@ def test_broken_weights_are_checkpoint_errors(how, text, tiny_wan_dir, tmp_path)
     assert not (tmp_path / "x.mp4").exists()
 
 
+# -- files: config values of the wrong type, refused before any component loads ---------------------------
+# (component, file, field, value, what the message says is expected)
+CONFIG_CASES = [
+    ("transformer", "config.json", "num_attention_heads", "four", "expected an integer"),
+    ("transformer", "config.json", "patch_size", [1, 2], "expected a list of 3"),
+    ("transformer", "config.json", "eps", True, "expected a finite number"),
+    ("transformer", "config.json", "cross_attn_norm", 1, "expected true or false"),
+    ("vae", "config.json", "z_dim", "sixteen", "expected a number"),
+    ("vae", "config.json", "temperal_downsample", "yes", "expected a list"),
+    ("text_encoder", "config.json", "d_model", "big", "expected a number"),
+    ("scheduler", "scheduler_config.json", "flow_shift", "3", "expected a number"),
+]
+
+
+@pytest.mark.parametrize("component, file, key, value, expected", CONFIG_CASES,
+                         ids=[f"{c[0]} {c[2]}" for c in CONFIG_CASES])
+def test_a_config_value_of_the_wrong_type_is_one_line_before_loading(component, file, key, value, expected,
+                                                                     tiny_wan_dir, tmp_path, monkeypatch):
+    from composer import VideoGenerator
+    from composer.errors import ModelFormatError
+    from composer.loader import components
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_wan_dir, folder)
+    path = folder / component / file
+    config = json.loads(path.read_text())
+    config[key] = value
+    path.write_text(json.dumps(config))
+    loaded = []
+    for cls in (components.ComposerModelLoader, components.DiffusersModelLoader,
+                components.TransformersModelLoader, components.TokenizerLoader, components.SchedulerLoader):
+        monkeypatch.setattr(cls, "load", lambda self, folder, spec, *a: loaded.append(spec.name))
+    with pytest.raises(ModelFormatError) as info:
+        VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False)
+    assert loaded == []  # not even the text encoder, which loads first
+    message = str(info.value)
+    for text in (str(path), f"'{component}'", f"{key} = {value!r}", expected):
+        assert text in message, message
+    code, err = cli("generate", "--model-path", folder, "--prompt", "x", *BASE, "-o", tmp_path / "x.mp4")
+    assert code == 1 and err.count("\n") == 1 and f"{key} = {value!r}" in err and "Traceback" not in err, err
+    assert loaded == [] and not (tmp_path / "x.mp4").exists()
+
+
+def test_a_config_value_of_the_wrong_type_is_one_line_in_a_real_process(tiny_wan_dir, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_wan_dir, folder)
+    path = folder / "transformer" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "num_attention_heads": "four"}))
+    run = subprocess.run([sys.executable, "-m", "composer.cli.main", "generate", "--model-path", str(folder),
+                          "--prompt", "x", *BASE], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    assert "transformer/config.json (component 'transformer'): num_attention_heads = 'four': expected an integer" \
+        in run.stderr
+
+
 # -- atomic writing: a failure or Ctrl-C leaves no half-written file ---------------------------------------
 @pytest.mark.parametrize("target", ["clip.mp4", "clip.gif", "frames_out", "old.mp4", "frames"])
 @pytest.mark.parametrize("failure", [RuntimeError("boom"), KeyboardInterrupt()])
@@ -307,3 +367,14 @@ def test_real_process_prints_one_line(flags, text, tiny_wan_dir, tmp_path):
 
 def test_composer_errors_are_typed():
     assert issubclass(RequestError, InvalidInputError) and issubclass(RequestError, ComposerError)
+
+
+def test_several_problems_are_one_line_that_names_each(tiny_wan_dir, workdir, no_loading):
+    code, err = cli("generate", "--model-path", tiny_wan_dir, "--prompt", "x", "--dtype", "fp13", "--cfg-mode", "both")
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("composer: error: invalid runtime options (2 problems): dtype = 'fp13'"), err
+    assert "cfg_mode = 'both'" in err
+    code, err = cli("generate", "--model-path", tiny_wan_dir, "--prompt", "x", *BASE, "--height", "30", "--fps", "0")
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("composer: error: invalid request (nothing was loaded or generated) (2 problems): "
+                          "--height 30: expected"), err

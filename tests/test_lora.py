@@ -345,3 +345,44 @@ def test_errors(transformer, adapters, files, tmp_path):
     with pytest.raises(CheckpointError):
         adapters.set([files["second"], _write(tmp_path, {f"{stem}.lora_A.weight": a})])
     assert "original.safetensors" in adapters.describe()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--lora-path", "missing.safetensors"], ["lora_path = 'missing.safetensors'", "no such file"]),
+    (["--lora-path", "{file}", "--lora-scale", "nan"], ["lora_scale[0] = nan", "|scale| <= 100"]),
+    (["--lora-path", "{file}", "--lora-scale", "1e6"], ["lora_scale[0] = 1000000.0", "|scale| <= 100"]),
+    (["--lora-path", "{file}", "--lora-scale", "inf"], ["lora_scale[0] = inf", "a finite number"]),
+])
+@pytest.mark.parametrize("verb", ["generate", "serve"])
+def test_lora_options_are_refused_before_anything_loads(verb, flags, words, files, tiny_wan_dir, cli, monkeypatch,
+                                                        tmp_path):
+    """README: runtime options are checked before anything loads. The scale rule is the server's (finite,
+    |scale| <= 100), for the CLI, composer serve and the Python API alike."""
+    from composer import VideoGenerator
+    from composer.errors import ConfigError
+    from composer.pipelines.base import ComposedPipeline
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded for options the up-front check should have refused")
+
+    monkeypatch.chdir(tmp_path)
+    flags = [str(files["original"]) if f == "{file}" else f for f in flags]
+    monkeypatch.setattr(ComposedPipeline, "__init__", refuse)
+    code, _, err = cli(verb, "--model-path", tiny_wan_dir, *flags, *(["--prompt", "x"] if verb == "generate" else []))
+    assert code == 1 and err.startswith("composer: error:") and "Traceback" not in err, err
+    for word in words:
+        assert word in err, err
+    kwargs = {"lora_path": flags[1], **({"lora_scale": [float(flags[3])]} if len(flags) > 2 else {})}
+    with pytest.raises(ConfigError, match=words[0].replace("[", r"\[").replace("|", r"\|")):
+        VideoGenerator.from_pretrained(tiny_wan_dir, **kwargs)
+
+
+def test_set_lora_and_a_request_follow_the_same_scale_rule(gen, files):
+    from composer.serve.requests import LoraOption, RequestProblem, select_lora
+
+    for scale in (1e6, float("nan"), -101):
+        with pytest.raises(InvalidInputError, match=r"\|scale\| <= 100"):
+            gen.set_lora([files["original"]], [scale])
+        with pytest.raises(RequestProblem, match=r"\|scale\| <= 100"):
+            select_lora({"lora_scale": scale}, [LoraOption("original", str(files["original"]))])
+    assert select_lora({"lora_scale": -100}, [LoraOption("original", str(files["original"]))]) == [["original", -100.0]]

@@ -5,6 +5,7 @@ generator (prompts starting "gate" wait for the test, "boom" raise); the rest ge
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -213,6 +214,62 @@ def test_cli_refuses_bad_serve_flags_before_loading(capsys):
     assert "dtype" in capsys.readouterr().err
     assert main(["serve", "--num-gpus", "2"]) == 1
     assert "torchrun --nproc-per-node 2 -m composer serve" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_port_out_of_range_or_in_use_before_loading(monkeypatch, capsys, tmp_path):
+    """--port 70000 and a port another process listens on: one line naming the port, exit 1, nothing loaded (the
+    socket is bound before the model loads and handed to uvicorn)."""
+    import socket
+
+    from composer.cli.main import main
+    from composer.generator import VideoGenerator
+
+    loads = []
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", lambda *a, **k: loads.append(a))
+    assert main(["serve", "--port", "70000"]) == 1
+    assert capsys.readouterr().err == "composer: error: --port 70000: expected a port number in [1, 65535]\n"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--output-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--port {port}: 127.0.0.1:{port} is already in use" in err, err
+    assert main(["serve", "--host", "203.0.113.9", "--output-dir", str(tmp_path)]) == 1  # TEST-NET: not ours
+    assert "--host 203.0.113.9: not an address of this machine" in capsys.readouterr().err
+    assert loads == []
+
+
+def test_cli_serves_on_the_socket_it_bound(tmp_path):
+    """The real command: the port bound before loading is the one uvicorn answers on; SIGINT stops it (130, as a
+    Ctrl-C does in every composer command)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "composer.cli.main", "serve", "--port", str(port), "--output-dir",
+                             str(tmp_path), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode() if proc.poll() else ""
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
 
 
 def test_cli_without_the_serve_extra_says_how_to_install_it(monkeypatch, capsys):

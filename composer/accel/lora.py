@@ -15,7 +15,6 @@ torch.compile and offloading see) and computes exactly what it computed before.
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from collections import Counter
@@ -30,6 +29,7 @@ from torch import nn
 from composer.accel.lora_names import LoraFile, read_lora
 from composer.errors import CheckpointError, InvalidInputError
 from composer.logging import get_logger
+from composer.runtime import lora_scale_problem
 
 __all__ = ["LoraAdapters", "read_lora"]
 
@@ -61,9 +61,9 @@ def _check_scales(count: int, scales: Sequence[float] | None) -> list[float]:
     if len(scales) != count:
         raise InvalidInputError(f"{len(scales)} LoRA scale(s) for {count} LoRA file(s): give one scale per file "
                                 "(or none, for 1.0 each)")
-    bad = [s for s in scales if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)]
+    bad = [s for s in scales if lora_scale_problem(s) is not None]
     if bad:
-        raise InvalidInputError(f"LoRA scales must be finite numbers, got {bad}")
+        raise InvalidInputError(f"LoRA scales = {bad}: expected {lora_scale_problem(bad[0])}")
     return [float(s) for s in scales]
 
 

@@ -108,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
     from composer.generator import VideoGenerator
     from composer.presets import Preset, load_preset
 
+    if args.blocks_per_prompt < 1:  # named as given, before it becomes a segment's block count
+        raise ConfigError(f"--blocks-per-prompt {args.blocks_per_prompt}: expected an integer >= 1 (the blocks a "
+                          "prompt given without ::BLOCKS runs for)")
     preset = load_preset(args.config) if args.config else Preset()
     runtime = {**preset.runtime, **collect(args, args._runtime_names)}
     sampling_overrides = {**preset.sampling, **collect(args, args._sampling_names)}

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -26,7 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model-path", default=None, help="diffusers model folder, hub id or short name (default: "
                    "embedded model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port, 1 to 65535 (default: 8000)")
     p.add_argument("--output-dir", default="outputs/serve", help="where videos and job records are kept and "
                    "reloaded from on restart (default: outputs/serve)")
     p.add_argument("--max-queue", type=int, default=16, help="jobs that may wait; more get 429 (default: 16)")
@@ -56,17 +58,17 @@ def lora_options(paths: list[str], scales: list[float] | None) -> list:
 def run(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"composer serve needs the serve extra ({exc.name} is not installed): "
                           "pip install 'composer[serve]'") from None
-    from composer.generator import VideoGenerator, resolve_model
-    from composer.serve.app import ServeConfig, create_app
-    from composer.serve.requests import ServerLimits
+    from composer.generator import VideoGenerator, check_model_configs, resolve_model
 
-    for name in ("max_queue", "max_frames", "max_size", "max_steps", "port"):
+    for name in ("max_queue", "max_frames", "max_size", "max_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= 1")
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: expected a port number in [1, 65535]")
     if args.request_timeout < 0:
         raise ConfigError(f"--request-timeout {args.request_timeout}: expected seconds >= 0 (0: no limit)")
     runtime = collect(args, args._runtime_names)
@@ -79,10 +81,28 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-gpus {n}: composer serve runs its ranks under torchrun: `torchrun "
                           f"--nproc-per-node {n} -m composer serve ... --ulysses-degree {n}` (the parallel degrees as "
                           "flags, without --num-gpus; docs/serving.md)")
-    resolve_model(args.model_path, runtime_args.model_family)  # an unknown model: an error now, not in /health
     load = functools.partial(VideoGenerator.from_pretrained, args.model_path, **runtime)
     if under_torchrun and int(os.environ.get("RANK", "0")) != 0:
+        check_model_configs(resolve_model(args.model_path, runtime_args.model_family))
         return _follow(load, runtime_args.dist_timeout)
+    # Rank 0 takes the port first: a port in use is an error before anything else is read or loaded, and no other
+    # process can take it while the model loads (uvicorn is handed this socket).
+    listening = bind_port(args.host, args.port)
+    try:
+        # an unknown model, or a config value of the wrong type: an error now, not in /health
+        check_model_configs(resolve_model(args.model_path, runtime_args.model_family))
+        return _serve(args, load, runtime_args, listening, under_torchrun)
+    finally:
+        listening.close()
+
+
+def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening: socket.socket,
+           under_torchrun: bool) -> int:
+    import uvicorn
+
+    from composer.serve.app import ServeConfig, create_app
+    from composer.serve.requests import ServerLimits
+
     config = ServeConfig(
         output_dir=Path(args.output_dir), max_queue=args.max_queue,
         limits=ServerLimits(args.max_frames, args.max_size, args.max_steps),
@@ -101,8 +121,31 @@ def run(args: argparse.Namespace) -> int:
     _check_websockets()
     print(f"composer serve: http://{args.host}:{args.port}{ranks} (the web page at /, API docs at /docs; jobs in "
           f"{config.output_dir})")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run(sockets=[listening])
     return 0
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn listens on it), or a ConfigError naming the flag at fault."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: not an address this machine can listen on ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"--port {port}: {host}:{port} is already in use by another process; stop it or "
+                              "choose another --port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+        raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _check_websockets() -> None:

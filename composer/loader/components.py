@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from packaging.version import Version
 
+from composer._fields import json_field_problems, signature_types
 from composer.errors import CheckpointError, ComposerError, ModelFormatError, UnknownModelError
 from composer.loader.model_index import ComponentSpec
 from composer.loader.weights import load_weights
@@ -28,6 +29,11 @@ class ComponentLoader:
 
     def load(self, folder: Path, spec: ComponentSpec, device: torch.device, dtype: torch.dtype | None) -> Any:
         raise NotImplementedError
+
+    def check_config(self, folder: Path, spec: ComponentSpec) -> None:
+        """Refuse a config file whose values have the wrong JSON type (ModelFormatError naming the file, the
+        component, the field, what it expects and the value), reading no weights. A missing file is left to
+        `load`, which says so."""
 
     @staticmethod
     def for_spec(spec: ComponentSpec, folder: Path) -> ComponentLoader:
@@ -71,6 +77,26 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ModelFormatError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def check_component_configs(folder: Path, specs: list[ComponentSpec], libraries: bool = True) -> None:
+    """Check the config file of every component in `specs` before any of them loads: a bad value in the last
+    component's file must not cost the first component's loading time, nor surface as a library's traceback.
+    `libraries=False` checks only composer's own models (no diffusers or transformers import: the CLI's fast
+    check; the library components are checked again, in full, before loading)."""
+    for spec in specs:
+        if libraries or has_model_class(_config_class_name(folder / spec.name) or spec.class_name):
+            ComponentLoader.for_spec(spec, folder / spec.name).check_config(folder / spec.name, spec)
+
+
+def _check_library_config(path: Path, spec: ComponentSpec, init: Any) -> None:
+    """A diffusers or transformers config file against the types of the class's `__init__` (the kind of each
+    value only: these annotations are looser than what the libraries accept)."""
+    if not path.is_file():
+        return
+    problems = json_field_problems(read_config_file(path), signature_types(init), strict=False)
+    if problems:
+        raise ModelFormatError(f"{path} (component '{spec.name}', {spec.class_name}): {'; '.join(problems)}")
 
 
 def _config_class_name(folder: Path) -> str | None:
@@ -126,7 +152,11 @@ class ComposerModelLoader(ComponentLoader):
             raise ModelFormatError(f"{folder} has no config.json for component '{spec.name}'")
         raw = read_config_file(config_path)
         cls = get_model_class(raw.get("_class_name") or spec.class_name)
-        return cls, cls.config_class.from_dict(raw)
+        return cls, cls.config_class.from_dict(raw, source=f"{config_path} (component '{spec.name}')")
+
+    def check_config(self, folder, spec):
+        if (folder / "config.json").is_file():
+            self.model_class_and_config(folder, spec)
 
     def build(self, folder: Path, spec: ComponentSpec) -> torch.nn.Module:
         """The model of `folder` from its config.json, on the meta device (no weights read)."""
@@ -136,6 +166,11 @@ class ComposerModelLoader(ComponentLoader):
 
 
 class DiffusersModelLoader(ComponentLoader):
+    def check_config(self, folder, spec):
+        import diffusers
+
+        _check_library_config(folder / "config.json", spec, getattr(diffusers, spec.class_name).__init__)
+
     def load(self, folder, spec, device, dtype):
         import diffusers
 
@@ -149,6 +184,13 @@ class DiffusersModelLoader(ComponentLoader):
 
 
 class TransformersModelLoader(ComponentLoader):
+    def check_config(self, folder, spec):
+        import transformers
+
+        config_class = getattr(getattr(transformers, spec.class_name, None), "config_class", None)
+        if config_class is not None:
+            _check_library_config(folder / "config.json", spec, config_class.__init__)
+
     def load(self, folder, spec, device, dtype):
         import transformers
 
@@ -192,6 +234,12 @@ class ImageProcessorLoader(ComponentLoader):
 
 
 class SchedulerLoader(ComponentLoader):
+    def check_config(self, folder, spec):
+        import diffusers
+
+        cls = getattr(diffusers, spec.class_name)
+        _check_library_config(folder / cls.config_name, spec, cls.__init__)
+
     def load(self, folder, spec, device, dtype):
         import diffusers
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer.errors import ConfigError
+from composer.errors import ConfigError, problems_message
 
 FILE_NAME = "composer.json"
 KEYS = ("family", "sampling", "quantization")
@@ -70,7 +70,7 @@ def read_folder_settings(folder: Path) -> FolderSettings:
     if quantization is not None:
         errors += _quantization_errors(quantization)
     if errors:
-        raise ConfigError(f"invalid {path}:\n  " + "\n  ".join(errors))
+        raise ConfigError(problems_message(f"invalid {path}", errors))
     return FolderSettings(path=path, family=family, sampling=dict(sampling), quantization=quantization)
 
 

@@ -7,16 +7,16 @@ import base64
 import binascii
 import dataclasses
 import io
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from composer._fields import base_type, field_types
+from composer._fields import field_types, json_value_problem
 from composer.errors import ComposerError, InvalidInputError
 from composer.images import refuse_image_knobs
 from composer.request_check import ModelLimits, RequestError, check_request
+from composer.runtime import lora_scale_problem
 
 # Set by the server, never by a request: where the video goes, and one video per job.
 SERVER_FIELDS = ("output_path", "overwrite", "num_videos_per_prompt")
@@ -118,16 +118,11 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
 
 
 def _typed(key: str, value: Any, annotation: Any) -> Any:
-    """JSON types as the field's: an integer for int fields (not true/false, not 1.5), a number for floats."""
-    typ = base_type(annotation)
-    ok = {int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool),
-          bool: isinstance(value, bool), str: isinstance(value, str)}.get(typ, True)
-    if typ is float and ok and value != value:  # NaN cannot come from JSON, but be sure
-        ok = False
-    if not ok:
-        kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[typ]
-        raise RequestProblem(f"{key} = {value!r}: expected {kind}", key)
+    """A JSON value of the field's type (`json_value_problem`, strict: an integer is not true/false nor 1.5, a
+    number is finite: Python's JSON reader takes NaN and Infinity), else a RequestProblem naming the field."""
+    expected = json_value_problem(value, annotation)
+    if expected is not None:
+        raise RequestProblem(f"{key} = {value!r}: expected {expected.removesuffix(' or null')}", key)
     return value
 
 
@@ -163,6 +158,9 @@ def _check_model(body: dict, generator: Any) -> None:
         return
     path = str(generator.model_path)
     names = {generator.family, path, path.rstrip("/").rsplit("/", 1)[-1]}
+    if not isinstance(body["model"], str):
+        raise RequestProblem(f"model = {body['model']!r}: expected a string naming the served model, "
+                             f"{generator.family!r} (or leave model out)", "model")
     if body["model"] not in names:
         raise RequestProblem(f"model = {body['model']!r}: this server serves {generator.family} ({path}); leave "
                              "model out or name that one", "model")
@@ -197,12 +195,10 @@ def select_lora(body: dict, loras: Sequence[LoraOption], generator: Any = None) 
             raise RequestProblem("lora_scale is set but no adapter is selected (loaded adapters: " + have + ")",
                                  "lora_scale")
         values = given if isinstance(given, list) else [given] * len(chosen)
-        ok = len(values) == len(chosen) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= 100
-            for v in values)
+        ok = len(values) == len(chosen) and all(lora_scale_problem(v) is None for v in values)
         if not ok:
-            raise RequestProblem(f"lora_scale = {given!r}: expected a finite number (|scale| <= 100), or a list of "
-                                 f"one per selected adapter ({', '.join(chosen)})", "lora_scale")
+            raise RequestProblem(f"lora_scale = {given!r}: expected {lora_scale_problem(float('nan'))}, or a list "
+                                 f"of one per selected adapter ({', '.join(chosen)})", "lora_scale")
         scales = [float(v) for v in values]
     selection = [[n, s] for n, s in zip(chosen, scales)]
     offload = getattr(getattr(getattr(generator, "pipeline", None), "runtime", None), "offload", "none")

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from composer._fields import field_types, json_field_problems
 from composer.errors import ModelFormatError, UnsupportedError
 from composer.logging import get_logger
 
@@ -45,16 +46,21 @@ class HunyuanVideoTransformerConfig:
         return int(self.hidden_size * self.mlp_ratio)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> HunyuanVideoTransformerConfig:
+    def from_dict(cls, raw: dict[str, Any], source: str = "the transformer config") -> HunyuanVideoTransformerConfig:
+        """From diffusers' config.json; a value of the wrong JSON type is a ModelFormatError naming `source`, the
+        field, what it expects and the value."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known - _IGNORED_KEYS)
         if unknown:
             logger.debug("ignoring transformer config keys %s", unknown)
         values = {k: v for k, v in raw.items() if k in known}
+        if values.get("out_channels") is None:  # diffusers' null: as many as in
+            values["out_channels"] = values.get("in_channels", cls.in_channels)
+        problems = json_field_problems(values, field_types(cls))
+        if problems:
+            raise ModelFormatError(f"{source}: {'; '.join(problems)}")
         if "rope_axes_dim" in values:
             values["rope_axes_dim"] = tuple(values["rope_axes_dim"])
-        if values.get("out_channels") is None:
-            values["out_channels"] = values.get("in_channels", cls.in_channels)
         config = cls(**values)
         config.check_supported()
         return config

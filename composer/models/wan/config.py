@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from composer._fields import field_types, json_field_problems
 from composer.errors import ModelFormatError, UnsupportedError
 from composer.logging import get_logger
 
@@ -56,10 +57,14 @@ class WanTransformerConfig:
         return self.num_attention_heads * self.attention_head_dim
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> WanTransformerConfig:
-        """Accept diffusers' config.json or the original release's (`dim`, `num_heads`, `in_dim`, ...)."""
+    def from_dict(cls, raw: dict[str, Any], source: str = "the transformer config") -> WanTransformerConfig:
+        """Accept diffusers' config.json or the original release's (`dim`, `num_heads`, `in_dim`, ...). A value of
+        the wrong JSON type is a ModelFormatError naming `source`, the field, what it expects and the value."""
         raw = dict(raw)
         if "dim" in raw and "num_attention_heads" not in raw:  # original Wan naming
+            problems = json_field_problems(raw, {"dim": int, "num_heads": int})
+            if problems:
+                raise ModelFormatError(f"{source}: {'; '.join(problems)}")
             dim, heads = raw.pop("dim"), raw.get("num_heads")
             if not heads or dim % heads:
                 raise ModelFormatError(f"original Wan config: dim {dim} is not divisible by num_heads {heads}")
@@ -77,6 +82,9 @@ class WanTransformerConfig:
         if unknown:
             logger.debug("ignoring transformer config keys %s", unknown)
         values = {k: v for k, v in raw.items() if k in known}
+        problems = json_field_problems(values, field_types(cls))
+        if problems:
+            raise ModelFormatError(f"{source}: {'; '.join(problems)}")
         if "patch_size" in values:
             values["patch_size"] = tuple(values["patch_size"])
         config = cls(**values)
