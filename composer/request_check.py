@@ -279,14 +279,17 @@ def _check_start_frames(result: VerificationResult, sp: Any, temporal: int) -> i
     if not Path(path).is_file():
         result.add_failure(name, path, "an existing file" + (" (it is a folder)" if Path(path).is_dir() else ""))
         return 0
+    if image:  # read as every input image is read (composer.images)
+        if problem := image_problem(path):
+            result.add_failure(name, path, problem)
+            return 0
+        return 1
     try:
         frames = read_frames(path)
     except InvalidInputError as exc:
         reason = str(exc).split(": ", 1)[-1].splitlines()[0]
-        result.add_failure(name, path, f"a readable {'image' if image else 'video'} file ({reason})")
+        result.add_failure(name, path, f"a readable video file ({reason})")
         return 0
-    if image:
-        return 1
     return (len(frames) - 1) // temporal + 1
 
 

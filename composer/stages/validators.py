@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -92,6 +93,8 @@ def describe(value: Any) -> str:
     """A short description of a value for error messages; tensors by metadata only (no device sync)."""
     if isinstance(value, torch.Tensor):
         return f"Tensor(shape={list(value.shape)}, dtype={str(value.dtype).replace('torch.', '')}, device={value.device})"
+    if isinstance(value, np.ndarray):
+        return f"ndarray(shape={list(value.shape)}, dtype={value.dtype})"
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 
