@@ -140,7 +140,7 @@ def check_request(
     elif sp.num_inference_steps != limits.fixed_steps:
         result.add_failure("num_inference_steps", sp.num_inference_steps, f"{limits.fixed_steps} (this model is "
                            f"distilled for its own {limits.fixed_steps}-step schedule)")
-    result.add_check("guidance_scale", sp.guidance_scale, V.non_negative_number)
+    _check_numbers(result, sp)
     if sp.flow_shift is not None:
         if limits.supports_flow_shift:
             result.add_check("flow_shift", sp.flow_shift, V.positive_number)
@@ -148,8 +148,7 @@ def check_request(
             result.add_failure("flow_shift", sp.flow_shift, "unset (the model folder fixes the schedule's shift)")
     if sp.seed is not None:
         result.add_check("seed", sp.seed, V.int_in_range(0, SEED_MAX))
-    for name, rule in (("rollout_blocks", V.positive_int), ("overlap_frames", V.int_in_range(0, 10**6)),
-                       ("guidance_scale_2", V.non_negative_number)):
+    for name, rule in (("rollout_blocks", V.positive_int), ("overlap_frames", V.int_in_range(0, 10**6))):
         if getattr(sp, name, None) is not None:
             result.add_check(name, getattr(sp, name), rule)
     result.add_check("fps", sp.fps, V.positive_int)
@@ -200,6 +199,20 @@ def check_cli_request(
         failures += exc.failures
     if failures:
         raise RequestError(failures, cli=True)
+
+
+# The ranges of the float sampling fields; every other float field (a family's own) must be a finite number.
+NUMBER_RULES = {"guidance_scale": V.non_negative_number, "guidance_scale_2": V.non_negative_number,
+                "true_cfg_scale": V.non_negative_number}
+
+
+def _check_numbers(result: VerificationResult, sp: Any) -> None:
+    """The one rule for every float sampling field (flow_shift aside: checked against the model): a finite number
+    (NaN passes every `<` test), in its range."""
+    for name, hint in field_types(type(sp)).items():
+        value = getattr(sp, name, None)
+        if name != "flow_shift" and base_type(hint) is float and value is not None:
+            result.add_check(name, value, NUMBER_RULES.get(name, V.finite_number))
 
 
 def _as_written(field: str, value: str, rule: str, cli: bool) -> tuple[str, str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
 import signal
 import threading
@@ -67,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_queue", "max_frames", "max_size", "max_steps", "port"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= 1")
-    if args.request_timeout < 0:
-        raise ConfigError(f"--request-timeout {args.request_timeout}: expected seconds >= 0 (0: no limit)")
+    if not math.isfinite(args.request_timeout) or args.request_timeout < 0:  # NaN passed `< 0` and became the timeout
+        raise ConfigError(f"--request-timeout {args.request_timeout}: expected a finite number of seconds >= 0 "
+                          "(0: no limit)")
     runtime = collect(args, args._runtime_names)
     runtime_args = RuntimeArgs.from_kwargs(**runtime)  # bad runtime flags: one error before anything loads
     from composer.parallel import state as parallel_state

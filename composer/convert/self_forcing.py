@@ -28,6 +28,7 @@ from composer.logging import get_logger
 from composer.models.wan.causal import CausalWanTransformer3DModel
 from composer.models.wan.config import WanTransformerConfig
 from composer.models.wan.mapping import COMPOSER_TO_DIFFUSERS, ORIGINAL_TO_COMPOSER
+from composer.stages.validators import V
 
 logger = get_logger(__name__)
 
@@ -53,6 +54,11 @@ class CausalSettings:
     def check(self) -> None:
         # CausalWanConfig is the one place these are interpreted; make sure they parse.
         CausalWanConfig().updated_from_folder(asdict(self))
+        for name, rule in (("timestep_shift", V.positive_number), ("context_noise", V.non_negative_number)):
+            if not rule(getattr(self, name)):
+                raise ModelFormatError(f"{name} = {getattr(self, name)}: expected {rule.rule}")
+        if not all(V.positive_number(t) for t in self.denoising_step_list):
+            raise ModelFormatError(f"denoising_step_list = {self.denoising_step_list}: expected finite timesteps > 0")
         if self.num_frames_per_block < 1:
             raise ModelFormatError(f"num_frames_per_block must be >= 1, got {self.num_frames_per_block}")
         if self.sink_size and self.local_attn_size == -1:

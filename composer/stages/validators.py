@@ -40,6 +40,9 @@ class V:
 
     not_none = Validator("a value (not None)", lambda v: v is not None)
     positive_int = Validator("a positive integer", lambda v: _is_int(v) and v > 0)
+    finite_number = Validator(
+        "a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    )
     non_negative_number = Validator(
         "a finite number >= 0", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
     )
