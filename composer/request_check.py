@@ -9,7 +9,6 @@ pipeline's InputValidationStage stays as the second line of defence.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Iterable
@@ -97,10 +96,11 @@ def _image_inputs(transformer_config: dict) -> dict[str, bool]:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}  # the loader reports a missing or broken config, with its own message
+    """A config the check reads: a broken one is the loader's one-line error now, before anything loads; a missing
+    one states nothing here (the loader names what the folder lacks)."""
+    from composer.loader.components import read_config_file
+
+    return read_config_file(path) if path.is_file() else {}
 
 
 def check_request(

@@ -224,11 +224,11 @@ def _adapter_config(path: Path, metadata: Mapping[str, str]) -> dict | None:
     if METADATA_KEY in metadata:
         source, raw = f"the header metadata '{METADATA_KEY}'", metadata[METADATA_KEY]
     elif path.name == "adapter_model.safetensors" and sidecar.is_file():
-        source, raw = str(sidecar), sidecar.read_text(encoding="utf-8")
+        source, raw = str(sidecar), sidecar.read_bytes()
     else:
         return None
     try:
-        config = json.loads(raw)
+        config = json.loads(raw)  # bytes: a non-UTF-8 sidecar is a ValueError here too
         if not isinstance(config, dict):
             raise ValueError(f"a {type(config).__name__}, not an object")
     except ValueError as exc:

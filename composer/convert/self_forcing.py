@@ -21,6 +21,7 @@ import torch
 
 from composer.configs.causal_wan import CausalWanConfig
 from composer.errors import CheckpointError, ModelFormatError
+from composer.loader.components import read_config_file
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
 from composer.loader.weights import apply_rules, match_names
@@ -147,7 +148,7 @@ def convert_self_forcing(
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ModelFormatError(f"{out} exists and is not empty (pass --overwrite to replace it)")
 
-    base_config = json.loads((base_folder / "transformer" / "config.json").read_text(encoding="utf-8"))
+    base_config = read_config_file(base_folder / "transformer" / "config.json")  # a broken one: one line naming it
     with torch.device("meta"):
         model = CausalWanTransformer3DModel(WanTransformerConfig.from_dict(base_config))
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
