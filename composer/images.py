@@ -4,6 +4,12 @@ Accepted, under diffusers' knob names (`image`, `last_image`): a PIL image, a nu
 float in [0, 1]), a torch tensor [3, H, W] or [H, W, 3] (same value ranges), or an image file path (str or
 Path). Everything becomes a PIL RGB image first, so every input type is resized and encoded exactly as diffusers
 treats a PIL image.
+
+`to_rgb` is the one rule for turning a PIL image of any mode into 8-bit RGB, and `read_image_file` the one
+reader of image files: the I2V images, a causal model's start image and the server's base64 images all go
+through them. 16-bit and 32-bit grey are scaled to 8 bits (Pillow's own conversion clips them to white), float
+grey is read as [0, 1], CMYK and YCbCr are converted, a palette is expanded, and alpha is dropped (the colour
+stored under a transparent pixel is kept, as Pillow's and diffusers' RGB conversion do).
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def _to_pil(value: Any):
     import PIL.Image
 
     if isinstance(value, PIL.Image.Image):
-        return value.convert("RGB") if value.mode != "RGB" else value
+        return _rgb(value)
     if isinstance(value, (str, os.PathLike)):
         return _read_file(Path(value))
     if isinstance(value, np.ndarray):
@@ -80,6 +86,7 @@ def _to_pil(value: Any):
 
 def _read_file(path: Path):
     import PIL.Image
+    import PIL.ImageOps
 
     if not path.exists():
         raise _Unusable("an existing image file (no such file)")
@@ -88,10 +95,58 @@ def _read_file(path: Path):
     try:
         with PIL.Image.open(path) as opened:
             opened.load()  # decode now: a truncated file fails here, not later in the pipeline
-            return opened.convert("RGB")
+            # as diffusers' load_image: a photo's EXIF orientation is applied (else a phone picture lies sideways)
+            return _rgb(PIL.ImageOps.exif_transpose(opened))
     except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise _Unusable(f"a readable image file ({reason})") from None
+
+
+def read_image_file(path: str | os.PathLike):
+    """An image file as a PIL RGB image (see `to_rgb`); InvalidInputError naming the file when it is missing or
+    unreadable."""
+    try:
+        return _read_file(Path(path))
+    except _Unusable as exc:
+        raise InvalidInputError(f"could not read the image {path}: expected {exc}") from None
+
+
+def to_rgb(image: Any, name: str = "image"):
+    """A PIL image of any mode as 8-bit RGB: 16/32-bit grey (I;16*, I) scaled by 1/257, float grey (F) read as
+    [0, 1], 1 / L / P / CMYK / YCbCr / LAB / HSV converted, alpha (LA, PA, RGBA, P with transparency) dropped.
+    InvalidInputError naming `name` for a mode or value range that has no such reading."""
+    try:
+        return _rgb(image)
+    except _Unusable as exc:
+        raise InvalidInputError(f"{name} = {describe_image(image)}: expected {exc}") from None
+
+
+def _rgb(image: Any):
+    mode = image.mode
+    if mode == "RGB":
+        return image
+    if mode.startswith("I"):  # I;16, I;16B, I;16L, I;16N (16-bit grey), I (32-bit int, how some PNGs open)
+        grey = np.asarray(image).astype(np.int64)
+        if grey.min() < 0 or grey.max() > 65535:
+            raise _Unusable(f"16-bit grey pixels (0-65535), not {grey.min()}..{grey.max()} in mode {mode}")
+        return _grey_rgb(((grey + 128) // 257).astype(np.uint8))  # round(v / 257): 65535 -> 255, 0xC000 -> 191
+    if mode == "F":
+        grey = np.asarray(image, dtype=np.float64)
+        if not np.isfinite(grey).all() or grey.min() < 0.0 or grey.max() > 1.0:
+            raise _Unusable("float grey pixels (mode F) in [0, 1]")
+        return _grey_rgb((grey * 255.0).round().astype(np.uint8))
+    if mode in ("P", "PA"):  # via RGBA: Pillow warns when a palette's transparency is converted straight to RGB
+        image = image.convert("RGBA")
+    try:
+        return image.convert("RGB")
+    except ValueError as exc:  # a mode Pillow cannot convert (LAB without a colour profile, multi-band raw...)
+        raise _Unusable(f"an image in a colour mode composer reads, not {mode} ({exc})") from None
+
+
+def _grey_rgb(grey: np.ndarray):
+    import PIL.Image
+
+    return PIL.Image.fromarray(np.ascontiguousarray(np.repeat(grey[..., None], 3, axis=-1)))
 
 
 def _as_uint8(array: np.ndarray, channels_first: bool, layout: str) -> np.ndarray:

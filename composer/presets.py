@@ -39,6 +39,9 @@ def load_preset(path: str | Path) -> Preset:
         raise ConfigError(f"preset {path} does not exist")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"preset {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8 "
+                          "YAML") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"preset {path} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):

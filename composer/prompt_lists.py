@@ -96,6 +96,8 @@ def read_prompt_file(path: str | Path) -> list[str]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConfigError(f"--prompt-file {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--prompt-file {path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     prompts = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:
         raise ConfigError(f"--prompt-file {path}: no prompts in it (one per line; blank and '#' lines are skipped)")

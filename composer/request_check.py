@@ -9,7 +9,6 @@ pipeline's InputValidationStage stays as the second line of defence.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Iterable
@@ -105,12 +104,14 @@ _TRANSFORMER_KEYS = {"patch_size": int | list[int] | None, "in_channels": int | 
 
 
 def _read_json(path: Path, types: dict[str, Any]) -> dict:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}  # the loader reports a missing or broken config, with its own message
-    if not isinstance(raw, dict):
+    """A config the check reads: a broken one (not UTF-8, not JSON) is the loader's one-line error and a value of
+    another type is refused naming the file, both before anything loads; a missing one states nothing here (the
+    loader names what the folder lacks)."""
+    from composer.loader.components import read_config_file
+
+    if not path.is_file():
         return {}
+    raw = read_config_file(path)
     problems = json_field_problems(raw, types)
     if problems:
         raise ModelFormatError(f"{path} (component '{path.parent.name}'): {'; '.join(problems)}")
@@ -154,7 +155,7 @@ def check_request(
     elif sp.num_inference_steps != limits.fixed_steps:
         result.add_failure("num_inference_steps", sp.num_inference_steps, f"{limits.fixed_steps} (this model is "
                            f"distilled for its own {limits.fixed_steps}-step schedule)")
-    result.add_check("guidance_scale", sp.guidance_scale, V.non_negative_number)
+    _check_numbers(result, sp)
     if sp.flow_shift is not None:
         if limits.supports_flow_shift:
             result.add_check("flow_shift", sp.flow_shift, V.positive_number)
@@ -162,8 +163,7 @@ def check_request(
             result.add_failure("flow_shift", sp.flow_shift, "unset (the model folder fixes the schedule's shift)")
     if sp.seed is not None:
         result.add_check("seed", sp.seed, V.int_in_range(0, SEED_MAX))
-    for name, rule in (("rollout_blocks", V.positive_int), ("overlap_frames", V.int_in_range(0, 10**6)),
-                       ("guidance_scale_2", V.non_negative_number)):
+    for name, rule in (("rollout_blocks", V.positive_int), ("overlap_frames", V.int_in_range(0, 10**6))):
         if getattr(sp, name, None) is not None:
             result.add_check(name, getattr(sp, name), rule)
     result.add_check("fps", sp.fps, V.positive_int)
@@ -214,6 +214,20 @@ def check_cli_request(
         failures += exc.failures
     if failures:
         raise RequestError(failures, cli=True)
+
+
+# The ranges of the float sampling fields; every other float field (a family's own) must be a finite number.
+NUMBER_RULES = {"guidance_scale": V.non_negative_number, "guidance_scale_2": V.non_negative_number,
+                "true_cfg_scale": V.non_negative_number}
+
+
+def _check_numbers(result: VerificationResult, sp: Any) -> None:
+    """The one rule for every float sampling field (flow_shift aside: checked against the model): a finite number
+    (NaN passes every `<` test), in its range."""
+    for name, hint in field_types(type(sp)).items():
+        value = getattr(sp, name, None)
+        if name != "flow_shift" and base_type(hint) is float and value is not None:
+            result.add_check(name, value, NUMBER_RULES.get(name, V.finite_number))
 
 
 def _as_written(field: str, value: str, rule: str, cli: bool) -> tuple[str, str, str]:
@@ -293,14 +307,17 @@ def _check_start_frames(result: VerificationResult, sp: Any, temporal: int) -> i
     if not Path(path).is_file():
         result.add_failure(name, path, "an existing file" + (" (it is a folder)" if Path(path).is_dir() else ""))
         return 0
+    if image:  # read as every input image is read (composer.images)
+        if problem := image_problem(path):
+            result.add_failure(name, path, problem)
+            return 0
+        return 1
     try:
         frames = read_frames(path)
     except InvalidInputError as exc:
         reason = str(exc).split(": ", 1)[-1].splitlines()[0]
-        result.add_failure(name, path, f"a readable {'image' if image else 'video'} file ({reason})")
+        result.add_failure(name, path, f"a readable video file ({reason})")
         return 0
-    if image:
-        return 1
     return (len(frames) - 1) // temporal + 1
 
 

@@ -6,11 +6,15 @@ Every field has the same name as a `VideoGenerator.from_pretrained` keyword, a `
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from composer._fields import coerce, field_types, raise_if_errors, unknown_key_errors
+from composer._fields import base_type, coerce, field_types, raise_if_errors, unknown_key_errors
+from composer.logging import get_logger, log_once
+
+logger = get_logger(__name__)
 
 # Precision names -> torch dtype attribute names (torch is imported only when a dtype is needed, so the
 # CLI's --help and argument checks stay fast).
@@ -27,6 +31,9 @@ COMPILE_MODES = ("none", "regional", "full")
 CFG_MODES = ("batched", "sequential")
 CACHE_MODES = ("none", "teacache", "dbcache")
 QUANTIZE_MODES = ("none", "int8", "fp8")
+# the step-cache sub-options (docs/step-caching.md); each applies to teacache and dbcache, or to dbcache only
+CACHE_OPTIONS = ("cache_threshold", "cache_warmup_steps", "cache_fn_blocks", "cache_bn_blocks", "cache_max_cached_steps",
+                 "cache_max_consecutive", "cache_taylorseer")
 COMPILE_TORCH_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -238,7 +245,23 @@ class RuntimeArgs:
         if args is not None:
             errors += args.validation_errors()
         raise_if_errors(errors, "runtime options")
+        for name, message in args.ignored_settings():
+            log_once(logger, f"ignored-{name}-{args.cache}", message, logging.WARNING)
         return args  # type: ignore[return-value]
+
+    def ignored_settings(self) -> list[tuple[str, str]]:
+        """(knob, message) for each step-cache setting the chosen `cache` mode does not use: the README's rule for
+        an ignored setting is a WARNING, for every cache sub-option alike."""
+        defaults = {f.name: f.default for f in fields(self)}
+        users = {"cache_threshold": ("teacache", "dbcache"), "cache_warmup_steps": ("teacache", "dbcache")}
+        out = []
+        for name in CACHE_OPTIONS:
+            value = getattr(self, name)
+            used_by = users.get(name, ("dbcache",))
+            if value != defaults[name] and self.cache not in used_by:
+                out.append((name, f"{name} = {value} is ignored: it applies to cache = {' or '.join(used_by)}, and "
+                                  f"cache = {self.cache!r}; set cache to use it, or leave {name} out"))
+        return out
 
     def validation_errors(self) -> list[str]:
         errors = []
@@ -277,8 +300,7 @@ class RuntimeArgs:
         from composer.parallel.state import layout_errors
 
         errors += layout_errors(self)
-        if self.cache_threshold is not None and self.cache_threshold < 0:
-            errors.append(f"cache_threshold = {self.cache_threshold}: expected a number >= 0")
+        errors += self._number_errors()
         if self.cache_warmup_steps is not None and self.cache_warmup_steps < 1:
             errors.append(f"cache_warmup_steps = {self.cache_warmup_steps}: expected a positive integer (or unset)")
         if self.cache_fn_blocks < 1:
@@ -292,11 +314,6 @@ class RuntimeArgs:
         if self.cache_max_consecutive is not None and self.cache_max_consecutive < 1:
             errors.append(f"cache_max_consecutive = {self.cache_max_consecutive}: expected a positive integer "
                           "(or unset: no limit)")
-        if self.cache_taylorseer and self.cache != "dbcache":
-            errors.append(f"cache_taylorseer is on with cache = {self.cache!r}: TaylorSeer extrapolates dbcache's "
-                          "residual; set cache = dbcache (or turn cache_taylorseer off)")
-        if self.dist_timeout <= 0:
-            errors.append(f"dist_timeout = {self.dist_timeout}: expected a positive number of seconds")
         import torch
 
         try:
@@ -305,6 +322,22 @@ class RuntimeArgs:
                 errors.append(f"device = {self.device!r}: CUDA is not available on this machine (use 'cpu' or 'auto')")
         except RuntimeError as exc:
             errors.append(f"device = {self.device!r}: {exc}")
+        return errors
+
+    def _number_errors(self) -> list[str]:
+        """The one rule for every float knob: a finite number (NaN passes every `<` test, so it is named), in the
+        knob's range where it has one. lora_scale (a list) is checked with lora_path."""
+        from composer.stages.validators import V
+
+        ranges = {"cache_threshold": V.non_negative_number, "dist_timeout": V.positive_number}
+        errors = []
+        for name, hint in field_types(type(self)).items():
+            value = getattr(self, name)
+            if base_type(hint) is not float or value is None:
+                continue
+            rule = ranges.get(name, V.finite_number)
+            if not rule(value):
+                errors.append(f"{name} = {value}: expected {rule.rule}")
         return errors
 
     @property

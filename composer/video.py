@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from composer.errors import InvalidInputError, OutputError
+from composer.images import read_image_file
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 FRAME_FILE_PATTERN = "frame_*.png"
@@ -161,18 +162,18 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
 
 def read_frames(path: str | Path) -> np.ndarray:
-    """An image or video file -> uint8 frames [T, H, W, 3] (an image is one frame)."""
+    """An image or video file -> uint8 frames [T, H, W, 3] (an image is one frame, read as every input image is:
+    `composer.images.to_rgb`)."""
     import imageio.v2 as imageio
 
     path = Path(path)
     if not path.is_file():
         raise InvalidInputError(f"{path} does not exist")
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        return np.array(read_image_file(path))[None]  # a writable copy (torch.from_numpy warns on a read-only one)
     try:
-        if path.suffix.lower() in IMAGE_SUFFIXES:
-            frames = np.asarray(imageio.imread(path))[None]
-        else:
-            with imageio.get_reader(path, format="FFMPEG") as reader:  # imageio-ffmpeg: no extra dependency
-                frames = np.stack([np.asarray(f) for f in reader])
+        with imageio.get_reader(path, format="FFMPEG") as reader:  # imageio-ffmpeg: no extra dependency
+            frames = np.stack([np.asarray(f) for f in reader])
     except Exception as exc:  # noqa: BLE001 - any decoder failure is a bad input file to the user
         raise InvalidInputError(f"could not read frames from {path}: {exc}") from exc
     if frames.ndim == 3:  # grayscale

@@ -154,7 +154,6 @@ def test_taylorseer_extrapolates_the_middle_residual_linearly_in_the_step_index(
     (dict(cache="dbcache", cache_max_cached_steps=-1), "cache_max_cached_steps = -1"),
     (dict(cache="dbcache", cache_max_consecutive=0), "cache_max_consecutive = 0"),
     (dict(cache="dbcache", cache_threshold=-0.1), "cache_threshold = -0.1"),
-    (dict(cache="teacache", cache_taylorseer=True), "cache_taylorseer is on with cache = 'teacache'"),
 ])
 def test_bad_dbcache_settings_are_refused_before_loading(kwargs, message):
     from composer.runtime import RuntimeArgs

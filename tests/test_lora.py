@@ -386,3 +386,31 @@ def test_set_lora_and_a_request_follow_the_same_scale_rule(gen, files):
         with pytest.raises(RequestProblem, match=r"\|scale\| <= 100"):
             select_lora({"lora_scale": scale}, [LoraOption("original", str(files["original"]))])
     assert select_lora({"lora_scale": -100}, [LoraOption("original", str(files["original"]))]) == [["original", -100.0]]
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_lora_weights_are_refused_when_the_adapter_loads(transformer, adapters, files, tmp_path, fuse, bad):
+    """Unfused, a NaN lora_B once gave an all-black video silently (only fusing checked); now both modes refuse
+    the file as it is read, naming it and the tensor, and the active adapters stay as they were."""
+    stem = "diffusion_model.blocks.0.self_attn.q"
+    b = torch.randn(64, RANK)
+    b[3, 1] = bad
+    path = _write(tmp_path, {f"{stem}.lora_A.weight": torch.randn(RANK, 64), f"{stem}.lora_B.weight": b})
+    adapters.set([files["original"]])
+    with pytest.raises(CheckpointError, match=f"{path}: {stem}.lora_B.weight holds {'NaN' if bad != bad else 'inf'} "
+                                              r"\(1 of 256 values\)"):
+        adapters.set([path], fuse=fuse)
+    assert "original.safetensors" in adapters.describe()
+
+
+def test_cli_refuses_a_nan_lora_in_one_line(cli, tiny_wan_dir, transformer, tmp_path):
+    stem = "diffusion_model.blocks.0.self_attn.q"
+    path = _write(tmp_path, {f"{stem}.lora_A.weight": torch.randn(RANK, 64),
+                             f"{stem}.lora_B.weight": torch.full((64, RANK), float("nan"))}, "nan.safetensors")
+    code, _, err = cli("generate", "--model-path", tiny_wan_dir, "--prompt", "x", "--height", "32", "--width", "32",
+                       "--num-frames", "5", "--steps", "1", "--no-progress", "--lora-path", path,
+                       "--output", tmp_path / "out.mp4")
+    assert code == 1 and "Traceback" not in err
+    assert f"nan.safetensors: {stem}.lora_B.weight holds NaN" in err
+    assert not (tmp_path / "out.mp4").exists()

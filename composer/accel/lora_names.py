@@ -224,11 +224,11 @@ def _adapter_config(path: Path, metadata: Mapping[str, str]) -> dict | None:
     if METADATA_KEY in metadata:
         source, raw = f"the header metadata '{METADATA_KEY}'", metadata[METADATA_KEY]
     elif path.name == "adapter_model.safetensors" and sidecar.is_file():
-        source, raw = str(sidecar), sidecar.read_text(encoding="utf-8")
+        source, raw = str(sidecar), sidecar.read_bytes()
     else:
         return None
     try:
-        config = json.loads(raw)
+        config = json.loads(raw)  # bytes: a non-UTF-8 sidecar is a ValueError here too
         if not isinstance(config, dict):
             raise ValueError(f"a {type(config).__name__}, not an object")
     except ValueError as exc:
@@ -256,6 +256,21 @@ def _config_alpha(config: dict | None) -> Callable[[str, int], float]:
     return alpha
 
 
+def _refuse_non_finite(path: Path, part: tuple[str, torch.Tensor] | None) -> None:
+    """A NaN or inf in an adapter's tensor makes every frame NaN (unfused: a black video, silently); refuse the
+    file when it is read, in every mode."""
+    if part is None or not part[1].is_floating_point():
+        return
+    key, tensor = part
+    finite = torch.isfinite(tensor)
+    if not finite.all():
+        bad = int((~finite).sum())
+        kinds = " and ".join(k for k, has in (("NaN", torch.isnan(tensor).any()), ("inf", torch.isinf(tensor).any()))
+                             if has)
+        raise CheckpointError(f"{path}: {key} holds {kinds} ({bad} of {tensor.numel()} values): the adapter would "
+                              "make every frame NaN; the file is broken (export it again)")
+
+
 def _module(path: Path, layer: nn.Linear, parts: dict[str, tuple[str, torch.Tensor]],
             config_alpha: Callable[[str, int], float], stem: str) -> LoraModule:
     down, up = parts.get("down"), parts.get("up")
@@ -267,6 +282,8 @@ def _module(path: Path, layer: nn.Linear, parts: dict[str, tuple[str, torch.Tens
         raise CheckpointError(f"{path}: {parts['diff_b'][0]} and {parts['lora_bias'][0]} both give the bias delta "
                               "of one layer: keep one")
     bias_part = parts.get("diff_b") or parts.get("lora_bias")
+    for part in (down, up, bias_part):
+        _refuse_non_finite(path, part)
     if down is None and bias_part is None:
         raise CheckpointError(f"{path}: {parts['alpha'][0]} belongs to no LoRA matrices (no lora_A/lora_B or "
                               "lora_down/lora_up for that layer)")

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import errno
 import functools
+import math
 import os
 import signal
 import socket
@@ -69,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= 1")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected a port number in [1, 65535]")
-    if args.request_timeout < 0:
-        raise ConfigError(f"--request-timeout {args.request_timeout}: expected seconds >= 0 (0: no limit)")
+    if not math.isfinite(args.request_timeout) or args.request_timeout < 0:  # NaN passed `< 0` and became the timeout
+        raise ConfigError(f"--request-timeout {args.request_timeout}: expected a finite number of seconds >= 0 "
+                          "(0: no limit)")
     runtime = collect(args, args._runtime_names)
     runtime_args = RuntimeArgs.from_kwargs(**runtime)  # bad runtime flags: one error before anything loads
     from composer.parallel import state as parallel_state

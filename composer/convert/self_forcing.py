@@ -21,6 +21,7 @@ import torch
 
 from composer.configs.causal_wan import CausalWanConfig
 from composer.errors import CheckpointError, ModelFormatError
+from composer.loader.components import read_config_file
 from composer.loader.model_index import read_model_index
 from composer.loader.resolve import resolve_model_path
 from composer.loader.weights import apply_rules, match_names
@@ -28,6 +29,7 @@ from composer.logging import get_logger
 from composer.models.wan.causal import CausalWanTransformer3DModel
 from composer.models.wan.config import WanTransformerConfig
 from composer.models.wan.mapping import COMPOSER_TO_DIFFUSERS, ORIGINAL_TO_COMPOSER
+from composer.stages.validators import V
 
 logger = get_logger(__name__)
 
@@ -53,6 +55,11 @@ class CausalSettings:
     def check(self) -> None:
         # CausalWanConfig is the one place these are interpreted; make sure they parse.
         CausalWanConfig().updated_from_folder(asdict(self))
+        for name, rule in (("timestep_shift", V.positive_number), ("context_noise", V.non_negative_number)):
+            if not rule(getattr(self, name)):
+                raise ModelFormatError(f"{name} = {getattr(self, name)}: expected {rule.rule}")
+        if not all(V.positive_number(t) for t in self.denoising_step_list):
+            raise ModelFormatError(f"denoising_step_list = {self.denoising_step_list}: expected finite timesteps > 0")
         if self.num_frames_per_block < 1:
             raise ModelFormatError(f"num_frames_per_block must be >= 1, got {self.num_frames_per_block}")
         if self.sink_size and self.local_attn_size == -1:
@@ -141,7 +148,7 @@ def convert_self_forcing(
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ModelFormatError(f"{out} exists and is not empty (pass --overwrite to replace it)")
 
-    base_config = json.loads((base_folder / "transformer" / "config.json").read_text(encoding="utf-8"))
+    base_config = read_config_file(base_folder / "transformer" / "config.json")  # a broken one: one line naming it
     with torch.device("meta"):
         model = CausalWanTransformer3DModel(WanTransformerConfig.from_dict(base_config))
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}

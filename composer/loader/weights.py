@@ -30,7 +30,7 @@ def find_weight_files(folder: Path) -> list[Path]:
         index = indexes[0]
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {exc}") from exc
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
         missing = [f.name for f in files if not f.is_file()]

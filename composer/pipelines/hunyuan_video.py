@@ -18,6 +18,7 @@ from composer.stages.input_validation import InputValidationStage
 from composer.stages.latents import LatentPreparationStage
 from composer.stages.template_text_encoding import TemplateTextEncodingStage
 from composer.stages.timesteps import TimestepPreparationStage, folder_flow_shift
+from composer.stages.validators import V
 
 logger = get_logger(__name__)
 
@@ -43,9 +44,9 @@ class HunyuanVideoPipeline(ComposedPipeline):
     def prepare(self, batch: ForwardBatch, sampling, segments=None, keep_video: bool = True) -> None:
         super().prepare(batch, sampling, segments, keep_video)
         scale = sampling.true_cfg_scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
-            raise InvalidInputError(f"true_cfg_scale = {scale!r}: expected a number >= 0 (> 1 turns on classifier-free "
-                                    "guidance with negative_prompt)")
+        if not V.non_negative_number(scale):  # check_request says so first; a second line for direct callers
+            raise InvalidInputError(f"true_cfg_scale = {scale!r}: expected a finite number >= 0 (> 1 turns on "
+                                    "classifier-free guidance with negative_prompt)")
         batch.attach(EmbeddedGuidance(true_cfg_scale=float(scale)))
         if batch.negative_prompt is not None and scale <= 1:
             log_once(logger, "hunyuan-negative-ignored", f"negative_prompt is ignored: true_cfg_scale = {scale} "

@@ -14,7 +14,7 @@ from typing import Any
 
 from composer._fields import field_types, json_value_problem
 from composer.errors import ComposerError, InvalidInputError
-from composer.images import refuse_image_knobs
+from composer.images import refuse_image_knobs, to_rgb
 from composer.request_check import ModelLimits, RequestError, check_request
 from composer.runtime import lora_scale_problem
 
@@ -220,6 +220,7 @@ def _check_limits(sp: Any, limits: ServerLimits) -> None:
 def decode_image(value: Any, key: str) -> Any:
     """A base64 string or a `data:image/...;base64,` URL -> an RGB PIL image."""
     import PIL.Image
+    import PIL.ImageOps
 
     if not isinstance(value, str):
         raise RequestProblem(f"{key}: expected a base64-encoded image (or a data URL), not {type(value).__name__}",
@@ -232,9 +233,13 @@ def decode_image(value: Any, key: str) -> Any:
     try:
         with PIL.Image.open(io.BytesIO(data)) as image:
             image.load()
-            return image.convert("RGB")
+            image = PIL.ImageOps.exif_transpose(image)
     except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as exc:
         raise RequestProblem(f"{key}: the base64 data is not a readable image ({exc})", key) from None
+    try:
+        return to_rgb(image, key)  # the one rule for every input image: 16-bit, CMYK, palette, alpha
+    except InvalidInputError as exc:
+        raise RequestProblem(str(exc), key) from None
 
 
 def _json_safe(value: Any) -> bool:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from composer.batch import ForwardBatch
 from composer.stages.base import Stage
-from composer.stages.validators import V, VerificationResult
+from composer.stages.validators import V, Validator, VerificationResult
 
 
 @dataclass
@@ -18,6 +18,11 @@ class StartFrames:
     """Frames a request starts from (an image, or the end of a video to continue): uint8 [T, H, W, 3], T = 4k+1."""
 
     frames: np.ndarray
+
+
+# read_frames gives these for every file; a caller attaching its own frames gets this rule, not a conv error
+_RGB_FRAMES = Validator("uint8 RGB frames [T, H, W, 3]",
+                        lambda f: f.dtype == np.uint8 and f.ndim == 4 and f.shape[-1] == 3 and min(f.shape) > 0)
 
 
 def normalize_latents(latents: torch.Tensor, vae_config) -> torch.Tensor:
@@ -47,6 +52,11 @@ class StartFrameEncodingStage(Stage):
 
     def __init__(self, vae: torch.nn.Module):
         self.vae = vae
+
+    def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
+        start = batch.get(StartFrames, None)
+        if start is not None:
+            result.add_check("start_frames", np.asarray(start.frames), _RGB_FRAMES)
 
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
         if batch.get(StartFrames, None) is not None:

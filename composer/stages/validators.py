@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -39,6 +40,9 @@ class V:
 
     not_none = Validator("a value (not None)", lambda v: v is not None)
     positive_int = Validator("a positive integer", lambda v: _is_int(v) and v > 0)
+    finite_number = Validator(
+        "a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    )
     non_negative_number = Validator(
         "a finite number >= 0", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
     )
@@ -92,6 +96,8 @@ def describe(value: Any) -> str:
     """A short description of a value for error messages; tensors by metadata only (no device sync)."""
     if isinstance(value, torch.Tensor):
         return f"Tensor(shape={list(value.shape)}, dtype={str(value.dtype).replace('torch.', '')}, device={value.device})"
+    if isinstance(value, np.ndarray):
+        return f"ndarray(shape={list(value.shape)}, dtype={value.dtype})"
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 
