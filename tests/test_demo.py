@@ -202,6 +202,7 @@ def test_embedded_model_is_small_and_in_diffusers_layout():
     assert '"WanPipeline"' in index and '"WanTransformer3DModel"' in index and '"AutoencoderKLWan"' in index
 
 
+@pytest.mark.slow
 def test_embedded_model_follows_prompts(shapes_t2v):
     """A regression floor on a small seeded subset: a broken stage (scheduler, CFG, VAE, text) falls to chance."""
     result = score_prompts(shapes_t2v, demo_prompts(12, seed=7), seed=7)
@@ -211,6 +212,7 @@ def test_embedded_model_follows_prompts(shapes_t2v):
     # No shape floor: the shipped model draws shapes at chance (its small VAE blurs them; docs/demo-model.md).
 
 
+@pytest.mark.slow
 def test_embedded_causal_model_streams_and_follows_the_prompt():
     from composer import VideoGenerator
 
@@ -232,6 +234,7 @@ def test_embedded_causal_model_streams_and_follows_the_prompt():
 EVAL_SCRIPT = [sys.executable, str(REPO / "scripts" / "eval_demo_model.py")]
 
 
+@pytest.mark.slow
 def test_eval_script_prints_scores(tmp_path):
     run = subprocess.run(
         EVAL_SCRIPT + ["--num-prompts", "3", "--drift-prompts", "1",
@@ -243,6 +246,7 @@ def test_eval_script_prints_scores(tmp_path):
     assert (tmp_path / "scores.json").is_file()
 
 
+@pytest.mark.slow
 def test_eval_script_scores_a_renamed_copy_as_a_shapes_model(tmp_path):
     """A retrained or copied folder the registry knows by no name is still sampled at 64x64 x 17 frames (its
     architecture's defaults, Wan2.1's 480x832 x 81, would take hours on a CPU)."""
@@ -280,6 +284,7 @@ def test_eval_script_refuses_bad_options_before_any_work(tmp_path):
     assert "loading" not in run.stderr  # nothing was loaded
 
 
+@pytest.mark.slow
 def test_training_script_runs_end_to_end_in_two_parts(tmp_path):
     """Every stage, run as the docs reproduce the shipped models: the VAE and latents first, then the rest from
     them (the work folder carries what one part hands the next)."""

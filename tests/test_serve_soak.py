@@ -16,6 +16,7 @@ pytest.importorskip("uvicorn", reason="the `serve` extra (fastapi, uvicorn) is n
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_a_small_soak_loses_nothing():
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     run = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "serve_soak.py"), "--requests", "12",
