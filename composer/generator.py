@@ -23,6 +23,7 @@ import torch
 from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
+from composer.engine.scheduler import RequestContext
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.images import refuse_image_knobs
 from composer.loader.components import check_component_configs
@@ -185,17 +186,19 @@ class VideoGenerator:
         scales = [scales] if isinstance(scales, (int, float)) else scales
         self._check_lora_switch()
         lines = []
-        for name in self.pipeline.denoiser_names():
-            adapters = self.pipeline.lora_adapters(name)
-            adapters.set(paths, scales, fuse=self.pipeline.runtime.lora_fuse)
-            lines.append(adapters.describe())
+        with self.pipeline.gate.exclusive("set_lora"):  # after the running requests; new ones wait meanwhile
+            for name in self.pipeline.denoiser_names():
+                adapters = self.pipeline.lora_adapters(name)
+                adapters.set(paths, scales, fuse=self.pipeline.runtime.lora_fuse)
+                lines.append(adapters.describe())
         return "; ".join(lines)
 
     def unset_lora(self) -> None:
         """Remove every LoRA adapter: the next video is the base model's, bit for bit."""
         self._check_lora_switch()
-        for name in self.pipeline.denoiser_names():
-            self.pipeline.lora_adapters(name).unset()
+        with self.pipeline.gate.exclusive("unset_lora"):
+            for name in self.pipeline.denoiser_names():
+                self.pipeline.lora_adapters(name).unset()
 
     def _check_lora_switch(self) -> None:
         if self.pipeline.runtime.offload != "none":
@@ -215,6 +218,7 @@ class VideoGenerator:
         sampling_param: SamplingParam | None = None,
         segments: Iterable[tuple[str, int]] | None = None,
         cancel: CancelToken | None = None,
+        priority: int = 0,
         **overrides: Any,
     ) -> GenerationResult | list[GenerationResult]:
         """Generate one video, or one per prompt of a list. Keyword arguments are SamplingParam fields
@@ -229,13 +233,18 @@ class VideoGenerator:
         `negative_prompt` is then one string for all, or a list with one per prompt.
         `cancel`: a CancelToken; `cancel.cancel()` (from another thread or a signal handler) makes this call
         raise `Cancelled` within one transformer block, and the generator stays ready for the next video.
+
+        Several threads may call this (and `stream_video`) on one generator at once: their denoising steps are
+        scheduled together, compatible steps sharing one transformer call (docs/scheduling.md); each video equals
+        the one a lone call makes. `priority` (an int, higher first) orders the waiting steps.
         """
+        priority = _checked_priority(priority)
         sp, videos = self._request(prompt, sampling_param, segments, overrides)
         checked = sp if videos is None else dataclasses.replace(sp, prompt=videos.prompts)
         check_request(checked, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
         limit = self.pipeline.runtime.max_batch_size
         if videos is None or not limit or videos.count <= limit:
-            results = self._generate_batch(sp, videos, segments, cancel)
+            results = self._generate_batch(sp, videos, segments, cancel, priority=priority)
             return results if videos is not None and not videos.single else results[0]
         # More videos than one batch may hold: consecutive batches, each row keeping its seed and number.
         seed = sp.seed if sp.seed is not None else parallel_state.random_seed()
@@ -245,14 +254,14 @@ class VideoGenerator:
             part = dataclasses.replace(videos, prompts=videos.prompts[rows], single=False,
                                        negative_prompts=videos.negative_prompts[rows] if videos.negative_prompts else None)
             results += self._generate_batch(sp.updated(seed=seed + first), part, segments, cancel, row_offset=first,
-                                            several=True)
+                                            several=True, priority=priority)
         return results
 
     def _generate_batch(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any,
                         cancel: CancelToken | None, row_offset: int = 0, several: bool | None = None,
-                        ) -> list[GenerationResult]:
+                        priority: int = 0) -> list[GenerationResult]:
         """One batch through the pipeline; a result per row (rows numbered from `row_offset`)."""
-        batch = self._new_batch(sp, videos, cancel)
+        batch = self._new_batch(sp, videos, cancel, priority)
         start = time.perf_counter()
         self.pipeline.prepare(batch, sp, list(segments) if segments is not None else None)
         batch = self.pipeline.forward(batch)
@@ -331,6 +340,7 @@ class VideoGenerator:
         sampling_param: SamplingParam | None = None,
         keep_video: bool = True,
         cancel: CancelToken | None = None,
+        priority: int = 0,
         **overrides: Any,
     ) -> VideoStream:
         """Generate block by block (causal models), yielding frames as each block is decoded.
@@ -343,7 +353,9 @@ class VideoGenerator:
         VideoChunk objects; afterwards it holds the whole video (`frames`, `latents`) and the profile (`stats`). For endless streams
         consumed as they go (written to disk), `keep_video=False` keeps neither frames nor old latents.
         `cancel`: a CancelToken; once cancelled, iteration raises `Cancelled` within one transformer block.
+        `priority`: as for `generate_video`; streams read from several threads are scheduled together.
         """
+        priority = _checked_priority(priority)
         segments = None
         prompt = None
         ends_segment = getattr(prompts, "ends_segment", None)
@@ -361,7 +373,7 @@ class VideoGenerator:
         if sp.num_videos_per_prompt != 1:
             raise UnsupportedError("stream_video makes one video; leave num_videos_per_prompt at 1")
         check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
-        batch = self._new_batch(sp, None, cancel)
+        batch = self._new_batch(sp, None, cancel, priority)
         self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
         if callable(ends_segment):  # a live source: it may end the running segment before its last block
             from composer.stages.causal_denoising import CausalPlan
@@ -370,7 +382,7 @@ class VideoGenerator:
         return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)
 
     def _new_batch(self, sp: SamplingParam, videos: VideoRequests | None = None,
-                   cancel: CancelToken | None = None) -> ForwardBatch:
+                   cancel: CancelToken | None = None, priority: int = 0) -> ForwardBatch:
         self._warn_ignored_settings(sp)
         seed = sp.seed if sp.seed is not None else parallel_state.random_seed()
         if videos is not None:  # one row per video
@@ -393,6 +405,7 @@ class VideoGenerator:
             batch.generator = torch.Generator("cpu").manual_seed(seed)
         if cancel is not None:
             batch.attach(cancel)
+        batch.attach(RequestContext(priority=priority, cancel=cancel))
         return batch
 
     def _warn_ignored_settings(self, sp: SamplingParam) -> None:
@@ -403,6 +416,12 @@ class VideoGenerator:
             log_once(logger, "negative-prompt-ignored", f"negative_prompt is ignored: guidance_scale = "
                      f"{sp.guidance_scale} (<= 1) turns classifier-free guidance off; set guidance_scale > 1 to "
                      "use it", logging.WARNING)
+
+
+def _checked_priority(priority: Any) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidInputError(f"priority = {priority!r}: expected an integer (higher runs first; default 0)")
+    return priority
 
 
 class VideoStream:

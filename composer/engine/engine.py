@@ -7,12 +7,18 @@
 
 Hooks are objects with any of `before_step(info)`, `after_step(info)` and `around_model(call, model_call)`;
 a step cache, CFG parallel or a profiler attaches here once for every pipeline.
+
+Several requests (threads) may run loops on one engine at once: with a `scheduler` (composer/engine/scheduler.py,
+set by the pipeline) every transformer call goes through it, one call at a time, and compatible steps of different
+requests share one call.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +26,15 @@ from tqdm.auto import tqdm
 
 from composer.engine.guidance import ClassifierFreeGuidance
 from composer.engine.inputs import ModelInputs
+from composer.engine.scheduler import (
+    RequestContext,
+    StepScheduler,
+    Unit,
+    batched_branches,
+    calling,
+    current_request,
+    running_request,
+)
 from composer.engine.steps import StepRule
 from composer.logging import get_logger, log_once
 
@@ -75,9 +90,25 @@ class DenoisingEngine:
         self.transformer = transformer
         self.cfg_mode = cfg_mode
         self.hooks: list[EngineHook] = list(hooks or [])
-        self._step: StepInfo | None = None
+        self._local = threading.local()  # the step this thread's loop is at (each request's loop is on its thread)
         # composer.parallel.cfg.CfgParallel (set by the parallel hook): each guidance branch on its own ranks
         self.branch_parallel = None
+        self.scheduler: StepScheduler | None = None
+
+    @property
+    def _step(self) -> StepInfo | None:
+        return getattr(self._local, "step", None)
+
+    @_step.setter
+    def _step(self, info: StepInfo | None) -> None:
+        self._local.step = info
+
+    def enable_scheduler(self, batching: bool = True, max_batch_size: int | None = None) -> StepScheduler:
+        """Let several requests use this engine at once: their transformer calls are queued, run one at a time,
+        and (with `batching`, and batched CFG) compatible steps of different requests share one call."""
+        self.scheduler = StepScheduler(self._run_unit, self._run_units, batching=batching and self.batched_cfg,
+                                       max_batch_size=max_batch_size)
+        return self.scheduler
 
     @property
     def batched_cfg(self) -> bool:
@@ -130,7 +161,37 @@ class DenoisingEngine:
     def forward_branches(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
                          kind: str = "step", merged: ModelInputs | None = None) -> list[torch.Tensor]:
         """The raw prediction of each branch: one batched call (cfg_mode batched) or one call per branch.
-        `merged`: the branches already batched (a loop batches them once, not every step)."""
+        `merged`: the branches already batched (a loop batches them once, not every step). With a scheduler the
+        call is queued with other requests' and may share a transformer call with theirs."""
+        if self.scheduler is None:
+            return self._forward_branches(latents, timestep, branches, kind, merged)
+        request = current_request() or RequestContext()
+        return self.scheduler.submit(latents, timestep, branches, merged, kind, request, self._step)
+
+    def _run_unit(self, unit: Unit) -> list[torch.Tensor]:
+        """The scheduler runs a unit alone: exactly the call its request would make without a scheduler."""
+        previous, self._step = self._step, unit.step
+        try:
+            with calling((unit.request,)):
+                return self._forward_branches(unit.latents, unit.timestep, unit.branches, unit.kind, unit.merged)
+        finally:
+            self._step = previous
+
+    def _run_units(self, units: list[Unit]) -> list[list[torch.Tensor]]:
+        """The scheduler runs compatible units of several requests as one call: each unit's rows are what its own
+        batched-CFG call would stack; the output is cut back into each unit's branches."""
+        latents, timesteps, merged, rows = batched_branches(units)
+        previous, self._step = self._step, units[0].step
+        try:
+            with calling(tuple(u.request for u in units)):
+                branches = tuple(i for u in units for i in range(len(u.branches)))
+                out = self.call_model(latents, timesteps, merged, units[0].kind, branches)
+        finally:
+            self._step = previous
+        return [list(part.chunk(len(u.branches))) for u, part in zip(units, out.split(rows))]
+
+    def _forward_branches(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
+                          kind: str = "step", merged: ModelInputs | None = None) -> list[torch.Tensor]:
         if len(branches) == 1:
             if self.branch_parallel is not None:
                 log_once(logger, "cfg-parallel-idle", "cfg_parallel is on but this request has no guidance "
@@ -172,6 +233,13 @@ class DenoisingEngine:
         if guidance is not None and uncond is None:
             raise ValueError("guidance needs the negative branch (uncond)")
         merged = ModelInputs.batched([cond, uncond]) if guidance is not None and self.batched_cfg else None
+        request = current_request()
+        with (nullcontext() if request is not None else running_request(RequestContext())) as made:
+            request = request or made
+            with self.scheduler.denoising(request) if self.scheduler is not None else nullcontext():
+                return self._run_steps(latents, steps, cond, uncond, guidance, merged, run, progress)
+
+    def _run_steps(self, latents, steps, cond, uncond, guidance, merged, run, progress) -> torch.Tensor:
         timesteps = steps.timesteps
         num_steps = len(timesteps)
         schedule = tuple(float(t) for t in timesteps)

@@ -4,6 +4,7 @@ stages over a ForwardBatch, as a whole video (`forward`) or as pieces streamed w
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -17,6 +18,7 @@ from composer.batch import ForwardBatch
 from composer.cancel import CancelToken
 from composer.configs.base import PipelineConfig
 from composer.engine import DenoisingEngine
+from composer.engine.scheduler import RequestContext, calling_requests, current_request, running_request
 from composer.errors import UnsupportedError
 from composer.loader.components import ComponentLoader
 from composer.loader.model_index import ModelIndex
@@ -54,7 +56,9 @@ class ComposedPipeline:
         self.engines: list[DenoisingEngine] = []
         self.stage_scopes: list[StageScope] = []  # hooks' context managers around each stage run
         self._lora: dict[str, Any] = {}
-        self._cancel: CancelToken | None = None  # the running request's token (one request at a time)
+        self.concurrency = self.concurrency_mode()
+        self.gate = RequestGate(serial=self.concurrency == "serial")
+        self._module_locks: dict[int, threading.Lock] = {}
         with library_progress_bars(runtime.progress):  # transformers' "Loading weights" and the like
             self.modules: dict[str, Any] = self.load_modules()
         self.applied_hooks = apply_hooks(self, self.hooks)
@@ -129,13 +133,32 @@ class ComposedPipeline:
         return self._lora[name]
 
     def make_engine(self, transformer: torch.nn.Module) -> DenoisingEngine:
-        """The denoising engine over `transformer`, with the runtime's CFG mode and every hook's settings."""
+        """The denoising engine over `transformer`, with the runtime's CFG mode and every hook's settings, and a
+        step scheduler unless requests must run one at a time (`concurrency_mode`)."""
         engine = DenoisingEngine(transformer, cfg_mode=self.runtime.cfg_mode)
         for hook in self.hooks:
             if hasattr(hook, "configure_engine"):
                 hook.configure_engine(engine)
+        if self.concurrency != "serial":
+            engine.enable_scheduler(batching=self.concurrency == "batch", max_batch_size=self.runtime.max_batch_size)
         self.engines.append(engine)
         return engine
+
+    def concurrency_mode(self) -> str:
+        """How concurrent requests share this pipeline:
+
+        - "batch": their denoising steps are scheduled together and compatible steps share one transformer call;
+        - "interleave": their steps are scheduled together, one request per call (compile: a new batch size would
+          recompile);
+        - "serial": one request at a time, start to finish (a step cache keeps per-request state between steps;
+          parallel ranks must make the same calls in the same order; model offload moves whole modules per stage).
+        """
+        runtime = self.runtime
+        if runtime.cache != "none" or runtime.offload == "model" or any(h.name == "parallel" for h in self.hooks):
+            return "serial"
+        if runtime.compile != "none":
+            return "interleave"
+        return "batch"
 
     # -- requests ------------------------------------------------------------------------------------
     def sampling_defaults(self) -> dict[str, Any]:
@@ -148,22 +171,38 @@ class ComposedPipeline:
         if segments is not None:
             raise UnsupportedError(f"{type(self).__name__} does not take prompt segments (a causal model does)")
 
-    # -- cancellation --------------------------------------------------------------------------------
+    # -- cancellation ---------------------------------------------------------------------------------
     def check_cancelled(self) -> None:
         """Raise `Cancelled` if the running request's CancelToken was cancelled (called before each stage, step
-        and transformer block: composer/accel/cancel.py)."""
-        token = self._cancel
-        if token is not None:
-            token.check()
+        and transformer block: composer/accel/cancel.py). Inside a scheduled transformer call that holds several
+        requests' rows, only when every one of them is cancelled (the others' rows must finish); each request
+        then stops at its own next step."""
+        requests = calling_requests()
+        if requests is not None:
+            tokens = [r.cancel for r in requests]
+            if tokens and all(t is not None and t.cancelled for t in tokens):
+                tokens[0].check()
+            return
+        request = current_request()
+        if request is not None and request.cancel is not None:
+            request.cancel.check()
+
+    @staticmethod
+    def request_context(batch: ForwardBatch) -> RequestContext:
+        """The batch's request (priority, cancel token) as the scheduler sees it; made once per batch."""
+        context = batch.get(RequestContext, None)
+        if context is None:
+            context = RequestContext(cancel=batch.get(CancelToken, None))
+            batch.attach(context)
+        elif context.cancel is None:
+            context.cancel = batch.get(CancelToken, None)
+        return context
 
     @contextmanager
     def _running(self, batch: ForwardBatch) -> Iterator[None]:
-        """Make `batch`'s CancelToken (attached by the generator) the one the cancel points check."""
-        previous, self._cancel = self._cancel, batch.get(CancelToken, None)
-        try:
+        """Make `batch`'s request (its CancelToken and priority) the one this thread runs."""
+        with running_request(self.request_context(batch)):
             yield
-        finally:
-            self._cancel = previous
 
     # -- stages --------------------------------------------------------------------------------------
     def create_stages(self) -> None:
@@ -192,14 +231,28 @@ class ComposedPipeline:
                 stack.enter_context(scope(stage))
             yield
 
+    @contextmanager
+    def _stage_lock(self, stage: Stage) -> Iterator[None]:
+        """Concurrent requests run a stage that is not `concurrent` one module at a time: the text encoder and the
+        VAE keep state between calls (diffusers' Wan VAE keeps its causal cache on the module, for encode and decode
+        alike), so two requests must not be inside one at once. Denoising stages go through their engine's
+        scheduler instead."""
+        if stage.concurrent:
+            yield
+            return
+        with ExitStack() as stack:
+            for module in sorted(stage.modules(), key=id):  # one order everywhere: no deadlock
+                stack.enter_context(self._module_locks.setdefault(id(module), threading.Lock()))
+            yield
+
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         """Run every stage over the whole video."""
-        with self._running(batch):
+        with self.gate.request(), self._running(batch):
             for stage in self.stages:
                 self.check_cancelled()
                 if stage.skips(batch):  # nothing to do for this request: its modules need not visit the device
                     continue
-                with self._scope(stage):
+                with self._stage_lock(stage), self._scope(stage):
                     batch = stage(batch)
         return batch
 
@@ -212,28 +265,25 @@ class ComposedPipeline:
                 f"{type(self).__name__} makes the whole video at once and cannot stream; causal (block-autoregressive) "
                 "models can"
             )
-        return self._stream(batch)
+        return _RequestIterator(self._stream(batch), self.request_context(batch), self.gate)
 
     def _stream(self, batch: ForwardBatch) -> Iterator[Any]:
         batch.started = time.perf_counter()  # the request starts when its stream is first read
-        # The token stays the running one while the consumer holds the stream between pieces; closing the
-        # stream (or its garbage collection) restores the previous one.
-        with self._running(batch):
-            pieces: Iterator[Any] | None = None
-            for stage in self.stages:
-                self.check_cancelled()
-                if stage.streams:
-                    pieces = self._stream_stage(stage, batch, pieces)
-                elif pieces is None:
-                    if stage.skips(batch):
-                        continue
-                    with self._scope(stage):
-                        batch = stage(batch)
-                else:
-                    raise UnsupportedError(f"{stage.name} comes after a streaming stage but cannot take its pieces")
-            for piece in pieces:
-                yield piece
-                self.check_cancelled()  # a cancel while the consumer held the piece stops before the next
+        pieces: Iterator[Any] | None = None
+        for stage in self.stages:
+            self.check_cancelled()
+            if stage.streams:
+                pieces = self._stream_stage(stage, batch, pieces)
+            elif pieces is None:
+                if stage.skips(batch):
+                    continue
+                with self._stage_lock(stage), self._scope(stage):
+                    batch = stage(batch)
+            else:
+                raise UnsupportedError(f"{stage.name} comes after a streaming stage but cannot take its pieces")
+        for piece in pieces:
+            yield piece
+            self.check_cancelled()  # a cancel while the consumer held the piece stops before the next
 
     def _stream_stage(self, stage: Stage, batch: ForwardBatch, upstream: Iterator[Any] | None) -> Iterator[Any]:
         with self._scope(stage):
@@ -242,3 +292,101 @@ class ComposedPipeline:
     def __repr__(self) -> str:
         stages = " -> ".join(s.name for s in self.stages)
         return f"{type(self).__name__}({self.folder}, stages: {stages})"
+
+
+class RequestGate:
+    """Who may run on a pipeline: any number of requests at once (one at a time when `serial`), and, between
+    requests, exclusive work that changes the model (switching LoRA adapters) once every running request is done."""
+
+    def __init__(self, serial: bool = False):
+        self.serial = serial
+        self._cv = threading.Condition()
+        self._active: dict[int, int] = {}  # thread id -> requests it holds
+        self._exclusive = False
+
+    @contextmanager
+    def request(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cv:
+            while self._exclusive or (self.serial and self._active and me not in self._active):
+                self._cv.wait()
+            self._active[me] = self._active.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._active[me] -= 1
+                if not self._active[me]:
+                    del self._active[me]
+                self._cv.notify_all()
+
+    @contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """Wait until no request runs (new ones wait meanwhile), then run `what` alone."""
+        me = threading.get_ident()
+        with self._cv:
+            if me in self._active:
+                raise UnsupportedError(f"{what} while this thread's own request (an unfinished stream) is running: "
+                                       "finish or close it first")
+            while self._exclusive:
+                self._cv.wait()
+            self._exclusive = True
+            while self._active:
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._exclusive = False
+                self._cv.notify_all()
+
+    @property
+    def running(self) -> int:
+        with self._cv:
+            return sum(self._active.values())
+
+
+class _RequestIterator:
+    """A stream's pieces, each made with its request as this thread's (its cancel token and priority), whichever
+    thread reads it; the request holds its place at the gate from the first piece until the stream ends or is
+    closed."""
+
+    def __init__(self, pieces: Iterator[Any], context: RequestContext, gate: RequestGate):
+        self._pieces = pieces
+        self._context = context
+        self._gate = gate
+        self._slot: ExitStack | None = None
+        self._done = False
+
+    def __iter__(self) -> _RequestIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        if self._slot is None:
+            self._slot = ExitStack()
+            self._slot.enter_context(self._gate.request())
+        try:
+            with running_request(self._context):
+                return next(self._pieces)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            with running_request(self._context):
+                self._pieces.close()
+        finally:
+            if self._slot is not None:
+                self._slot.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a stream dropped at interpreter exit
+            pass

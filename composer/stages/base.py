@@ -34,6 +34,9 @@ class Stage:
     check_values: bool = False
     # A streaming stage that only transforms an upstream stage's pieces (a decoder) cannot start a stream.
     streams_from_upstream: bool = False
+    # Whether several requests may run this stage at once (denoising stages: their transformer calls are scheduled
+    # by the engine). Other stages run one request at a time per module (the pipeline holds a lock per module).
+    concurrent: bool = False
 
     @property
     def name(self) -> str:

@@ -103,6 +103,8 @@ def _sync(device: torch.device) -> None:
 class CausalDenoisingStage(Stage):
     """Runs every block of every segment; `stream` yields them as they finish."""
 
+    concurrent = True  # transformer calls go through the engine's step scheduler
+
     def __init__(
         self,
         engine: DenoisingEngine,

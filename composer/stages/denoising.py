@@ -17,6 +17,8 @@ class DenoisingStage(Stage):
     default), combines `uncond + scale * (cond - uncond)`, and the scheduler steps the fp32 latents. The CFG
     scale is `batch.cfg_scale` (guidance_scale, or true_cfg_scale where guidance is embedded)."""
 
+    concurrent = True  # transformer calls go through the engine's step scheduler
+
     def __init__(self, engine: DenoisingEngine, progress: bool = True):
         self.engine = engine
         self.progress = progress

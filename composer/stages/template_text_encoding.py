@@ -12,6 +12,7 @@ result is the same and a request whose rows have equal lengths needs no mask at 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -53,6 +54,7 @@ class TemplateTextEncodingStage(Stage):
         self.hidden_layers_to_skip = hidden_layers_to_skip
         self.max_length_2 = max_length_2
         self.cache_size = cache_size
+        self._lock = threading.RLock()  # the cache is shared by concurrent requests (a causal stream's switches)
         self._cache: OrderedDict[str, Encoded] = OrderedDict()
 
     def count_template_tokens(self) -> int:
@@ -87,6 +89,11 @@ class TemplateTextEncodingStage(Stage):
         return states[:max(length, 1)], pooled
 
     def encode(self, texts: list[str]) -> list[Encoded]:
+        """As `_encode`, one request at a time (the cache and the encoder are shared by concurrent requests)."""
+        with self._lock:
+            return self._encode(texts)
+
+    def _encode(self, texts: list[str]) -> list[Encoded]:
         """Each text's (states, pooled), from the cache where possible."""
         rows = []
         for text in texts:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import re
+import threading
 from collections import OrderedDict
 
 import torch
@@ -43,6 +44,7 @@ class TextEncodingStage(Stage):
         self.max_length = max_length
         self.clean = clean
         self.cache_size = cache_size
+        self._lock = threading.RLock()  # the cache is shared by concurrent requests (a causal stream's switches)
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
@@ -68,6 +70,11 @@ class TextEncodingStage(Stage):
         return hidden.masked_fill(~mask.bool().unsqueeze(-1), 0.0)  # zero past each prompt's length
 
     def encode(self, texts: list[str]) -> torch.Tensor:
+        """As `_encode`, one request at a time (the cache and the encoder are shared by concurrent requests)."""
+        with self._lock:
+            return self._encode(texts)
+
+    def _encode(self, texts: list[str]) -> torch.Tensor:
         """[len(texts), max_length, hidden] embeddings, from the cache where possible."""
         if self.clean:
             texts = [clean_prompt(t) for t in texts]

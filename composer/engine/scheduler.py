@@ -1,0 +1,278 @@
+"""StepScheduler: many requests' denoising steps through one transformer, batched per step.
+
+Each request runs its stages on its caller's thread; every transformer call of a denoising engine is handed to the
+engine's scheduler as a *unit* (one step's guidance branches, or a causal context pass) and the thread waits for its
+result. Whichever waiting thread finds no call running becomes the runner for one iteration:
+
+    pick      the pending unit with the highest priority (then the oldest), and every other pending unit whose
+              call is compatible with it (same kind, latent shape, dtype, conditioning layout; no KV cache),
+              up to `max_batch_size` videos
+    run       one transformer call over all their rows (each row its own timestep and text K/V), or the unit's
+              own call when it is alone: exactly what a solo request runs
+    hand out  each unit its rows; guidance is combined by each request with its own scale
+
+A step starts only when every request inside a denoising loop has its next unit ready (or after `gather_s`), so
+requests that run in step converge on one call per step. Priorities act at unit boundaries: a higher-priority
+request's unit is picked first and a running call is never interrupted, so nothing is recomputed.
+
+Exactness: rows of one batch do not interact in the transformer (attention and norms are per row), so a request's
+output equals its solo run up to the floating-point order of a larger matrix product (tests: latents <= 1e-5).
+`batching=False` keeps the interleaving (and priorities) with one unit per call: bit-identical to solo runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from composer.engine.inputs import ModelInputs
+
+# -- the request a thread is running -------------------------------------------------------------------------
+
+
+@dataclass
+class RequestContext:
+    """What the scheduler knows of the request running on this thread."""
+
+    priority: int = 0
+    cancel: Any = None  # composer.cancel.CancelToken
+    id: int = field(default_factory=itertools.count().__next__)
+
+
+_local = threading.local()
+
+
+def current_request() -> RequestContext | None:
+    """The request running on this thread (None outside a generator call)."""
+    return getattr(_local, "request", None)
+
+
+@contextmanager
+def running_request(context: RequestContext) -> Iterator[RequestContext]:
+    """Make `context` this thread's request for the duration."""
+    previous = getattr(_local, "request", None)
+    _local.request = context
+    try:
+        yield context
+    finally:
+        _local.request = previous
+
+
+_calling = threading.local()
+
+
+def calling_requests() -> tuple[RequestContext, ...] | None:
+    """The requests whose rows the transformer call running on this thread holds (None: not inside a scheduled
+    call; the thread's own request is the one running)."""
+    return getattr(_calling, "requests", None)
+
+
+class calling:  # noqa: N801 - used as a context manager
+    """Mark the requests a scheduled transformer call on this thread runs for (what cancel points check)."""
+
+    def __init__(self, requests: tuple[RequestContext, ...]):
+        self.requests = requests
+
+    def __enter__(self):
+        self.previous = getattr(_calling, "requests", None)
+        _calling.requests = self.requests
+
+    def __exit__(self, *exc):
+        _calling.requests = self.previous
+
+
+# -- units and their compatibility ---------------------------------------------------------------------------
+
+
+def _shape_key(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape[1:]), value.dtype, str(value.device))
+    if isinstance(value, (list, tuple)):
+        return tuple(_shape_key(v) for v in value)
+    return ("unbatchable", id(value))
+
+
+def batch_key(latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs], kind: str) -> Any:
+    """Units with equal keys can share one transformer call (None: this unit always runs alone)."""
+    first = branches[0]
+    if kind != "step" or any(b.kv_cache is not None or b.attn_mask is not None or b.context is not None
+                             for b in branches):
+        return None  # causal passes: a KV cache, a mask or clean context per request
+    fields = ("text", "cross_kv", "image", "condition", "text_mask", "pooled_text", "guidance")
+    layout = tuple(tuple(_shape_key(getattr(b, f)) for f in fields) for b in branches)
+    return (kind, _shape_key(latents), _shape_key(timestep), len(branches), first.frame_offset, layout)
+
+
+@dataclass(eq=False)  # compared by identity (its tensors have no truth value)
+class Unit:
+    """One request's transformer work for a step: its guidance branches over `latents` (rows [B, ...])."""
+
+    latents: torch.Tensor
+    timestep: torch.Tensor
+    branches: list[ModelInputs]
+    merged: ModelInputs | None
+    kind: str
+    request: RequestContext
+    key: Any
+    seq: int
+    arrived: float
+    step: Any = None  # the engine's StepInfo for this unit
+    result: list[torch.Tensor] | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+    @property
+    def videos(self) -> int:
+        return int(self.latents.shape[0])
+
+
+@dataclass
+class SchedulerStats:
+    """Counts since the scheduler was made: transformer calls, units run and how many shared a call."""
+
+    calls: int = 0
+    units: int = 0
+    batched_units: int = 0  # units that ran together with at least one other
+    largest_batch: int = 0  # most units in one call
+
+
+class StepScheduler:
+    """Runs the transformer calls of every request using one denoising engine (see the module docstring).
+
+    `run_solo(unit)` runs one unit exactly as a request alone would; `run_batch(units)` runs several compatible
+    units as one call and returns each unit's branch outputs.
+    """
+
+    def __init__(self, run_solo: Callable[[Unit], list[torch.Tensor]],
+                 run_batch: Callable[[list[Unit]], list[list[torch.Tensor]]], *, batching: bool = True,
+                 max_batch_size: int | None = None, gather_s: float = 0.05):
+        self.run_solo = run_solo
+        self.run_batch = run_batch
+        self.batching = batching
+        self.max_batch_size = max_batch_size
+        self.gather_s = gather_s
+        self.stats = SchedulerStats()
+        self._cv = threading.Condition()
+        self._pending: list[Unit] = []
+        self._in_loop: dict[int, int] = {}  # request id -> nesting depth of its denoising loops
+        self._running = False
+        self._seq = itertools.count()
+
+    # -- which requests are denoising -------------------------------------------------------------------
+    @contextmanager
+    def denoising(self, request: RequestContext) -> Iterator[None]:
+        """While a request is inside a denoising loop the runner waits for its next unit before starting a step."""
+        with self._cv:
+            self._in_loop[request.id] = self._in_loop.get(request.id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                depth = self._in_loop.pop(request.id) - 1
+                if depth:
+                    self._in_loop[request.id] = depth
+                self._cv.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Whether another request is denoising or waiting here (a lone request can skip the queue)."""
+        with self._cv:
+            return self._running or bool(self._pending) or len(self._in_loop) > 1
+
+    # -- submitting ---------------------------------------------------------------------------------------
+    def submit(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
+               merged: ModelInputs | None, kind: str, request: RequestContext, step: Any = None) -> list[torch.Tensor]:
+        """Queue this thread's unit and return its branch outputs once a call has run it."""
+        key = batch_key(latents, timestep, branches, kind) if self.batching else None
+        unit = Unit(latents, timestep, branches, merged, kind, request, key, next(self._seq), time.monotonic(), step)
+        with self._cv:
+            self._pending.append(unit)
+            self._cv.notify_all()
+            while not unit.done:
+                wait = self._wait_before_running()
+                if wait == 0.0:
+                    self._run_one_iteration()
+                else:
+                    self._cv.wait(timeout=wait)
+        if unit.error is not None:
+            raise unit.error
+        assert unit.result is not None
+        return unit.result
+
+    def _wait_before_running(self) -> float | None:
+        """0: this thread should run an iteration now; else how long to wait (None: until notified)."""
+        if self._running or not self._pending:
+            return None
+        waiting = {u.request.id for u in self._pending}
+        if all(rid in waiting for rid in self._in_loop):
+            return 0.0
+        oldest = min(u.arrived for u in self._pending)
+        left = self.gather_s - (time.monotonic() - oldest)
+        return 0.0 if left <= 0 else left
+
+    def _pick(self) -> list[Unit]:
+        first = min(self._pending, key=lambda u: (-u.request.priority, u.seq))
+        chosen = [first]
+        if first.key is not None:
+            budget = self.max_batch_size
+            videos = first.videos
+            for unit in sorted(self._pending, key=lambda u: (-u.request.priority, u.seq)):
+                if unit is first or unit.key != first.key:
+                    continue
+                if budget is not None and videos + unit.videos > budget:
+                    continue
+                chosen.append(unit)
+                videos += unit.videos
+        taken = {id(u) for u in chosen}
+        self._pending = [u for u in self._pending if id(u) not in taken]
+        return chosen
+
+    def _run_one_iteration(self) -> None:
+        """Called with the lock held: take one batch, run it without the lock, hand out the results."""
+        units = self._pick()
+        self._running = True
+        self._cv.release()
+        try:
+            try:
+                if len(units) == 1:
+                    results = [self.run_solo(units[0])]
+                else:
+                    results = self.run_batch(units)
+                for unit, result in zip(units, results):
+                    unit.result = result
+            except BaseException as exc:  # noqa: BLE001 - every unit of the failed call gets the error
+                for unit in units:
+                    unit.error = exc
+        finally:
+            self._cv.acquire()
+            self._running = False
+            for unit in units:
+                unit.done = True
+            self.stats.calls += 1
+            self.stats.units += len(units)
+            if len(units) > 1:
+                self.stats.batched_units += len(units)
+            self.stats.largest_batch = max(self.stats.largest_batch, len(units))
+            self._cv.notify_all()
+
+
+def batched_branches(units: list[Unit]) -> tuple[torch.Tensor, torch.Tensor, ModelInputs, list[int]]:
+    """The units' rows as one call: latents and timesteps stacked branch by branch within each unit (what a
+    unit's own batched-CFG call stacks), the conditioning batched the same way, and each unit's row count."""
+    latents, timesteps, inputs, rows = [], [], [], []
+    for unit in units:
+        n = len(unit.branches)
+        latents += [unit.latents] * n
+        timesteps += [unit.timestep] * n
+        inputs += unit.branches
+        rows.append(unit.latents.shape[0] * n)
+    return torch.cat(latents), torch.cat(timesteps), ModelInputs.batched(inputs), rows

@@ -1,0 +1,215 @@
+"""Many requests on one generator (docs/scheduling.md): threads calling generate_video / stream_video at once have
+their steps scheduled together; compatible steps share one transformer call; each video equals its solo run;
+priorities pick the next step; a cancelled request leaves the others exact; modes that keep per-request state run
+requests one at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from composer import VideoGenerator
+from composer.cancel import CancelToken
+from composer.engine.inputs import ModelInputs
+from composer.engine.scheduler import RequestContext, StepScheduler
+from composer.errors import Cancelled, InvalidInputError
+
+REQUEST = dict(prompt="a red circle moving left", num_inference_steps=8)
+
+
+def run_threads(fn, args_list):
+    results, errors = {}, {}
+
+    def target(key, *args):
+        try:
+            results[key] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors[key] = exc
+
+    threads = [threading.Thread(target=target, args=(a[0], *a)) for a in args_list]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return results, errors
+
+
+class CallCounter:
+    def __init__(self, module: torch.nn.Module):
+        self.calls = 0
+        self.rows = []
+        module.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        self.calls += 1
+        self.rows.append(int(args[0].shape[0]))
+
+
+@pytest.fixture(scope="module")
+def t2v(one_thread):
+    gen = VideoGenerator.from_pretrained(None, progress=False)
+    return gen, CallCounter(gen.pipeline.modules["transformer"])
+
+
+def assert_same_video(got, solo):
+    assert got.frames.shape == solo.frames.shape
+    assert np.abs(got.frames.astype(np.int16) - solo.frames.astype(np.int16)).max() <= 1
+    scale = max(1.0, solo.latents.abs().max().item())
+    assert (got.latents - solo.latents).abs().max().item() <= 1e-5 * scale
+
+
+def test_concurrent_videos_equal_their_solo_runs_with_fewer_transformer_calls(t2v):
+    gen, counter = t2v
+    seeds = (11, 12, 13)
+    counter.calls = 0
+    solo = {s: gen.generate_video(seed=s, **REQUEST) for s in seeds}
+    solo_calls = counter.calls
+    counter.calls, counter.rows = 0, []
+    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(s,) for s in seeds])
+    assert not errors, errors
+    for s in seeds:
+        assert_same_video(results[s], solo[s])
+    assert counter.calls < solo_calls  # steps shared calls
+    assert max(counter.rows) > 2  # more than one request's CFG pair in a call
+
+
+def test_mixed_sizes_run_side_by_side_and_stay_exact(t2v):
+    gen, counter = t2v
+    sizes = {"a": dict(height=64, width=64, num_frames=17), "b": dict(height=48, width=64, num_frames=9),
+             "c": dict(height=64, width=64, num_frames=17)}
+    solo = {k: gen.generate_video(seed=5, **REQUEST, **v) for k, v in sizes.items()}
+    counter.rows = []
+    results, errors = run_threads(lambda k: gen.generate_video(seed=5, **REQUEST, **sizes[k]), [(k,) for k in sizes])
+    assert not errors, errors
+    for k in sizes:
+        assert_same_video(results[k], solo[k])
+
+
+def test_a_cancelled_request_leaves_the_others_exact(t2v):
+    gen, _ = t2v
+    solo = {s: gen.generate_video(seed=s, **REQUEST) for s in (21, 22)}
+    token = CancelToken()
+    threading.Timer(0.05, token.cancel).start()
+
+    def run(key):
+        if key == "cancelled":
+            return gen.generate_video(seed=23, cancel=token, **{**REQUEST, "num_inference_steps": 400})
+        return gen.generate_video(seed=key, **REQUEST)
+
+    results, errors = run_threads(run, [("cancelled",), (21,), (22,)])
+    assert isinstance(errors.get("cancelled"), Cancelled), errors
+    assert set(results) == {21, 22}
+    for s in (21, 22):
+        assert_same_video(results[s], solo[s])
+
+
+def test_a_high_priority_request_started_later_finishes_first(t2v):
+    gen, _ = t2v
+    long_request = dict(REQUEST, num_inference_steps=60, height=48, width=48)
+    short_request = dict(REQUEST, num_inference_steps=4)  # another size: never in the same call
+    solo = gen.generate_video(seed=3, **long_request)
+    finished = []
+    started = threading.Event()
+    scheduler = gen.pipeline.engines[0].scheduler
+    calls_before = scheduler.stats.calls
+
+    def run(key):
+        if key == "low":
+            result = gen.generate_video(seed=3, **long_request)
+        else:
+            started.wait(60)
+            result = gen.generate_video(seed=4, priority=10, **short_request)
+        finished.append(key)
+        return result
+
+    def start_when_the_low_one_runs():
+        while scheduler.stats.calls < calls_before + 3:
+            time.sleep(0.001)
+        started.set()
+
+    threading.Thread(target=start_when_the_low_one_runs).start()
+    results, errors = run_threads(run, [("low",), ("high",)])
+    assert not errors, errors
+    assert finished == ["high", "low"]
+    assert_same_video(results["low"], solo)
+
+
+def test_max_batch_size_bounds_the_videos_in_a_call(tmp_path, one_thread):
+    gen = VideoGenerator.from_pretrained(None, progress=False, max_batch_size=1)
+    counter = CallCounter(gen.pipeline.modules["transformer"])
+    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(s,) for s in (1, 2)])
+    assert not errors, errors
+    assert max(counter.rows) == 2  # one video's CFG pair per call
+    assert gen.pipeline.engines[0].scheduler.stats.largest_batch == 1
+
+
+def test_concurrent_streams_equal_their_solo_streams(one_thread):
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    prompts = ["a red circle moving left", "a blue square moving right", "a green triangle moving up"]
+
+    def stream(i):
+        s = gen.stream_video(prompts[i], seed=i, num_frames=17)
+        return np.concatenate([c.frames for c in s])
+
+    solo = {i: stream(i) for i in range(3)}
+    results, errors = run_threads(stream, [(i,) for i in range(3)])
+    assert not errors, errors
+    for i in range(3):
+        assert np.array_equal(results[i], solo[i])  # causal passes run one request per call: bit-identical
+    whole, errors = run_threads(lambda i: gen.generate_video(prompts[i], seed=i, num_frames=17).frames,
+                                [(0,), (1,)])  # a stream and whole videos at once
+    assert not errors and np.array_equal(whole[0], solo[0]) and np.array_equal(whole[1], solo[1])
+
+
+def test_a_step_cache_runs_requests_one_at_a_time(one_thread):
+    gen = VideoGenerator.from_pretrained(None, progress=False, cache="teacache")
+    assert gen.pipeline.concurrency == "serial" and gen.pipeline.engines[0].scheduler is None
+    solo = {s: gen.generate_video(seed=s, **REQUEST) for s in (1, 2)}
+    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(1,), (2,)])
+    assert not errors, errors
+    for s in (1, 2):
+        assert np.array_equal(results[s].frames, solo[s].frames)
+
+
+def test_priority_must_be_an_integer(t2v):
+    gen, _ = t2v
+    for bad in ("high", 1.5, True):
+        with pytest.raises(InvalidInputError, match="priority"):
+            gen.generate_video(priority=bad, **REQUEST)
+
+
+def test_the_scheduler_picks_by_priority_then_arrival_and_batches_only_compatible_units():
+    order = []
+
+    def solo(unit):
+        order.append([unit.request.priority])
+        return [unit.latents]
+
+    def batch(units):
+        order.append([u.request.priority for u in units])
+        return [[u.latents] for u in units]
+
+    scheduler = StepScheduler(solo, batch, gather_s=0.2)
+    text = ModelInputs(text=torch.zeros(1, 3, 4))
+    gate = threading.Barrier(4)
+
+    def submit(priority, shape):
+        gate.wait()
+        time.sleep(0.01 * priority)  # arrive in a known order
+        scheduler.submit(torch.zeros(shape), torch.zeros(1), [text], None, "step", RequestContext(priority=priority))
+
+    args = [(0, (1, 2)), (1, (1, 3)), (2, (1, 2))]  # priorities 0 and 2 are compatible, 1 is not
+    threads = [threading.Thread(target=submit, args=a) for a in args]
+    ctx = RequestContext()
+    with scheduler.denoising(ctx):  # a fourth request in its loop, not submitting: the gather window runs out
+        for t in threads:
+            t.start()
+        gate.wait()
+        for t in threads:
+            t.join()
+    assert order == [[2, 0], [1]]
+    assert scheduler.stats.batched_units == 2 and scheduler.stats.largest_batch == 2
