@@ -1,0 +1,196 @@
+"""Concurrent requests on one generator through the step scheduler, against the same requests run one after another.
+
+For each concurrency level N (default 1, 2, 4, 8) and each kind of traffic:
+- t2v: N text-to-video requests (different seeds) on a text-to-video model;
+- stream: N causal streams (`stream_video`, different prompts) on a causal model;
+the same N requests run first one after another on the calling thread, then at once from N threads. Reported:
+aggregate frames per second of both and their ratio (> 1: concurrency pays), transformer calls of both (a forward
+hook counts them), the share of units that shared a call, the requests' latency p50 / p99, and for streams the
+per-stream frame rate and the block latency p50 / p99 (a block: time between a stream's chunks). Each concurrent
+video is checked against its sequential twin (uint8 <= 1; the script exits 1 otherwise).
+
+    python benchmarks/concurrency.py                               # shapes models, CPU
+    python benchmarks/concurrency.py --levels 1,4 --kinds t2v --steps 4
+    python benchmarks/concurrency.py --t2v-model mid               # a random mid-size Wan (8 layers, 512 wide)
+    python benchmarks/concurrency.py --device cuda --dtype bf16 --t2v-model mid --levels 1,2,4,8,16
+
+Figures in docs/scheduling.md. On a 2-core CPU a tiny model's step is mostly Python and kernel-launch overhead, which
+batching shares; a large model on a GPU gains when one request's step does not fill the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from composer import VideoGenerator  # noqa: E402
+
+PROMPTS = ["a red circle moving left", "a blue square moving right", "a green triangle moving up",
+           "a yellow circle moving down", "a red square moving up", "a blue triangle moving left",
+           "a green circle moving right", "a yellow square moving down"]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+class Counter:
+    def __init__(self, gen):
+        self.calls = 0
+        for module in gen.pipeline.denoisers().values():
+            module.register_forward_pre_hook(self._hit)
+
+    def _hit(self, module, args):
+        self.calls += 1
+
+
+def scheduler_units(gen) -> tuple[int, int]:
+    units = batched = 0
+    for engine in gen.pipeline.engines:
+        if engine.scheduler is not None:
+            units += engine.scheduler.stats.units
+            batched += engine.scheduler.stats.batched_units
+    return units, batched
+
+
+def one_t2v(gen, i: int, args) -> dict:
+    start = time.perf_counter()
+    result = gen.generate_video(PROMPTS[i % len(PROMPTS)], seed=i, num_inference_steps=args.steps,
+                                num_frames=args.num_frames)
+    return {"frames": result.frames, "seconds": time.perf_counter() - start, "blocks": []}
+
+
+def one_stream(gen, i: int, args) -> dict:
+    start = time.perf_counter()
+    last, blocks, chunks = start, [], []
+    for chunk in gen.stream_video(PROMPTS[i % len(PROMPTS)], seed=i, num_frames=args.stream_frames):
+        now = time.perf_counter()
+        blocks.append(now - last)
+        last = now
+        chunks.append(chunk.frames)
+    return {"frames": np.concatenate(chunks), "seconds": time.perf_counter() - start, "blocks": blocks}
+
+
+def run_level(gen, counter, kind: str, n: int, args) -> dict:
+    fn = one_t2v if kind == "t2v" else one_stream
+    counter.calls = 0
+    start = time.perf_counter()
+    sequential = [fn(gen, i, args) for i in range(n)]
+    seq_s, seq_calls = time.perf_counter() - start, counter.calls
+
+    counter.calls = 0
+    units0, batched0 = scheduler_units(gen)
+    results: dict[int, dict] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            results[i] = fn(gen, i, args)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    conc_s, conc_calls = time.perf_counter() - start, counter.calls
+    if errors:
+        raise errors[0]
+    units1, batched1 = scheduler_units(gen)
+    frames = sum(len(r["frames"]) for r in sequential)
+    worst = max(int(np.abs(results[i]["frames"].astype(np.int16) - sequential[i]["frames"].astype(np.int16)).max())
+                for i in range(n))
+    blocks = [b for r in results.values() for b in r["blocks"][1:]]  # after each stream's first chunk
+    return {
+        "kind": kind, "n": n, "frames": frames,
+        "sequential_s": seq_s, "concurrent_s": conc_s,
+        "sequential_fps": frames / seq_s, "concurrent_fps": frames / conc_s, "speedup": seq_s / conc_s,
+        "sequential_calls": seq_calls, "concurrent_calls": conc_calls,
+        "shared_call_share": (batched1 - batched0) / max(units1 - units0, 1),
+        "latency_p50_s": percentile([r["seconds"] for r in results.values()], 0.5),
+        "latency_p99_s": percentile([r["seconds"] for r in results.values()], 0.99),
+        "per_stream_fps": statistics.mean(len(r["frames"]) / r["seconds"] for r in results.values()),
+        "block_p50_s": percentile(blocks, 0.5), "block_p99_s": percentile(blocks, 0.99),
+        "max_uint8_diff": worst,
+    }
+
+
+def build_mid(folder: Path) -> Path:
+    from composer.testing import build_tiny_wan
+
+    return build_tiny_wan(folder / "mid", num_layers=8, num_heads=8, head_dim=64, ffn_dim=2048, text_dim=64,
+                          text_heads=4, text_ff=128)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--levels", default="1,2,4,8", help="concurrency levels (comma-separated)")
+    p.add_argument("--kinds", default="t2v,stream", help="t2v, stream or both")
+    p.add_argument("--t2v-model", default="shapes-t2v", help="a model folder / name, or 'mid' (a random mid-size Wan)")
+    p.add_argument("--stream-model", default="shapes-causal", help="a causal model folder / name")
+    p.add_argument("--steps", type=int, default=8, help="denoising steps of a t2v request")
+    p.add_argument("--num-frames", type=int, default=17)
+    p.add_argument("--stream-frames", type=int, default=33)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", default=None, help="write the rows to this file")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runtime = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v}
+    levels = [int(x) for x in args.levels.split(",")]
+    kinds = [k.strip() for k in args.kinds.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in kinds:
+            path = args.t2v_model if kind == "t2v" else args.stream_model
+            if kind == "t2v" and path == "mid":
+                path = str(build_mid(Path(tmp)))
+            gen = VideoGenerator.from_pretrained(path, progress=False, **runtime)
+            counter = Counter(gen)
+            (one_t2v if kind == "t2v" else one_stream)(gen, 0, args)  # warmup
+            print(f"{kind}: {path} ({gen.pipeline.concurrency} mode), torch threads {torch.get_num_threads()}",
+                  flush=True)
+            for n in levels:
+                row = run_level(gen, counter, kind, n, args)
+                rows.append(row)
+                print(f"  N={n}: {row['sequential_fps']:.1f} -> {row['concurrent_fps']:.1f} frames/s "
+                      f"({row['speedup']:.2f}x), calls {row['sequential_calls']} -> {row['concurrent_calls']}, "
+                      f"shared {row['shared_call_share']:.0%}, latency p50 {row['latency_p50_s']:.2f} s "
+                      f"p99 {row['latency_p99_s']:.2f} s"
+                      + (f", per stream {row['per_stream_fps']:.1f} frames/s, block p50 {row['block_p50_s']*1e3:.0f} "
+                         f"ms p99 {row['block_p99_s']*1e3:.0f} ms" if kind == "stream" else "")
+                      + f", max uint8 diff {row['max_uint8_diff']}", flush=True)
+    print("\n| traffic | N | sequential frames/s | concurrent frames/s | ratio | transformer calls (seq -> conc) | "
+          "latency p50 / p99 | max uint8 diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['kind']} | {r['n']} | {r['sequential_fps']:.1f} | {r['concurrent_fps']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['sequential_calls']} -> {r['concurrent_calls']} | {r['latency_p50_s']:.2f} / "
+              f"{r['latency_p99_s']:.2f} s | {r['max_uint8_diff']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["max_uint8_diff"] <= 1 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
