@@ -1,5 +1,5 @@
 """KV cache management for causal (block-autoregressive) generation."""
 
-from composer.cache.kv_cache import KVCache, KVCacheSpec
+from composer.cache.kv_cache import KVCache, KVCacheGroup, KVCacheSpec
 
-__all__ = ["KVCache", "KVCacheSpec"]
+__all__ = ["KVCache", "KVCacheGroup", "KVCacheSpec"]

@@ -210,3 +210,48 @@ class KVCache:
             k_all = k_all.to(self.device, non_blocking=True)
             v_all = v_all.to(self.device, non_blocking=True)
         return k_all, v_all
+
+
+class KVCacheGroup:
+    """Several requests' KV caches as one batch for a transformer call (the step scheduler batches causal passes):
+    rows in cache order, each cache writing its own rows into its own slots. The caches must show the same frames
+    for the pass (same layout, same end: `KVCacheGroup.signature`), so their visible keys stack along the batch."""
+
+    def __init__(self, caches: list[KVCache]):
+        self.caches = caches
+        self.rows = [c.spec.batch_size for c in caches]
+
+    @staticmethod
+    def signature(cache: KVCache, start: int, num_frames: int) -> tuple:
+        """What must be equal for two caches' passes over [start, start + num_frames) to share a call."""
+        s = cache.spec
+        end = start + num_frames
+        return (s.window_frames, s.sink_frames, s.tokens_per_frame, s.num_heads, s.head_dim, s.num_layers,
+                min(end, s.slots), cache.dtype, str(cache.device), cache.offload)
+
+    @contextmanager
+    def pass_over(self, start: int, num_frames: int) -> Iterator[KVCacheGroup]:
+        """Every cache's `pass_over`: all of them finish, or (the call raised) all of them abort."""
+        from contextlib import ExitStack
+
+        with ExitStack() as stack:
+            for cache in self.caches:
+                stack.enter_context(cache.pass_over(start, num_frames))
+            yield self
+
+    def layer(self, index: int) -> _GroupLayerHandle:
+        return _GroupLayerHandle(self, index)
+
+
+class _GroupLayerHandle:
+    __slots__ = ("group", "index")
+
+    def __init__(self, group: KVCacheGroup, index: int):
+        self.group = group
+        self.index = index
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.group.rows
+        seen = [cache._write_and_read(self.index, kp, vp)
+                for cache, kp, vp in zip(self.group.caches, k.split(rows), v.split(rows))]
+        return torch.cat([s[0] for s in seen]), torch.cat([s[1] for s in seen])

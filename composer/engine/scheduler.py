@@ -5,8 +5,8 @@ engine's scheduler as a *unit* (one step's guidance branches, or a causal contex
 result. Whichever waiting thread finds no call running becomes the runner for one iteration:
 
     pick      the pending unit with the highest priority (then the oldest), and every other pending unit whose
-              call is compatible with it (same kind, latent shape, dtype, conditioning layout; no KV cache),
-              up to `max_batch_size` videos
+              call is compatible with it (same kind, latent shape, dtype, conditioning layout; causal passes:
+              KV caches showing the same frames), up to `max_batch_size` videos
     run       one transformer call over all their rows (each row its own timestep and text K/V), or the unit's
               own call when it is alone: exactly what a solo request runs
     hand out  each unit its rows; guidance is combined by each request with its own scale
@@ -104,12 +104,18 @@ def _shape_key(value: Any) -> Any:
 def batch_key(latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs], kind: str) -> Any:
     """Units with equal keys can share one transformer call (None: this unit always runs alone)."""
     first = branches[0]
-    if kind != "step" or any(b.kv_cache is not None or b.attn_mask is not None or b.context is not None
-                             for b in branches):
-        return None  # causal passes: a KV cache, a mask or clean context per request
+    if any(b.attn_mask is not None or b.context is not None for b in branches):
+        return None  # the uncached causal reference: a mask and clean context frames of its own
+    cache = None
+    if first.kv_cache is not None:
+        from composer.cache.kv_cache import KVCache, KVCacheGroup
+
+        if not isinstance(first.kv_cache, KVCache) or any(b.kv_cache is not first.kv_cache for b in branches):
+            return None  # branches with caches of their own (sequential CFG) or a cache we do not know
+        cache = KVCacheGroup.signature(first.kv_cache, first.frame_offset, latents.shape[2])
     fields = ("text", "cross_kv", "image", "condition", "text_mask", "pooled_text", "guidance")
     layout = tuple(tuple(_shape_key(getattr(b, f)) for f in fields) for b in branches)
-    return (kind, _shape_key(latents), _shape_key(timestep), len(branches), first.frame_offset, layout)
+    return (kind, _shape_key(latents), _shape_key(timestep), len(branches), first.frame_offset, cache, layout)
 
 
 @dataclass(eq=False)  # compared by identity (its tensors have no truth value)
@@ -267,12 +273,22 @@ class StepScheduler:
 
 def batched_branches(units: list[Unit]) -> tuple[torch.Tensor, torch.Tensor, ModelInputs, list[int]]:
     """The units' rows as one call: latents and timesteps stacked branch by branch within each unit (what a
-    unit's own batched-CFG call stacks), the conditioning batched the same way, and each unit's row count."""
-    latents, timesteps, inputs, rows = [], [], [], []
+    unit's own batched-CFG call stacks), the conditioning batched the same way (causal units: their KV caches as
+    one KVCacheGroup, each cache keeping its own rows), and each unit's row count."""
+    import dataclasses
+
+    latents, timesteps, rows = [], [], []
     for unit in units:
         n = len(unit.branches)
         latents += [unit.latents] * n
         timesteps += [unit.timestep] * n
-        inputs += unit.branches
         rows.append(unit.latents.shape[0] * n)
-    return torch.cat(latents), torch.cat(timesteps), ModelInputs.batched(inputs), rows
+    if units[0].branches[0].kv_cache is None:
+        merged = ModelInputs.batched([b for u in units for b in u.branches])
+    else:
+        from composer.cache.kv_cache import KVCacheGroup
+
+        per_unit = [u.merged if u.merged is not None else ModelInputs.batched(u.branches) for u in units]
+        merged = ModelInputs.batched([dataclasses.replace(m, kv_cache=None) for m in per_unit])
+        merged = dataclasses.replace(merged, kv_cache=KVCacheGroup([m.kv_cache for m in per_unit]))
+    return torch.cat(latents), torch.cat(timesteps), merged, rows
