@@ -12,7 +12,8 @@ video is checked against its sequential twin (uint8 <= 1; the script exits 1 oth
     python benchmarks/concurrency.py                               # shapes models, CPU
     python benchmarks/concurrency.py --levels 1,4 --kinds t2v --steps 4
     python benchmarks/concurrency.py --t2v-model mid               # a random mid-size Wan (8 layers, 512 wide)
-    python benchmarks/concurrency.py --device cuda --dtype bf16 --t2v-model mid --levels 1,2,4,8,16
+    python benchmarks/concurrency.py --device cuda --dtype bf16 --t2v-model wan1.3b --kinds t2v --steps 4 \
+        --height 480 --width 832 --num-frames 17
 
 Figures in docs/scheduling.md. On a 2-core CPU a tiny model's step is mostly Python and kernel-launch overhead, which
 batching shares; a large model on a GPU gains when one request's step does not fill the device.
@@ -71,8 +72,9 @@ def scheduler_units(gen) -> tuple[int, int]:
 
 def one_t2v(gen, i: int, args) -> dict:
     start = time.perf_counter()
+    size = {k: v for k, v in (("height", args.height), ("width", args.width)) if v}
     result = gen.generate_video(PROMPTS[i % len(PROMPTS)], seed=i, num_inference_steps=args.steps,
-                                num_frames=args.num_frames)
+                                num_frames=args.num_frames, **size)
     return {"frames": result.frames, "seconds": time.perf_counter() - start, "blocks": []}
 
 
@@ -144,10 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--levels", default="1,2,4,8", help="concurrency levels (comma-separated)")
     p.add_argument("--kinds", default="t2v,stream", help="t2v, stream or both")
-    p.add_argument("--t2v-model", default="shapes-t2v", help="a model folder / name, or 'mid' (a random mid-size Wan)")
+    p.add_argument("--t2v-model", default="shapes-t2v",
+                   help="a model folder / name, 'mid' (a random mid-size Wan) or 'wan1.3b' (Wan2.1-T2V-1.3B's released\n"
+                        "transformer and VAE, random weights, a 2-layer UMT5 of the released width: for a GPU)")
     p.add_argument("--stream-model", default="shapes-causal", help="a causal model folder / name")
     p.add_argument("--steps", type=int, default=8, help="denoising steps of a t2v request")
     p.add_argument("--num-frames", type=int, default=17)
+    p.add_argument("--height", type=int, default=None, help="t2v video height (default: the model's)")
+    p.add_argument("--width", type=int, default=None)
     p.add_argument("--stream-frames", type=int, default=33)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
@@ -165,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             path = args.t2v_model if kind == "t2v" else args.stream_model
             if kind == "t2v" and path == "mid":
                 path = str(build_mid(Path(tmp)))
+            elif kind == "t2v" and path == "wan1.3b":
+                from benchmarks.gpu_suite import build_e2e_folder
+
+                path = str(build_e2e_folder(Path(tmp) / "wan13b", tiny=False))
             gen = VideoGenerator.from_pretrained(path, progress=False, **runtime)
             counter = Counter(gen)
             (one_t2v if kind == "t2v" else one_stream)(gen, 0, args)  # warmup

@@ -21,6 +21,8 @@ Parts (sizes as on the GPU; `--tiny` shrinks the models and videos, same code):
 - quant-1.3b: weight-only int8 and fp8 (torchao) DiT forward against bf16, and the output difference.
 - offload-1.3b: layerwise offload (blocks streamed from pinned host memory, one block ahead) vs resident.
 - sparse: the sliding_window attention backend at the 1.3B's 480p token grid (benchmarks/sparse_attention.py).
+- concurrency: N concurrent requests through the step scheduler against the same N one after another
+  (benchmarks/concurrency.py): the 1.3B model at 480x832, 17 frames, 4 steps, and the shapes models' t2v and streams.
 
 Speed does not depend on the weights' values: random weights give the same seconds as a real checkpoint. Quality
 figures (PSNR, differences) of approximate paths on random weights say little; docs/ quote them as such.
@@ -68,6 +70,7 @@ PARTS: dict[str, tuple[int, str]] = {
     "quant-1.3b": (90, "weight-only int8 / fp8 DiT forward vs the runtime dtype, 480p"),
     "compile-1.3b": (150, "regional compile: cold start and steady DiT forward, 480p"),
     "sparse": (90, "sliding_window attention at the 480p token grid (21x30x52, 12 heads x 128)"),
+    "concurrency": (180, "1, 2, 4, 8 concurrent requests through the step scheduler vs one after another"),
 }
 
 
@@ -421,6 +424,25 @@ def part_sparse(args) -> dict:
     return {"report": res.stdout[-4000:]}
 
 
+def part_concurrency(args) -> dict:
+    script = str(REPO_ROOT / "benchmarks" / "concurrency.py")
+    runs = []
+    if args.tiny:
+        runs.append(["--levels", "1,2", "--kinds", "t2v,stream", "--steps", "2", "--stream-frames", "17"])
+    else:
+        runs.append(["--t2v-model", "wan1.3b", "--kinds", "t2v", "--levels", "1,2,4,8", "--steps", "4",
+                     "--height", "480", "--width", "832", "--num-frames", "17"])
+        runs.append(["--kinds", "t2v,stream", "--levels", "1,2,4,8"])  # the shapes models: launch-bound steps
+    reports = []
+    for extra in runs:
+        cmd = [sys.executable, script, "--device", args.device, "--dtype", args.dtype, *extra]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS["concurrency"][0] * args.budget_scale)
+        if res.returncode:
+            raise RuntimeError(f"concurrency.py exited {res.returncode}: {(res.stderr or res.stdout)[-2000:]}")
+        reports.append(res.stdout[-3000:])
+    return {"report": "\n".join(reports)}
+
+
 PART_FUNCS = {
     "dit-1.3b": lambda a: part_dit(a, "1.3b"),
     "dit-14b": lambda a: part_dit(a, "14b"),
@@ -429,6 +451,7 @@ PART_FUNCS = {
     "quant-1.3b": part_quant,
     "offload-1.3b": part_offload,
     "sparse": part_sparse,
+    "concurrency": part_concurrency,
 }
 
 
@@ -511,8 +534,8 @@ def summary_rows(name: str, r: dict) -> list[str]:
                 f"{fmt(r.get('layerwise_allocated_gib', r.get('layerwise_peak_gib')), ' GiB')} vs "
                 f"{fmt(r.get('resident_allocated_gib', r.get('resident_peak_gib')), ' GiB')}; max abs diff "
                 f"{r['max_abs_diff']:.1e} |"]
-    if name == "sparse":
-        return [f"| {name} | see the report in gpu_suite.json | - | - | - | |"]
+    if name in ("sparse", "concurrency"):
+        return [f"| {name} | see its report below | - | - | - | |"]
     return [f"| {name} | {json.dumps(r)[:200]} | | | | |"]
 
 

@@ -381,6 +381,29 @@ class VideoGenerator:
             batch.get(CausalPlan).ends_segment = ends_segment
         return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)
 
+    async def agenerate_video(self, prompt: str | list[str] | None = None, **kwargs: Any
+                              ) -> GenerationResult | list[GenerationResult]:
+        """`generate_video` for asyncio code (a server's handlers): runs on a worker thread, so the event loop stays
+        free and concurrent awaits are scheduled together like concurrent threads."""
+        import asyncio
+
+        return await asyncio.to_thread(self.generate_video, prompt, **kwargs)
+
+    async def astream_video(self, prompts: str | Iterable[tuple[str, int]] | None = None, **kwargs: Any):
+        """`stream_video` for asyncio code: an async iterator of VideoChunk, each block made on a worker thread."""
+        import asyncio
+
+        stream = await asyncio.to_thread(self.stream_video, prompts, **kwargs)
+        chunks = iter(stream)
+        done = object()
+        try:
+            while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+                yield chunk
+        finally:
+            close = getattr(stream._chunks, "close", None)
+            if close is not None:
+                await asyncio.to_thread(close)
+
     def _new_batch(self, sp: SamplingParam, videos: VideoRequests | None = None,
                    cancel: CancelToken | None = None, priority: int = 0) -> ForwardBatch:
         self._warn_ignored_settings(sp)

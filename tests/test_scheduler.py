@@ -242,3 +242,28 @@ def test_the_scheduler_picks_by_priority_then_arrival_and_batches_only_compatibl
             t.join()
     assert order == [[2, 0], [1]]
     assert scheduler.stats.batched_units == 2 and scheduler.stats.largest_batch == 2
+
+
+def test_the_asyncio_forms_are_scheduled_together(t2v, one_thread):
+    import asyncio
+
+    gen, _ = t2v
+    solo = {s: gen.generate_video(seed=s, **REQUEST) for s in (31, 32)}
+
+    async def main():
+        return await asyncio.gather(*(gen.agenerate_video(seed=s, **REQUEST) for s in (31, 32)))
+
+    for s, got in zip((31, 32), asyncio.run(main())):
+        assert_same_video(got, solo[s])
+
+
+def test_astream_video_yields_the_stream_chunks(one_thread):
+    import asyncio
+
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    solo = np.concatenate([c.frames for c in gen.stream_video("a red circle moving left", seed=0, num_frames=17)])
+
+    async def main():
+        return [c.frames async for c in gen.astream_video("a red circle moving left", seed=0, num_frames=17)]
+
+    assert np.array_equal(np.concatenate(asyncio.run(main())), solo)
