@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from composer.registry.pipelines import get_pipeline_class
 from composer.request_check import ModelLimits, check_request
 from composer.runtime import RuntimeArgs
 from composer.video import save_video
+
+if TYPE_CHECKING:
+    from composer.session import Session
 
 logger = get_logger(__name__)
 
@@ -380,6 +383,19 @@ class VideoGenerator:
 
             batch.get(CausalPlan).ends_segment = ends_segment
         return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)
+
+    def open_session(self, *, seed: int | None = None, **kwargs: Any) -> Session:
+        """A causal video that lives across calls: `session.extend(prompt, num_blocks)` yields the next blocks'
+        chunks, continuing the same video (`composer/session.py`). `kwargs`: stream_video's (sampling fields,
+        keep_video, cancel, priority). open_session(seed=s) + extend(p0, a) + extend(p1, b) gives the frames of
+        stream_video([(p0, a), (p1, b)], seed=s)."""
+        from composer.session import Session
+
+        if not self.pipeline.can_stream:
+            raise UnsupportedError(f"{type(self.pipeline).__name__} makes whole videos; sessions need a causal model")
+        if seed is None:
+            seed = parallel_state.random_seed()
+        return Session(self, {"seed": seed, **kwargs})
 
     async def agenerate_video(self, prompt: str | list[str] | None = None, **kwargs: Any
                               ) -> GenerationResult | list[GenerationResult]:

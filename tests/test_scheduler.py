@@ -267,3 +267,19 @@ def test_astream_video_yields_the_stream_chunks(one_thread):
         return [c.frames async for c in gen.astream_video("a red circle moving left", seed=0, num_frames=17)]
 
     assert np.array_equal(np.concatenate(asyncio.run(main())), solo)
+
+
+def test_a_session_extended_twice_is_the_stream_of_both_segments(one_thread):
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    p0, p1 = "a red circle moving left", "a blue square moving up"
+    stream = np.concatenate([c.frames for c in gen.stream_video([(p0, 2), (p1, 3)], seed=7)])
+    with gen.open_session(seed=7) as session:
+        first = [c.frames for c in session.extend(p0, 2)]
+        second = [c.frames for c in session.extend(p1, 3)]
+        assert session.blocks == 5
+        assert np.array_equal(session.frames, stream)
+    assert np.array_equal(np.concatenate(first + second), stream)
+    with pytest.raises(InvalidInputError, match="closed"):
+        session.extend(p0, 1)
+    with gen.open_session(seed=7) as other, pytest.raises(InvalidInputError, match="num_blocks"):
+        other.extend(p0, 0)
