@@ -3,7 +3,7 @@
 For each concurrency level N (default 1, 2, 4, 8) and each kind of traffic:
 - t2v: N text-to-video requests (different seeds) on a text-to-video model;
 - stream: N causal streams (`stream_video`, different prompts) on a causal model;
-the same N requests run first one after another on the calling thread, then at once from N threads. Reported:
+the same N requests run first one after another on one worker thread, then at once from N threads. Reported:
 aggregate frames per second of both and their ratio (> 1: concurrency pays), transformer calls of both (a forward
 hook counts them), the share of units that shared a call, the requests' latency p50 / p99, and for streams the
 per-stream frame rate and the block latency p50 / p99 (a block: time between a stream's chunks). Each concurrent
@@ -91,9 +91,14 @@ def one_stream(gen, i: int, args) -> dict:
 
 def run_level(gen, counter, kind: str, n: int, args) -> dict:
     fn = one_t2v if kind == "t2v" else one_stream
+    # The baseline runs on a worker thread too (as a server's one worker would): torch's CPU thread pools belong to
+    # the calling thread, and a new thread's first parallel regions compete with the main thread's idle ones.
     counter.calls = 0
+    sequential: list[dict] = []
+    baseline = threading.Thread(target=lambda: sequential.extend(fn(gen, i, args) for i in range(n)))
     start = time.perf_counter()
-    sequential = [fn(gen, i, args) for i in range(n)]
+    baseline.start()
+    baseline.join()
     seq_s, seq_calls = time.perf_counter() - start, counter.calls
 
     counter.calls = 0

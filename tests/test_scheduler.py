@@ -283,3 +283,50 @@ def test_a_session_extended_twice_is_the_stream_of_both_segments(one_thread):
         session.extend(p0, 1)
     with gen.open_session(seed=7) as other, pytest.raises(InvalidInputError, match="num_blocks"):
         other.extend(p0, 0)
+
+
+def test_concurrent_decodes_share_one_vae_call(one_thread):
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    prompts = ["a red circle moving left", "a blue square moving right"]
+
+    def stream(i):
+        return np.concatenate([c.frames for c in gen.stream_video(prompts[i], seed=i, num_frames=17)])
+
+    solo = {i: stream(i) for i in range(2)}
+    batcher = gen.pipeline.stage("DecodingStage").batcher
+    before = batcher.batched_calls
+    results, errors = run_threads(stream, [(0,), (1,)])
+    assert not errors, errors
+    assert batcher.batched_calls > before  # streamed chunks of both streams decoded as one batch
+    for i in range(2):
+        assert np.abs(results[i].astype(np.int16) - solo[i].astype(np.int16)).max() <= 1
+
+
+def test_the_call_batcher_batches_calls_that_queue_while_one_runs():
+    from composer.engine.batcher import CallBatcher
+
+    started, release, seen = threading.Event(), threading.Event(), []
+
+    def run(payloads):
+        seen.append(list(payloads))
+        if payloads == ["first"]:
+            started.set()
+            release.wait(10)
+        return [p.upper() for p in payloads]
+
+    batcher = CallBatcher(run)
+    out = {}
+    first = threading.Thread(target=lambda: out.setdefault("first", batcher.submit("k", "first")))
+    first.start()
+    started.wait(10)
+    others = [threading.Thread(target=lambda p=p, k=k: out.setdefault(p, batcher.submit(k, p)))
+              for p, k in (("a", "k"), ("b", "k"), ("c", "other"))]
+    for t in others:
+        t.start()
+    while len(batcher._pending) < 3:
+        time.sleep(0.001)
+    release.set()
+    for t in [first, *others]:
+        t.join(10)
+    assert out == {"first": "FIRST", "a": "A", "b": "B", "c": "C"}
+    assert seen == [["first"], ["a", "b"], ["c"]]

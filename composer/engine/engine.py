@@ -103,11 +103,12 @@ class DenoisingEngine:
     def _step(self, info: StepInfo | None) -> None:
         self._local.step = info
 
-    def enable_scheduler(self, batching: bool = True, max_batch_size: int | None = None) -> StepScheduler:
+    def enable_scheduler(self, batching: bool = True, max_batch_size: int | None = None,
+                         active_requests: Callable[[], int] | None = None) -> StepScheduler:
         """Let several requests use this engine at once: their transformer calls are queued, run one at a time,
         and (with `batching`, and batched CFG) compatible steps of different requests share one call."""
         self.scheduler = StepScheduler(self._run_unit, self._run_units, batching=batching and self.batched_cfg,
-                                       max_batch_size=max_batch_size)
+                                       max_batch_size=max_batch_size, active_requests=active_requests)
         return self.scheduler
 
     @property

@@ -11,7 +11,8 @@ result. Whichever waiting thread finds no call running becomes the runner for on
               own call when it is alone: exactly what a solo request runs
     hand out  each unit its rows; guidance is combined by each request with its own scale
 
-A step starts only when every request inside a denoising loop has its next unit ready (or after `gather_s`), so
+A step starts only when every request inside a denoising loop has its next unit ready (or after `gather_s`), and,
+while other requests of the pipeline are elsewhere (decoding, between a stream's blocks), `settle_s` later, so
 requests that run in step converge on one call per step. Priorities act at unit boundaries: a higher-priority
 request's unit is picked first and a running call is never interrupted, so nothing is recomputed.
 
@@ -160,12 +161,15 @@ class StepScheduler:
 
     def __init__(self, run_solo: Callable[[Unit], list[torch.Tensor]],
                  run_batch: Callable[[list[Unit]], list[list[torch.Tensor]]], *, batching: bool = True,
-                 max_batch_size: int | None = None, gather_s: float = 0.05):
+                 max_batch_size: int | None = None, gather_s: float = 0.05, settle_s: float = 0.005,
+                 active_requests: Callable[[], int] | None = None):
         self.run_solo = run_solo
         self.run_batch = run_batch
         self.batching = batching
         self.max_batch_size = max_batch_size
         self.gather_s = gather_s
+        self.settle_s = settle_s
+        self.active_requests = active_requests
         self.stats = SchedulerStats()
         self._cv = threading.Condition()
         self._pending: list[Unit] = []
@@ -219,10 +223,15 @@ class StepScheduler:
         if self._running or not self._pending:
             return None
         waiting = {u.request.id for u in self._pending}
+        waited = time.monotonic() - min(u.arrived for u in self._pending)
         if all(rid in waiting for rid in self._in_loop):
+            # Every request in a loop is here. Requests of the pipeline outside a loop (between a stream's blocks,
+            # just done decoding) may be about to submit: give them `settle_s` to join this call.
+            others = (self.active_requests() if self.active_requests is not None else 0) - len(waiting)
+            if others > 0 and waited < self.settle_s:
+                return self.settle_s - waited
             return 0.0
-        oldest = min(u.arrived for u in self._pending)
-        left = self.gather_s - (time.monotonic() - oldest)
+        left = self.gather_s - waited
         return 0.0 if left <= 0 else left
 
     def _pick(self) -> list[Unit]:

@@ -18,6 +18,7 @@ from composer.batch import ForwardBatch
 from composer.cancel import CancelToken
 from composer.configs.base import PipelineConfig
 from composer.engine import DenoisingEngine
+from composer.engine.batcher import module_lock
 from composer.engine.scheduler import RequestContext, calling_requests, current_request, running_request
 from composer.errors import UnsupportedError
 from composer.loader.components import ComponentLoader
@@ -58,7 +59,6 @@ class ComposedPipeline:
         self._lora: dict[str, Any] = {}
         self.concurrency = self.concurrency_mode()
         self.gate = RequestGate(serial=self.concurrency == "serial")
-        self._module_locks: dict[int, threading.Lock] = {}
         with library_progress_bars(runtime.progress):  # transformers' "Loading weights" and the like
             self.modules: dict[str, Any] = self.load_modules()
         self.applied_hooks = apply_hooks(self, self.hooks)
@@ -140,7 +140,8 @@ class ComposedPipeline:
             if hasattr(hook, "configure_engine"):
                 hook.configure_engine(engine)
         if self.concurrency != "serial":
-            engine.enable_scheduler(batching=self.concurrency == "batch", max_batch_size=self.runtime.max_batch_size)
+            engine.enable_scheduler(batching=self.concurrency == "batch", max_batch_size=self.runtime.max_batch_size,
+                                    active_requests=lambda: self.gate.running)
         self.engines.append(engine)
         return engine
 
@@ -211,6 +212,8 @@ class ComposedPipeline:
     def add_stage(self, stage: Stage) -> None:
         stage.check_values = self.runtime.verify_values
         self.stages.append(stage)
+        if self.concurrency == "batch" and hasattr(stage, "share_decodes"):
+            stage.share_decodes(lambda: self.gate.running)
 
     def stage(self, name: str) -> Stage:
         for stage in self.stages:
@@ -242,7 +245,7 @@ class ComposedPipeline:
             return
         with ExitStack() as stack:
             for module in sorted(stage.modules(), key=id):  # one order everywhere: no deadlock
-                stack.enter_context(self._module_locks.setdefault(id(module), threading.Lock()))
+                stack.enter_context(module_lock(module))
             yield
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:

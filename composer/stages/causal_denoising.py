@@ -265,9 +265,12 @@ class CausalDenoisingStage(Stage):
                     else:
                         inputs = self._recompute_inputs(texts, rollout_clean, prefix, n, tpf, device)
                     steps = FewStepFlow(self.table, self.steps.tolist(), batch.generator)
-                    x0 = engine.run(x, steps, inputs[0], inputs[1] if guidance else None, guidance, run=block_index)
-                    if caches is not None:  # the clean pass leaves the block's keys/values in the cache
-                        engine.forward_branches(x0, self._timesteps(cfg.context_noise, bsz, n), inputs, kind="context")
+                    with self._block_in_loop():  # concurrent streams wait for this block's passes, not its decode
+                        x0 = engine.run(x, steps, inputs[0], inputs[1] if guidance else None, guidance,
+                                        run=block_index)
+                        if caches is not None:  # the clean pass leaves the block's keys/values in the cache
+                            engine.forward_branches(x0, self._timesteps(cfg.context_noise, bsz, n), inputs,
+                                                    kind="context")
                     x0 = x0.float()
                     if caches is None:
                         rollout_clean.append(x0)
@@ -283,6 +286,18 @@ class CausalDenoisingStage(Stage):
         if block_index == 0 and batch.start_latents is None:
             raise InvalidInputError("nothing to generate: every segment has 0 blocks")
         batch.latents = torch.cat(video, dim=2) if video else None
+
+    def _block_in_loop(self):
+        """While a block's passes run, the step scheduler counts this request as denoising (so the others' next
+        call waits for its units too); between blocks (its decode, its reader) it does not."""
+        from contextlib import nullcontext
+
+        from composer.engine.scheduler import current_request
+
+        scheduler, request = self.engine.scheduler, current_request()
+        if scheduler is None or request is None:
+            return nullcontext()
+        return scheduler.denoising(request)
 
     @staticmethod
     def _cut(plan: CausalPlan, segment_start: int, block_index: int) -> bool:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from composer.batch import ForwardBatch, LatentBlock, VideoChunk
+from composer.engine.batcher import CallBatcher, module_lock
 from composer.errors import StageVerificationError, UnsupportedError
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
@@ -33,12 +34,24 @@ def video_to_frames(video: torch.Tensor) -> torch.Tensor:
 
 
 class DecodingStage(Stage):
-    """Denormalizes the latents and decodes them with the VAE into frames (`batch.frames`)."""
+    """Denormalizes the latents and decodes them with the VAE into frames (`batch.frames`).
+
+    Concurrent requests decode through one CallBatcher (composer/engine/batcher.py) holding the VAE's lock: decodes
+    that queue up while another runs go as one batch (whole videos of one shape together; streamed chunks of
+    streams at the same point together), each request getting its own rows back.
+    """
 
     streams_from_upstream = True  # decodes a streaming denoiser's blocks
+    concurrent = True  # its decodes go through the batcher, which holds the VAE's lock
 
     def __init__(self, vae: torch.nn.Module):
         self.vae = vae
+        self.batcher = CallBatcher(self._decode_many, lock=module_lock(vae))
+
+    def share_decodes(self, active) -> None:
+        """Concurrent requests: wait up to 5 ms for other requests' decodes while `active()` (the pipeline's running
+        requests) says there are others, so streams at the same point decode as one batch."""
+        self.batcher.settle_s, self.batcher.active = 0.005, active
 
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
         result.add_check("latents", batch.latents, V.ndim(5))
@@ -55,8 +68,19 @@ class DecodingStage(Stage):
         return self.vae.decode(latents, return_dict=False)[0]
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
-        batch.frames = video_to_frames(self.decode(batch.latents)).numpy()
+        latents = batch.latents
+        key = ("video", tuple(latents.shape[1:]), latents.dtype, str(latents.device))
+        batch.frames = self.batcher.submit(key, ("video", latents), rows=latents.shape[0])
         return batch
+
+    def _decode_many(self, payloads: list) -> list:
+        """The batcher's call: whole videos (one `decode` over every request's rows) or streamed chunks
+        (`StreamingVideoDecoder.decode_together`); each request's rows back."""
+        if payloads[0][0] == "video":
+            latents = [p[1] for p in payloads]
+            frames = video_to_frames(self.decode(torch.cat(latents))).numpy()
+            return list(np.split(frames, np.cumsum([x.shape[0] for x in latents])[:-1]))
+        return StreamingVideoDecoder.decode_together([p[1] for p in payloads], [p[2] for p in payloads])
 
     # -- streaming: frames per latent block, as the denoiser finishes them -----------------------------
     def verify_stream_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
@@ -70,7 +94,7 @@ class DecodingStage(Stage):
         VAE's temporal cache is carried from chunk to chunk, so the frames equal a whole-video decode."""
         if upstream is None:
             raise UnsupportedError("streaming decode needs a streaming denoiser before it")
-        decoder = StreamingVideoDecoder(self.vae)
+        decoder = StreamingVideoDecoder(self.vae, self.batcher)
         frame_index = 0
 
         def chunk(latents: torch.Tensor, block: LatentBlock | None) -> VideoChunk:
@@ -103,7 +127,7 @@ class StreamingVideoDecoder:
     The first latent frame gives 1 video frame, every later one gives `scale_factor_temporal` frames.
     """
 
-    def __init__(self, vae: torch.nn.Module):
+    def __init__(self, vae: torch.nn.Module, batcher: CallBatcher | None = None):
         counts = getattr(vae, "_cached_conv_counts", None)
         usable = (
             counts is not None and hasattr(vae, "decoder") and hasattr(vae, "post_quant_conv")
@@ -112,17 +136,47 @@ class StreamingVideoDecoder:
         if not usable:
             raise UnsupportedError(f"streaming decode needs the Wan2.1 VAE without tiling, got {type(vae).__name__}")
         self.vae = vae
+        self.batcher = batcher
         self.feat_cache: list = [None] * counts["decoder"]
         self.first = True
 
-    @torch.inference_mode()
+    def batch_key(self, latents: torch.Tensor) -> tuple:
+        """Decoders whose next chunks share this key decode as one batch: the same chunk shape and the same cache
+        state (each cached entry's kind and shape)."""
+        state = tuple(None if e is None else e if isinstance(e, str) else tuple(e.shape[1:]) for e in self.feat_cache)
+        return ("stream", tuple(latents.shape[1:]), latents.dtype, self.first, state)
+
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Latents [B, C, f, h, w] (the next f latent frames) -> uint8 frames [B, t, H, W, 3]."""
-        vae = self.vae
-        z = denormalize_latents(latents.to(vae.device, vae.dtype), vae.config)
+        if self.batcher is None:
+            return self.decode_together([self], [latents])[0]
+        return self.batcher.submit(self.batch_key(latents), ("stream", self, latents), rows=latents.shape[0])
+
+    @staticmethod
+    @torch.inference_mode()
+    def decode_together(decoders: list[StreamingVideoDecoder], chunks: list[torch.Tensor]) -> list[np.ndarray]:
+        """Each decoder's next chunk, decoded as one batch: the chunks' rows stacked, the decoders' causal caches
+        stacked entry by entry (equal `batch_key`s), and each decoder's rows of frames and cache handed back."""
+        vae = decoders[0].vae
+        rows = [c.shape[0] for c in chunks]
+        z = denormalize_latents(torch.cat(chunks).to(vae.device, vae.dtype), vae.config)
         x = vae.post_quant_conv(z)
+        if len(decoders) == 1:
+            feat = decoders[0].feat_cache
+        else:
+            feat = [torch.cat(entries) if isinstance(entries[0], torch.Tensor) else entries[0]
+                    for entries in zip(*(d.feat_cache for d in decoders))]
+        first = decoders[0].first
         outs = []
         for i in range(x.shape[2]):
-            outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=self.feat_cache, feat_idx=[0], first_chunk=self.first))
-            self.first = False
-        return video_to_frames(torch.cat(outs, dim=2).clamp(-1.0, 1.0)).numpy()
+            outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=feat, feat_idx=[0], first_chunk=first))
+            first = False
+        if len(decoders) > 1:
+            for j, entry in enumerate(feat):
+                parts = entry.split(rows) if isinstance(entry, torch.Tensor) else [entry] * len(decoders)
+                for decoder, part in zip(decoders, parts):
+                    decoder.feat_cache[j] = part
+        for decoder in decoders:
+            decoder.first = False
+        frames = video_to_frames(torch.cat(outs, dim=2).clamp(-1.0, 1.0)).numpy()
+        return list(np.split(frames, np.cumsum(rows)[:-1]))

@@ -1,0 +1,117 @@
+"""CallBatcher: concurrent calls of one function batched as they queue up (the VAE decode of concurrent requests).
+
+A call made while no call runs runs at once, alone. A call made while another runs waits; when the running call
+ends, every waiting call with the same key (up to `max_rows` rows) runs as one batched call. An idle batcher waits
+at most `settle_s` for partners, and only while `active()` says other requests are running.
+
+`module_lock(module)`: one lock per module object, shared by everything in the process that must not run a
+module's stateful calls concurrently (diffusers' Wan VAE keeps its causal cache on the module).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_locks_guard = threading.Lock()
+
+
+def module_lock(module: Any) -> threading.Lock:
+    """The process-wide lock of `module` (made on first use)."""
+    with _locks_guard:
+        lock = _locks.get(module)
+        if lock is None:
+            lock = _locks[module] = threading.Lock()
+        return lock
+
+
+@dataclass(eq=False)
+class _Call:
+    key: Any
+    payload: Any
+    rows: int
+    seq: int
+    result: Any = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class CallBatcher:
+    """`submit(key, payload, rows)` -> `run_batch([payload, ...])[i]`, batching calls of equal keys that queue up
+    while another runs (see the module docstring). `lock`: held around every run (a module's lock)."""
+
+    def __init__(self, run_batch: Callable[[list[Any]], list[Any]], lock: Any = None, max_rows: int | None = None,
+                 settle_s: float = 0.0, active: Callable[[], int] | None = None):
+        self.run_batch = run_batch
+        self.lock = lock
+        self.max_rows = max_rows
+        self.settle_s = settle_s  # an idle batcher waits this long for more calls while `active()` says others run
+        self.active = active
+        self.calls = 0
+        self.batched_calls = 0  # calls that ran together with at least one other
+        self._cv = threading.Condition()
+        self._pending: list[_Call] = []
+        self._running = False
+        self._seq = itertools.count()
+
+    def submit(self, key: Any, payload: Any, rows: int = 1) -> Any:
+        call = _Call(key, payload, rows, next(self._seq))
+        arrived = time.monotonic()
+        with self._cv:
+            self._pending.append(call)
+            self._cv.notify_all()
+            while not call.done:
+                if self._running:
+                    self._cv.wait()
+                    continue
+                others = (self.active() if self.active is not None else 0) - len(self._pending)
+                left = self.settle_s - (time.monotonic() - arrived)
+                if others > 0 and left > 0:
+                    self._cv.wait(timeout=left)
+                    continue
+                self._run_once()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def _take(self) -> list[_Call]:
+        first = self._pending[0]
+        chosen, rows = [first], first.rows
+        if first.key is not None:
+            for call in self._pending[1:]:
+                if call.key == first.key and (self.max_rows is None or rows + call.rows <= self.max_rows):
+                    chosen.append(call)
+                    rows += call.rows
+        taken = {id(c) for c in chosen}
+        self._pending = [c for c in self._pending if id(c) not in taken]
+        return chosen
+
+    def _run_once(self) -> None:
+        calls = self._take()
+        self._running = True
+        self._cv.release()
+        try:
+            try:
+                with self.lock if self.lock is not None else nullcontext():
+                    results = self.run_batch([c.payload for c in calls])
+                for call, result in zip(calls, results):
+                    call.result = result
+            except BaseException as exc:  # noqa: BLE001 - every call of the failed batch gets the error
+                for call in calls:
+                    call.error = exc
+        finally:
+            self._cv.acquire()
+            self._running = False
+            self.calls += len(calls)
+            if len(calls) > 1:
+                self.batched_calls += len(calls)
+            for call in calls:
+                call.done = True
+            self._cv.notify_all()
