@@ -327,6 +327,8 @@ def test_delete_cancels_a_running_stream(server):
     ({"prompt": RED, "num_blocks": 100}, "num_blocks", "at most 200"),
     ({"prompt": RED, "num_blocks": 2, "num_frames": 5}, "num_blocks", "not both"),
     ({"prompt": RED, "colour": "red"}, "colour", "unknown field"),
+    ({"prompt": RED, "priority": False}, "priority", "an integer"),
+    ({"prompt": RED, "priority": "1"}, "priority", "an integer"),
 ])
 def test_a_bad_first_message_gets_an_error_naming_the_field_and_a_1008_close(server, first, param, words):
     with open_stream(server) as ws:

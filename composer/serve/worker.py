@@ -158,14 +158,16 @@ class Worker:
 
     def jobs_ahead(self, job: Job) -> int:
         """Jobs that start or run before `job` does: the queued ones before it (higher priority, or as high and
-        earlier), plus the running ones when they hold every slot or `job` waits for them to switch adapters."""
+        earlier), plus the running ones when they hold every slot, or when an adapter switch must wait for them
+        (`job`, or one before it, needs other adapters than the active ones)."""
         with self._cv:
             if job not in self._waiting:
                 return 0
             key = self._order(job)
-            before = sum(1 for j in self._waiting if self._order(j) < key)
-            blocked = len(self._runs) >= self.max_concurrent or (self._runs and job.lora != self._lora)
-            return before + (len(self._runs) if blocked else 0)
+            before = [j for j in self._waiting if self._order(j) < key]
+            switch = any(j.lora != self._lora for j in [*before, job])
+            blocked = len(self._runs) >= self.max_concurrent or (self._runs and switch)
+            return len(before) + (len(self._runs) if blocked else 0)
 
     def cancel(self, job: Job) -> bool:
         """Cancel a queued job (it leaves the queue) or a running one (it stops at the next block); False when
