@@ -222,6 +222,8 @@ def test_cli_refuses_bad_serve_flags_before_loading(capsys):
 
     assert main(["serve", "--max-queue", "0"]) == 1
     assert "--max-queue 0: expected an integer >= 1" in capsys.readouterr().err
+    assert main(["serve", "--max-concurrent", "0"]) == 1
+    assert "--max-concurrent 0: expected an integer >= 1" in capsys.readouterr().err
     assert main(["serve", "--dtype", "fp13"]) == 1
     assert "dtype" in capsys.readouterr().err
     assert main(["serve", "--num-gpus", "2"]) == 1
