@@ -138,6 +138,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--num-frames", type=int, default=5)
     parser.add_argument("--max-queue", type=int, default=16)
+    parser.add_argument("--max-concurrent", type=int, default=None, help="jobs at once (default: the server's)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole soak")
     args = parser.parse_args()
     if args.malformed + args.cancel > args.requests:
@@ -153,7 +154,8 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     tmp = tempfile.TemporaryDirectory(prefix="composer-soak-")
-    config = ServeConfig(output_dir=Path(tmp.name) / "serve", max_queue=args.max_queue)
+    config = ServeConfig(output_dir=Path(tmp.name) / "serve", max_queue=args.max_queue,
+                         max_concurrent=args.max_concurrent)
     app = create_app(lambda: VideoGenerator.from_pretrained(args.model_path, progress=False), config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)

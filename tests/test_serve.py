@@ -67,6 +67,17 @@ def server(scripted, tmp_path):
     srv.stop()
 
 
+@pytest.fixture
+def serial_server(scripted, tmp_path):
+    """One job at a time (--max-concurrent 1): a second job stays queued behind a running one."""
+    config = ServeConfig(output_dir=tmp_path / "serve", max_concurrent=1)
+    srv = Server(lambda: scripted, config)
+    srv.wait_ready()
+    yield srv
+    scripted.gate.set()
+    srv.stop()
+
+
 def submit(srv: Server, prompt: str, **fields) -> str:
     reply = srv.request("POST", "/v1/videos", {"prompt": prompt, "seed": 3, **SMALL, **fields})
     assert reply.status == 200, reply.body
@@ -98,7 +109,8 @@ def test_a_failing_job_fails_alone_and_the_next_gives_generate_videos_frames(ser
     assert "composer_step_seconds_count 2" in metrics
 
 
-def test_cancel_a_queued_job_and_a_running_one(server, scripted):
+def test_cancel_a_queued_job_and_a_running_one(serial_server, scripted):
+    server = serial_server
     running = submit(server, "gate one")
     server.wait(running, ("in_progress",))
     queued = submit(server, "a blue square")
@@ -124,7 +136,7 @@ def test_cancel_stops_a_real_generation_at_the_next_step(server):
 
 
 def test_queue_full_gives_429_with_retry_after(scripted, tmp_path):
-    srv = Server(lambda: scripted, ServeConfig(output_dir=tmp_path / "serve", max_queue=1))
+    srv = Server(lambda: scripted, ServeConfig(output_dir=tmp_path / "serve", max_queue=1, max_concurrent=1))
     try:
         srv.wait_ready()
         running = submit(srv, "gate running")
@@ -152,7 +164,7 @@ def test_a_job_past_the_request_timeout_is_cancelled_and_failed(scripted, tmp_pa
 
 def test_restart_keeps_completed_jobs_and_fails_unfinished_ones(scripted, tmp_path):
     out = tmp_path / "serve"
-    first = Server(lambda: scripted, ServeConfig(output_dir=out))
+    first = Server(lambda: scripted, ServeConfig(output_dir=out, max_concurrent=1))
     try:
         first.wait_ready()
         done = submit(first, "gate released")
@@ -210,6 +222,8 @@ def test_cli_refuses_bad_serve_flags_before_loading(capsys):
 
     assert main(["serve", "--max-queue", "0"]) == 1
     assert "--max-queue 0: expected an integer >= 1" in capsys.readouterr().err
+    assert main(["serve", "--max-concurrent", "0"]) == 1
+    assert "--max-concurrent 0: expected an integer >= 1" in capsys.readouterr().err
     assert main(["serve", "--dtype", "fp13"]) == 1
     assert "dtype" in capsys.readouterr().err
     assert main(["serve", "--num-gpus", "2"]) == 1

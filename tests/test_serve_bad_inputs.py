@@ -91,6 +91,10 @@ CASES = [
     ("seconds a bool", {**OK, "seconds": True}, 422, "seconds", "seconds > 0"),
     ("seconds infinite", {**OK, "seconds": "inf"}, 422, "seconds", "seconds > 0"),
     ("size a list", {**OK, "size": [64, 64]}, 422, "size", "WIDTHxHEIGHT"),
+    ("priority a bool", {**OK, "priority": True}, 422, "priority", "an integer"),
+    ("priority a float", {**OK, "priority": 1.5}, 422, "priority", "an integer"),
+    ("priority a string", {**OK, "priority": "high"}, 422, "priority", "an integer"),
+    ("priority a list", {**OK, "priority": [1]}, 422, "priority", "an integer"),
     ("a JSON array", [OK], 422, None, "JSON object"),
     ("a JSON string", "a red circle", 422, None, "JSON object"),
 ]

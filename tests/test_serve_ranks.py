@@ -390,6 +390,7 @@ def test_two_ranks_serve_one_process_frames(launch, tmp_path):
 
     job = launch.wait(launch.submit("a red circle moving right"))
     assert job["status"] == "completed", job
+    assert "jobs run one at a time on 2 ranks" in launch.log()  # rank 0's worker keeps the ranks' calls in order
     status, body = launch.request("GET", f"/v1/videos/{job['id']}/content")
     assert status == 200
     (tmp_path / "served.mp4").write_bytes(body)

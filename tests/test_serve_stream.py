@@ -327,6 +327,8 @@ def test_delete_cancels_a_running_stream(server):
     ({"prompt": RED, "num_blocks": 100}, "num_blocks", "at most 200"),
     ({"prompt": RED, "num_blocks": 2, "num_frames": 5}, "num_blocks", "not both"),
     ({"prompt": RED, "colour": "red"}, "colour", "unknown field"),
+    ({"prompt": RED, "priority": False}, "priority", "an integer"),
+    ({"prompt": RED, "priority": "1"}, "priority", "an integer"),
 ])
 def test_a_bad_first_message_gets_an_error_naming_the_field_and_a_1008_close(server, first, param, words):
     with open_stream(server) as ws:
@@ -355,19 +357,24 @@ def test_bad_messages_mid_stream_get_errors_and_the_stream_goes_on(server, scrip
     assert rest[1]["prompt"] == BLUE and rest[2]["frames"] == 5
 
 
-def test_a_stream_waits_behind_a_running_job(server, scripted):
-    reply = server.request("POST", "/v1/videos", {"prompt": "gate job", "num_frames": 5, **FAST})
-    job = server.wait(reply.json["id"], ("in_progress",))
-    with open_stream(server) as ws:
-        ws.send(json.dumps({"prompt": "noise", "num_blocks": 2, "height": 64, "width": 64}))
-        queued, _ = read(ws, until="queued")
-        assert queued[0]["position"] == 1
-        assert server.request("GET", f"/v1/videos/{queued[0]['id']}").json["status"] == "queued"
-        assert scripted.produced == 0
-        server.request("DELETE", f"/v1/videos/{job['id']}")
-        messages, code = read(ws)
-    assert [m["type"] for m in messages] == ["started", "chunk", "chunk", "done"] and code == 1000
-    assert messages[0]["id"] == queued[0]["id"]
+def test_a_stream_waits_behind_a_running_job_with_one_slot(scripted, tmp_path):
+    server = start(scripted, tmp_path, max_concurrent=1)
+    try:
+        reply = server.request("POST", "/v1/videos", {"prompt": "gate job", "num_frames": 5, **FAST})
+        job = server.wait(reply.json["id"], ("in_progress",))
+        with open_stream(server) as ws:
+            ws.send(json.dumps({"prompt": "noise", "num_blocks": 2, "height": 64, "width": 64}))
+            queued, _ = read(ws, until="queued")
+            assert queued[0]["position"] == 1
+            assert server.request("GET", f"/v1/videos/{queued[0]['id']}").json["status"] == "queued"
+            assert scripted.produced == 0
+            server.request("DELETE", f"/v1/videos/{job['id']}")
+            messages, code = read(ws)
+        assert [m["type"] for m in messages] == ["started", "chunk", "chunk", "done"] and code == 1000
+        assert messages[0]["id"] == queued[0]["id"]
+    finally:
+        scripted.gate.set()
+        server.stop()
 
 
 def test_a_whole_video_model_refuses_streams(tmp_path):

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-size", type=int, default=1280, help="most pixels of height or width (default: 1280)")
     p.add_argument("--max-steps", type=int, default=100, help="most denoising steps a request may ask for "
                    "(default: 100)")
+    p.add_argument("--max-concurrent", type=int, default=None, help="jobs (and live streams) that run at once, "
+                   "their denoising steps batched (default: 4, or 1 when the model's requests run serially: a step "
+                   "cache, parallel layouts, model offload; always 1 on several ranks)")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds a job may run before it is "
                    "cancelled and failed; 0: no limit (default: 1800)")
     p.set_defaults(run=run, _runtime_names=add_flags(p.add_argument_group("runtime (RuntimeArgs fields)"),
@@ -65,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
                           "pip install 'composer[serve]'") from None
     from composer.generator import VideoGenerator, check_model_configs, resolve_model
 
-    for name in ("max_queue", "max_frames", "max_size", "max_steps"):
-        if getattr(args, name) < 1:
+    for name in ("max_queue", "max_frames", "max_size", "max_steps", "max_concurrent"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= 1")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected a port number in [1, 65535]")
@@ -110,6 +113,7 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
         limits=ServerLimits(args.max_frames, args.max_size, args.max_steps),
         request_timeout=args.request_timeout or None,
         loras=lora_options(runtime_args.lora_path or [], runtime_args.lora_scale),
+        max_concurrent=args.max_concurrent,
     )
     leader = _Leader(load, runtime_args.dist_timeout) if under_torchrun else None
     app = create_app(leader.load if leader else load, config)

@@ -42,6 +42,7 @@ class ServeConfig:
     request_timeout: float | None = 1800.0
     max_body_bytes: int = MAX_BODY_BYTES
     loras: list[LoraOption] = field(default_factory=list)  # the adapters loaded at start (--lora-path)
+    max_concurrent: int | None = None  # jobs running at once (None: 4 if the model's requests can share it, else 1)
 
 
 class ServerState:
@@ -67,7 +68,7 @@ class ServerState:
             self.load_error = f"{type(exc).__name__}: {exc}"
             return
         self.worker = Worker(generator, self.store, self.config.max_queue, self.config.request_timeout,
-                             self.config.loras)
+                             self.config.loras, self.config.max_concurrent)
         self.generator = generator
 
     def stop(self) -> None:
@@ -143,7 +144,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
         except RequestProblem as exc:
             return error(exc.status, str(exc), exc.field)
         job = Job(new_job_id(), checked.params, model=str(state.generator.model_path), inputs=checked.inputs,
-                  lora=checked.lora)
+                  lora=checked.lora, priority=checked.priority)
         state.store.add(job)
         try:
             state.worker.submit(job)
@@ -191,18 +192,32 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        """Prometheus text format: queue length, jobs by state, seconds per denoising step, live streams."""
+        """Prometheus text format: queue length, jobs by state, jobs running and the most at once, seconds per
+        denoising step, the step schedulers' transformer calls, live streams."""
         worker = state.worker
         lines = ["# HELP composer_ready 1 once the model is loaded", "# TYPE composer_ready gauge",
                  f"composer_ready {int(state.generator is not None)}",
-                 "# HELP composer_queue_length jobs waiting for the worker", "# TYPE composer_queue_length gauge",
+                 "# HELP composer_queue_length jobs waiting for a worker", "# TYPE composer_queue_length gauge",
                  f"composer_queue_length {worker.queue_length if worker else 0}",
                  "# HELP composer_jobs jobs by state", "# TYPE composer_jobs gauge"]
         counts = state.store.counts()
         lines += [f'composer_jobs{{state="{s}"}} {counts[s]}' for s in STATES]
-        lines += ["# HELP composer_step_seconds denoising step time", "# TYPE composer_step_seconds summary",
+        lines += ["# HELP composer_jobs_running jobs running now", "# TYPE composer_jobs_running gauge",
+                  f"composer_jobs_running {worker.running if worker else 0}",
+                  "# HELP composer_max_concurrent jobs that may run at once (--max-concurrent)",
+                  "# TYPE composer_max_concurrent gauge",
+                  f"composer_max_concurrent {worker.max_concurrent if worker else 0}"]
+        lines += ["# HELP composer_step_seconds denoising step time, per job (a step shared by several jobs counts "
+                  "for each)", "# TYPE composer_step_seconds summary",
                   f"composer_step_seconds_sum {worker.step_seconds_sum if worker else 0.0:.6f}",
                   f"composer_step_seconds_count {worker.steps if worker else 0}"]
+        calls, units, batched = worker.scheduler_stats() if worker else (0, 0, 0)
+        lines += ["# HELP composer_transformer_calls_total transformer calls the step schedulers ran",
+                  "# TYPE composer_transformer_calls_total counter", f"composer_transformer_calls_total {calls}",
+                  "# HELP composer_scheduled_units_total requests' steps (units) the step schedulers ran",
+                  "# TYPE composer_scheduled_units_total counter", f"composer_scheduled_units_total {units}",
+                  "# HELP composer_batched_units_total units that shared a transformer call with another request's",
+                  "# TYPE composer_batched_units_total counter", f"composer_batched_units_total {batched}"]
         lines += streams.metric_lines()
         return "\n".join(lines) + "\n"
 

@@ -37,6 +37,7 @@ class Job:
     error: str | None = None
     lora: list = field(default_factory=list)  # [name, scale] pairs of the adapters it runs with ([]: none)
     kind: str = "video"  # "video" (POST /v1/videos) or "stream" (a live WebSocket stream, serve/stream.py)
+    priority: int = 0  # higher starts first, and its steps are scheduled first
     inputs: dict[str, Any] = field(default_factory=dict, repr=False)  # decoded images: not in the record
 
     def to_json(self) -> dict[str, Any]:
@@ -48,7 +49,8 @@ class Job:
             "started_at": self.started_at,
             "completed_at": self.completed_at, "size": f"{req.get('width')}x{req.get('height')}",
             "seconds": _seconds(req), "prompt": req.get("prompt"), "seed": req.get("seed"),
-            "error": {"message": self.error} if self.error else None, "lora": self.lora, "request": req,
+            "error": {"message": self.error} if self.error else None, "lora": self.lora, "priority": self.priority,
+            "request": req,
         }
 
     @classmethod

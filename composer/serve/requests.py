@@ -23,7 +23,8 @@ SERVER_FIELDS = ("output_path", "overwrite", "num_videos_per_prompt")
 IMAGE_FIELDS = ("image", "last_image")
 # Paths on the server's disk (a causal model's start frames): a client must not name the server's files.
 SERVER_PATHS = ("start_image", "start_video")
-ALIASES = ("model", "size", "seconds", "lora", "lora_scale")
+# The server's own request fields (not SamplingParam's): OpenAI's aliases, the adapters, the queue priority.
+ALIASES = ("model", "size", "seconds", "lora", "lora_scale", "priority")
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 
@@ -62,6 +63,7 @@ class CheckedRequest:
     params: dict[str, Any]
     inputs: dict[str, Any]
     lora: list[list] = field(default_factory=list)
+    priority: int = 0
 
 
 def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[LoraOption] = ()) -> CheckedRequest:
@@ -100,6 +102,7 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
     _check_model(body, generator)
     _apply_aliases(body, params, generator)
     lora = select_lora(body, loras, generator)
+    priority = _priority(body)
     try:
         sp = defaults.updated(**params, **inputs)
         check_request(sp, ModelLimits.from_pipeline(generator.pipeline))
@@ -114,7 +117,7 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
         sp = sp.updated(seed=random.randrange(2**31))
     record = {k: v for k, v in dataclasses.asdict(sp).items()
               if k not in SERVER_FIELDS and k not in IMAGE_FIELDS and _json_safe(v)}
-    return CheckedRequest(record, inputs, lora)
+    return CheckedRequest(record, inputs, lora, priority)
 
 
 def _typed(key: str, value: Any, annotation: Any) -> Any:
@@ -150,6 +153,15 @@ def _apply_aliases(body: dict, params: dict[str, Any], generator: Any) -> None:
         limits = ModelLimits.from_pipeline(generator.pipeline)
         t = limits.temporal_factor or 1
         params["num_frames"] = max(0, round((seconds * fps - 1) / t)) * t + 1  # the nearest valid length (t k + 1)
+
+
+def _priority(body: dict) -> int:
+    """`priority`: an integer, higher first (default 0): the queue's order, and the order of the waiting steps
+    of the jobs that run together."""
+    value = body.get("priority")
+    if value is None:
+        return 0
+    return _typed("priority", value, int)
 
 
 def _check_model(body: dict, generator: Any) -> None:

@@ -1,10 +1,11 @@
 """Live streams of causal models over a WebSocket (`/v1/streams`): each decoded block goes to the client as JPEG
 frames while the next block is made, and the client may switch the prompt or stop as it watches.
 
-A stream is a job like any other: the one worker runs it (serialized with the ordinary jobs), it is listed by
+A stream is a job like any other: a worker thread runs it (alongside the other jobs), it is listed by
 GET /v1/videos with `"kind": "stream"`, DELETE cancels it, and its whole video is written to the output folder.
 Between the worker (the producer) and the socket (the consumer) sits a buffer of at most `BUFFERED_CHUNKS`
-chunks: a slow client pauses generation instead of letting the server hold the video in memory.
+chunks: a slow client pauses its own stream's generation (its worker thread waits; the other jobs go on) instead
+of letting the server hold the video in memory.
 The protocol is in docs/serving.md ("Live streams").
 """
 
@@ -277,7 +278,8 @@ def add_stream_routes(app: FastAPI, state: Any) -> StreamRoutes:
         except RequestProblem as exc:
             return await _refuse(ws, str(exc), exc.field)
 
-        job = Job(new_job_id(), checked.params, model=str(generator.model_path), kind=STREAM, lora=checked.lora)
+        job = Job(new_job_id(), checked.params, model=str(generator.model_path), kind=STREAM, lora=checked.lora,
+                  priority=checked.priority)
         prompts = LivePrompts(checked.params["prompt"], num_blocks)
         session = StreamSession(asyncio.get_running_loop(), job, prompts, routes.stall_timeout)
         state.store.add(job)
