@@ -2,7 +2,8 @@
 
 A call made while no call runs runs at once, alone. A call made while another runs waits; when the running call
 ends, every waiting call with the same key (up to `max_rows` rows) runs as one batched call. An idle batcher waits
-at most `settle_s` for partners, and only while `active()` says other requests are running.
+for partners at most `settle_s` (and at most a quarter of a recent run's time), and only while `active()` says other
+requests are running.
 
 `module_lock(module)`: one lock per module object, shared by everything in the process that must not run a
 module's stateful calls concurrently (diffusers' Wan VAE keeps its causal cache on the module).
@@ -54,6 +55,7 @@ class CallBatcher:
         self.max_rows = max_rows
         self.settle_s = settle_s  # an idle batcher waits this long for more calls while `active()` says others run
         self.active = active
+        self.run_seconds = 0.0  # a running average of a run's time: settling never costs more than 1/4 of one
         self.calls = 0
         self.batched_calls = 0  # calls that ran together with at least one other
         self._cv = threading.Condition()
@@ -72,7 +74,7 @@ class CallBatcher:
                     self._cv.wait()
                     continue
                 others = (self.active() if self.active is not None else 0) - len(self._pending)
-                left = self.settle_s - (time.monotonic() - arrived)
+                left = min(self.settle_s, 0.25 * self.run_seconds) - (time.monotonic() - arrived)
                 if others > 0 and left > 0:
                     self._cv.wait(timeout=left)
                     continue
@@ -97,6 +99,7 @@ class CallBatcher:
         calls = self._take()
         self._running = True
         self._cv.release()
+        started = time.perf_counter()
         try:
             try:
                 with self.lock if self.lock is not None else nullcontext():
@@ -109,6 +112,8 @@ class CallBatcher:
         finally:
             self._cv.acquire()
             self._running = False
+            elapsed = time.perf_counter() - started
+            self.run_seconds = elapsed if not self.calls else 0.8 * self.run_seconds + 0.2 * elapsed
             self.calls += len(calls)
             if len(calls) > 1:
                 self.batched_calls += len(calls)

@@ -12,8 +12,8 @@ result. Whichever waiting thread finds no call running becomes the runner for on
     hand out  each unit its rows; guidance is combined by each request with its own scale
 
 A step starts only when every request inside a denoising loop has its next unit ready (or after `gather_s`), and,
-while other requests of the pipeline are elsewhere (decoding, between a stream's blocks), `settle_s` later, so
-requests that run in step converge on one call per step. Priorities act at unit boundaries: a higher-priority
+while other requests of the pipeline are elsewhere (decoding, between a stream's blocks), a little later (`settle_s`,
+at most a quarter of a recent call's time), so requests that run in step converge on one call per step. Priorities act at unit boundaries: a higher-priority
 request's unit is picked first and a running call is never interrupted, so nothing is recomputed.
 
 Exactness: rows of one batch do not interact in the transformer (attention and norms are per row), so a request's
@@ -170,6 +170,7 @@ class StepScheduler:
         self.gather_s = gather_s
         self.settle_s = settle_s
         self.active_requests = active_requests
+        self.call_seconds = 0.0  # a running average of the calls' time: settling never costs more than 1/4 of one
         self.stats = SchedulerStats()
         self._cv = threading.Condition()
         self._pending: list[Unit] = []
@@ -228,8 +229,9 @@ class StepScheduler:
             # Every request in a loop is here. Requests of the pipeline outside a loop (between a stream's blocks,
             # just done decoding) may be about to submit: give them `settle_s` to join this call.
             others = (self.active_requests() if self.active_requests is not None else 0) - len(waiting)
-            if others > 0 and waited < self.settle_s:
-                return self.settle_s - waited
+            settle = min(self.settle_s, 0.25 * self.call_seconds)
+            if others > 0 and waited < settle:
+                return settle - waited
             return 0.0
         left = self.gather_s - waited
         return 0.0 if left <= 0 else left
@@ -256,6 +258,7 @@ class StepScheduler:
         units = self._pick()
         self._running = True
         self._cv.release()
+        started = time.perf_counter()
         try:
             try:
                 if len(units) == 1:
@@ -270,6 +273,8 @@ class StepScheduler:
         finally:
             self._cv.acquire()
             self._running = False
+            elapsed = time.perf_counter() - started
+            self.call_seconds = elapsed if not self.stats.calls else 0.8 * self.call_seconds + 0.2 * elapsed
             for unit in units:
                 unit.done = True
             self.stats.calls += 1
