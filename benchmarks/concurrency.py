@@ -3,7 +3,8 @@
 For each concurrency level N (default 1, 2, 4, 8) and each kind of traffic:
 - t2v: N text-to-video requests (different seeds) on a text-to-video model;
 - stream: N causal streams (`stream_video`, different prompts) on a causal model;
-the same N requests run first one after another on one worker thread, then at once from N threads. Reported:
+the same N requests run first one after another on one worker thread, then at once on N worker threads (a pool
+whose threads each ran one request before anything is timed). Reported:
 aggregate frames per second of both and their ratio (> 1: concurrency pays), transformer calls of both (a forward
 hook counts them), the share of units that shared a call, the requests' latency p50 / p99, and for streams the
 per-stream frame rate and the block latency p50 / p99 (a block: time between a stream's chunks). Each concurrent
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -89,38 +91,33 @@ def one_stream(gen, i: int, args) -> dict:
     return {"frames": np.concatenate(chunks), "seconds": time.perf_counter() - start, "blocks": blocks}
 
 
-def run_level(gen, counter, kind: str, n: int, args) -> dict:
+def warm_pool(pool: ThreadPoolExecutor, size: int, gen, fn, args) -> None:
+    """Start the pool's `size` threads and run one request on each: torch's per-thread state (CPU thread pools, a
+    CUDA thread's cuBLAS handle) is made before anything is timed."""
+    barrier = threading.Barrier(size)
+
+    def warm(i: int) -> None:
+        barrier.wait()
+        fn(gen, i, args)
+
+    for future in [pool.submit(warm, i) for i in range(size)]:
+        future.result()
+
+
+def run_level(gen, counter, kind: str, n: int, args, pool: ThreadPoolExecutor) -> dict:
     fn = one_t2v if kind == "t2v" else one_stream
-    # The baseline runs on a worker thread too (as a server's one worker would): torch's CPU thread pools belong to
-    # the calling thread, and a new thread's first parallel regions compete with the main thread's idle ones.
+    # Both sides run on the pool's warmed worker threads (as a server's workers would).
     counter.calls = 0
-    sequential: list[dict] = []
-    baseline = threading.Thread(target=lambda: sequential.extend(fn(gen, i, args) for i in range(n)))
     start = time.perf_counter()
-    baseline.start()
-    baseline.join()
+    sequential = pool.submit(lambda: [fn(gen, i, args) for i in range(n)]).result()
     seq_s, seq_calls = time.perf_counter() - start, counter.calls
 
     counter.calls = 0
     units0, batched0 = scheduler_units(gen)
-    results: dict[int, dict] = {}
-    errors: list[BaseException] = []
-
-    def worker(i: int) -> None:
-        try:
-            results[i] = fn(gen, i, args)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
     start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    futures = [pool.submit(fn, gen, i, args) for i in range(n)]
+    results = {i: f.result() for i, f in enumerate(futures)}
     conc_s, conc_calls = time.perf_counter() - start, counter.calls
-    if errors:
-        raise errors[0]
     units1, batched1 = scheduler_units(gen)
     frames = sum(len(r["frames"]) for r in sequential)
     worst = max(int(np.abs(results[i]["frames"].astype(np.int16) - sequential[i]["frames"].astype(np.int16)).max())
@@ -182,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
                 path = str(build_e2e_folder(Path(tmp) / "wan13b", tiny=False))
             gen = VideoGenerator.from_pretrained(path, progress=False, **runtime)
             counter = Counter(gen)
-            (one_t2v if kind == "t2v" else one_stream)(gen, 0, args)  # warmup
+            pool = ThreadPoolExecutor(max_workers=max(levels))
+            warm_pool(pool, max(levels), gen, one_t2v if kind == "t2v" else one_stream, args)
             print(f"{kind}: {path} ({gen.pipeline.concurrency} mode), torch threads {torch.get_num_threads()}",
                   flush=True)
             for n in levels:
-                row = run_level(gen, counter, kind, n, args)
+                row = run_level(gen, counter, kind, n, args, pool)
                 rows.append(row)
                 print(f"  N={n}: {row['sequential_fps']:.1f} -> {row['concurrent_fps']:.1f} frames/s "
                       f"({row['speedup']:.2f}x), calls {row['sequential_calls']} -> {row['concurrent_calls']}, "
@@ -195,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                       + (f", per stream {row['per_stream_fps']:.1f} frames/s, block p50 {row['block_p50_s']*1e3:.0f} "
                          f"ms p99 {row['block_p99_s']*1e3:.0f} ms" if kind == "stream" else "")
                       + f", max uint8 diff {row['max_uint8_diff']}", flush=True)
+            pool.shutdown()
     print("\n| traffic | N | sequential frames/s | concurrent frames/s | ratio | transformer calls (seq -> conc) | "
           "latency p50 / p99 | max uint8 diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
