@@ -106,18 +106,24 @@ def warm_pool(pool: ThreadPoolExecutor, size: int, gen, fn, args) -> None:
 
 def run_level(gen, counter, kind: str, n: int, args, pool: ThreadPoolExecutor) -> dict:
     fn = one_t2v if kind == "t2v" else one_stream
-    # Both sides run on the pool's warmed worker threads (as a server's workers would).
-    counter.calls = 0
-    start = time.perf_counter()
-    sequential = pool.submit(lambda: [fn(gen, i, args) for i in range(n)]).result()
-    seq_s, seq_calls = time.perf_counter() - start, counter.calls
-
-    counter.calls = 0
+    # Both sides run on the pool's warmed worker threads (as a server's workers would), `args.repeats` times each,
+    # interleaved; the figures are the medians (the request counts and the diffs are the last run's).
+    seq_times, conc_times = [], []
     units0, batched0 = scheduler_units(gen)
-    start = time.perf_counter()
-    futures = [pool.submit(fn, gen, i, args) for i in range(n)]
-    results = {i: f.result() for i, f in enumerate(futures)}
-    conc_s, conc_calls = time.perf_counter() - start, counter.calls
+    for _ in range(args.repeats):
+        counter.calls = 0
+        start = time.perf_counter()
+        sequential = pool.submit(lambda: [fn(gen, i, args) for i in range(n)]).result()
+        seq_times.append(time.perf_counter() - start)
+        seq_calls = counter.calls
+
+        counter.calls = 0
+        start = time.perf_counter()
+        futures = [pool.submit(fn, gen, i, args) for i in range(n)]
+        results = {i: f.result() for i, f in enumerate(futures)}
+        conc_times.append(time.perf_counter() - start)
+        conc_calls = counter.calls
+    seq_s, conc_s = statistics.median(seq_times), statistics.median(conc_times)
     units1, batched1 = scheduler_units(gen)
     frames = sum(len(r["frames"]) for r in sequential)
     worst = max(int(np.abs(results[i]["frames"].astype(np.int16) - sequential[i]["frames"].astype(np.int16)).max())
@@ -160,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs of each side per level (medians; 3+ on a GPU,"
+                   " where sub-second runs vary)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     args = p.parse_args(argv)
     if args.threads:

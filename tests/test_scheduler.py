@@ -330,3 +330,29 @@ def test_the_call_batcher_batches_calls_that_queue_while_one_runs():
         t.join(10)
     assert out == {"first": "FIRST", "a": "A", "b": "B", "c": "C"}
     assert seen == [["first"], ["a", "b"], ["c"]]
+
+
+def test_a_parallel_layouts_gate_refuses_a_second_request_instead_of_risking_a_hang():
+    from composer.errors import UnsupportedError
+    from composer.pipelines.base import RequestGate
+
+    gate = RequestGate(refuse_overlap=True)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with gate.request():
+            inside.set()
+            leave.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    inside.wait(10)
+    try:
+        with pytest.raises(UnsupportedError, match="one at a time in the same order on every rank"):
+            with gate.request():
+                pass
+    finally:
+        leave.set()
+        holder.join(10)
+    with gate.request():  # alone again: admitted
+        pass

@@ -58,7 +58,10 @@ class ComposedPipeline:
         self.stage_scopes: list[StageScope] = []  # hooks' context managers around each stage run
         self._lora: dict[str, Any] = {}
         self.concurrency = self.concurrency_mode()
-        self.gate = RequestGate(serial=self.concurrency == "serial")
+        # Several ranks must run the same requests in the same order: a second request while one runs is refused
+        # there (two threads could be admitted in different orders on different ranks and hang the collectives).
+        self.gate = RequestGate(serial=self.concurrency == "serial",
+                                refuse_overlap=any(h.name == "parallel" for h in self.hooks))
         with library_progress_bars(runtime.progress):  # transformers' "Loading weights" and the like
             self.modules: dict[str, Any] = self.load_modules()
         self.applied_hooks = apply_hooks(self, self.hooks)
@@ -301,8 +304,9 @@ class RequestGate:
     """Who may run on a pipeline: any number of requests at once (one at a time when `serial`), and, between
     requests, exclusive work that changes the model (switching LoRA adapters) once every running request is done."""
 
-    def __init__(self, serial: bool = False):
-        self.serial = serial
+    def __init__(self, serial: bool = False, refuse_overlap: bool = False):
+        self.serial = serial or refuse_overlap
+        self.refuse_overlap = refuse_overlap
         self._cv = threading.Condition()
         self._active: dict[int, int] = {}  # thread id -> requests it holds
         self._exclusive = False
@@ -311,6 +315,11 @@ class RequestGate:
     def request(self) -> Iterator[None]:
         me = threading.get_ident()
         with self._cv:
+            if self.refuse_overlap and self._active and me not in self._active:
+                raise UnsupportedError(
+                    "another request is running on this pipeline, and with a parallel layout (several ranks) requests "
+                    "must run one at a time in the same order on every rank: call generate_video / stream_video from "
+                    "one thread (composer serve does)")
             while self._exclusive or (self.serial and self._active and me not in self._active):
                 self._cv.wait()
             self._active[me] = self._active.get(me, 0) + 1
