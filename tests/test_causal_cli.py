@@ -66,6 +66,7 @@ def test_interactive_reads_prompts_from_stdin(causal_dir, tmp_path):
     assert iio.imread(out, plugin="pyav").shape[0] == 4 * (2 * 4 - 1) + 1
 
 
+@pytest.mark.slow
 def test_causal_errors_are_one_line(causal_dir, tiny_wan_dir, tmp_path):
     run = cli("generate", "--model-path", causal_dir, "--prompt", "x", *SIZE, "--num-frames", "9",
               "--output", tmp_path / "y.mp4")

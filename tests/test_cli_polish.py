@@ -110,6 +110,7 @@ def test_help_shows_defaults():
     assert "(default: None)" not in text
 
 
+@pytest.mark.slow
 def test_no_progress_silences_every_bar(tiny_wan_dir, tmp_path):
     run = composer_process("generate", "--model-path", tiny_wan_dir, "--prompt", "a cat", "--height", "32", "--width",
                            "32", "--num-frames", "5", "--steps", "1", "--seed", "0", "--no-progress",

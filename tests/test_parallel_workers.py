@@ -162,6 +162,7 @@ def test_lora_switch_reaches_every_rank(workers, single, reference, tmp_path):
     torch.testing.assert_close(workers.generate_video(**REQUEST).latents, reference.latents, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_worker_killed_between_requests(wan4_dir):
     gen = _start(wan4_dir)
     pids = gen.worker_pids
