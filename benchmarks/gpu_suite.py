@@ -328,6 +328,11 @@ def _forward_timer(model, inputs, device, repeats):
         return timed(lambda: model(latents, t, text), device, repeats)
 
 
+def steady_forward_s(model, inputs, device, repeats: int) -> float:
+    """Median forward time after one untimed warmup."""
+    return median(_forward_timer(model, inputs, device, repeats + 1)[1:])
+
+
 def part_compile(args) -> dict:
     import torch
 
@@ -362,7 +367,7 @@ def part_quant(args) -> dict:
     inputs = dit_inputs(config, video, device, dtype)
     model = composer_dit(config, device, dtype)
     out["dtype"] = args.dtype
-    out["bf16_s"] = median(_forward_timer(model, inputs, device, args.repeats + 1)[1:])
+    out["bf16_s"] = steady_forward_s(model, inputs, device, args.repeats)
     out["bf16_linear_gib"] = linear_weight_bytes(model) / 2**30
     with torch.inference_mode():
         ref = model(*inputs[:3]).float()
@@ -370,7 +375,7 @@ def part_quant(args) -> dict:
     for mode in modes:
         model = composer_dit(config, device, dtype)
         quantize_model(model, mode)
-        out[f"{mode}_s"] = median(_forward_timer(model, inputs, device, args.repeats + 1)[1:])
+        out[f"{mode}_s"] = steady_forward_s(model, inputs, device, args.repeats)
         out[f"{mode}_linear_gib"] = linear_weight_bytes(model) / 2**30
         with torch.inference_mode():
             got = model(*inputs[:3]).float()
@@ -390,23 +395,23 @@ def part_offload(args) -> dict:
     inputs = dit_inputs(config, video, device, dtype)
     out: dict[str, Any] = {}
     model = composer_dit(config, device, dtype)
-    with peak_memory(device, out, "resident_peak_gib"):
-        out["resident_s"] = median(_forward_timer(model, inputs, device, args.repeats + 1)[1:])
-    if device.type == "cuda":
-        out["resident_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    with torch.inference_mode():
-        ref = model(*inputs[:3])
+
+    def measure(label: str) -> torch.Tensor:
+        """Steady forward time, peak memory (and on CUDA everything allocated) under `label`; the output."""
+        with peak_memory(device, out, f"{label}_peak_gib"):
+            out[f"{label}_s"] = steady_forward_s(model, inputs, device, args.repeats)
+        if device.type == "cuda":
+            out[f"{label}_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        with torch.inference_mode():
+            return model(*inputs[:3])
+
+    ref = measure("resident")
     model = model.to("cpu")
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     hook = LayerwiseOffload(model, device, prefetch=1)
-    with peak_memory(device, out, "layerwise_peak_gib"):
-        out["layerwise_s"] = median(_forward_timer(model, inputs, device, args.repeats + 1)[1:])
-    if device.type == "cuda":
-        out["layerwise_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    with torch.inference_mode():
-        got = model(*inputs[:3])
+    got = measure("layerwise")
     out["max_abs_diff"] = max_diff(got, ref)
     out["slowdown"] = out["layerwise_s"] / out["resident_s"]
     hook.remove()

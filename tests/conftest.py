@@ -106,3 +106,22 @@ def diffusers_frames(pipe, prompt, seed, **kwargs) -> np.ndarray:
 def max_uint8_diff(a: np.ndarray, b: np.ndarray) -> int:
     assert a.shape == b.shape, (a.shape, b.shape)
     return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
+
+
+@pytest.fixture()
+def log(monkeypatch):
+    """What composer logs, as the user's terminal shows it ("LEVEL message" lines), with log_once's memory cleared
+    for this test."""
+    import io
+    import logging
+
+    import composer.logging as clog
+
+    monkeypatch.setattr(clog, "_said", set())
+    stream = io.StringIO()
+    handler = clog._TqdmHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    root = logging.getLogger("composer")
+    root.addHandler(handler)
+    yield stream
+    root.removeHandler(handler)

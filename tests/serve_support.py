@@ -76,3 +76,28 @@ class Server:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=30)
+
+
+class Scripted:
+    """The real generator, except for prompts starting "gate" (wait for `gate`, cancellable; run with
+    `gated_overrides` over the request's fields) and "boom" (raise)."""
+
+    def __init__(self, generator: Any, gated_overrides: dict | None = None):
+        self._generator = generator
+        self.gate = threading.Event()
+        self.gated_overrides = gated_overrides or {}
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def generate_video(self, prompt=None, *, cancel=None, **kwargs):
+        from composer.errors import Cancelled
+
+        if prompt.startswith("boom"):
+            raise RuntimeError("boom: the transformer exploded")
+        if prompt.startswith("gate"):
+            while not self.gate.wait(0.01):
+                if cancel is not None and cancel.cancelled:
+                    raise Cancelled("request cancelled")
+            return self._generator.generate_video(prompt, cancel=cancel, **{**kwargs, **self.gated_overrides})
+        return self._generator.generate_video(prompt, cancel=cancel, **kwargs)

@@ -4,31 +4,15 @@ does not use is a WARNING (the README's rule for an ignored setting), not silenc
 
 from __future__ import annotations
 
-import io
-import logging
 from dataclasses import dataclass
 
 import pytest
 
-import composer.logging as clog
 from composer.errors import ComposerError, ConfigError
 from composer.request_check import ModelLimits, RequestError, check_request
 from composer.runtime import RuntimeArgs
 
 SMALL = ["--height", "32", "--width", "32", "--num-frames", "5", "--steps", "1", "--seed", "0"]
-
-
-@pytest.fixture()
-def log(monkeypatch):
-    """What composer logs (WARNING and up), with log_once's memory cleared for this test."""
-    monkeypatch.setattr(clog, "_said", set())
-    stream = io.StringIO()
-    handler = clog._TqdmHandler(stream)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-    root = logging.getLogger("composer")
-    root.addHandler(handler)
-    yield stream
-    root.removeHandler(handler)
 
 
 class Stop(ComposerError):

@@ -21,18 +21,6 @@ def fresh_log_once(monkeypatch):
     monkeypatch.setattr(clog, "_said", set())
 
 
-@pytest.fixture()
-def log(monkeypatch):
-    """What composer logs, as the user's terminal shows it."""
-    stream = io.StringIO()
-    handler = clog._TqdmHandler(stream)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-    root = logging.getLogger("composer")
-    root.addHandler(handler)
-    yield stream
-    root.removeHandler(handler)
-
-
 def test_negative_prompt_without_guidance_warns_once(composer_gen, fresh_log_once, log):
     composer_gen.generate_video("a cat", negative_prompt="blurry", guidance_scale=1.0, **SMALL)
     composer_gen.generate_video("a cat", negative_prompt="grainy", guidance_scale=0.5, **SMALL)

@@ -15,36 +15,14 @@ import pytest
 
 pytest.importorskip("fastapi", reason="composer serve needs the serve extra (fastapi, uvicorn)")
 pytest.importorskip("uvicorn", reason="composer serve needs the serve extra (fastapi, uvicorn)")
-from serve_support import Server
+from serve_support import Scripted, Server
 
-from composer.errors import Cancelled
 from composer.generator import VideoGenerator
 from composer.serve.app import ServeConfig
 from composer.serve.requests import ServerLimits
 from composer.video import read_frames
 
 SMALL = {"num_inference_steps": 2, "num_frames": 5}
-
-
-class Scripted:
-    """The real generator, except for prompts starting "gate" (wait for `gate`, cancellable) and "boom" (raise)."""
-
-    def __init__(self, generator: VideoGenerator):
-        self._generator = generator
-        self.gate = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._generator, name)
-
-    def generate_video(self, prompt=None, *, cancel=None, **kwargs):
-        if prompt.startswith("boom"):
-            raise RuntimeError("boom: the transformer exploded")
-        if prompt.startswith("gate"):
-            while not self.gate.wait(0.01):
-                if cancel is not None and cancel.cancelled:
-                    raise Cancelled("request cancelled")
-            return self._generator.generate_video(prompt, cancel=cancel, **{**kwargs, **SMALL})
-        return self._generator.generate_video(prompt, cancel=cancel, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +32,7 @@ def generator():
 
 @pytest.fixture
 def scripted(generator):
-    return Scripted(generator)
+    return Scripted(generator, gated_overrides=SMALL)
 
 
 @pytest.fixture

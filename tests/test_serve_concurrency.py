@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="composer serve needs the serve extra (fastapi, uvicorn)")
 pytest.importorskip("uvicorn", reason="composer serve needs the serve extra (fastapi, uvicorn)")
-from serve_support import Server
+from serve_support import Scripted, Server
 
 from composer.generator import VideoGenerator
 from composer.serve.app import ServeConfig
@@ -24,23 +24,6 @@ from composer.video import read_frames
 SMALL = {"num_inference_steps": 2, "num_frames": 5}
 
 
-class Gated:
-    """The real generator, except that prompts starting "gate" wait for `gate` first (cancellable)."""
-
-    def __init__(self, generator: VideoGenerator):
-        self._generator = generator
-        self.gate = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._generator, name)
-
-    def generate_video(self, prompt=None, *, cancel=None, **kwargs):
-        if prompt.startswith("gate"):
-            while not self.gate.wait(0.01):
-                cancel.check()
-        return self._generator.generate_video(prompt, cancel=cancel, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def t2v():
     return VideoGenerator.from_pretrained(None, progress=False)
@@ -48,7 +31,7 @@ def t2v():
 
 @pytest.fixture
 def gated(t2v):
-    return Gated(t2v)
+    return Scripted(t2v)  # gated prompts run with their own fields
 
 
 def start(generator, tmp_path, **config) -> Server:

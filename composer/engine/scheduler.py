@@ -193,12 +193,6 @@ class StepScheduler:
                     self._in_loop[request.id] = depth
                 self._cv.notify_all()
 
-    @property
-    def busy(self) -> bool:
-        """Whether another request is denoising or waiting here (a lone request can skip the queue)."""
-        with self._cv:
-            return self._running or bool(self._pending) or len(self._in_loop) > 1
-
     # -- submitting ---------------------------------------------------------------------------------------
     def submit(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
                merged: ModelInputs | None, kind: str, request: RequestContext, step: Any = None) -> list[torch.Tensor]:
