@@ -102,6 +102,12 @@ class RuntimeArgs:
         default=False,
         metadata={"help": "causal models: keep the KV cache in CPU memory, one layer at a time on the GPU"},
     )
+    kv_cache_memory: float | None = field(
+        default=None,
+        metadata={"help": "causal models: the KV page pool's budget for all streams together, in bytes (e.g. "
+                          "8e9), or a fraction (0, 1] of the device's free memory when the model loads; a stream "
+                          "starts only when its pages fit and waits in line otherwise (default: no limit)"},
+    )
     model_family: str | None = field(
         default=None,
         metadata={"help": "the model family (`composer models` lists them) when the folder's name or hub id does not "
@@ -282,6 +288,11 @@ class RuntimeArgs:
             if len(self.attention_window) != 3 or any(w < 1 for w in self.attention_window):
                 errors.append(f"attention_window = {self.attention_window}: expected three positive integers, "
                               "frames rows cols (in latent tokens)")
+        if self.kv_cache_memory is not None:
+            from composer.cache.kv_pool import budget_problem
+
+            if (problem := budget_problem(self.kv_cache_memory)) is not None:
+                errors.append(f"kv_cache_memory = {self.kv_cache_memory!r}: expected {problem}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             errors.append(f"max_batch_size = {self.max_batch_size}: expected a positive integer (or unset: no limit)")
         for path in self.lora_path or []:

@@ -53,6 +53,13 @@ class CausalWanSamplingParam(SamplingParam):
     kv_cache: bool = field(
         default=True, metadata={"help": "causal models: use the KV cache (off: recompute every frame, for checks)"}
     )
+    prompt_switch: str = field(
+        default="restart",
+        metadata={"help": "causal models, at a prompt switch: 'restart' (a fresh KV cache from the last "
+                          "overlap_frames under the new prompt), 'keep' (the cache goes on: cached frames keep the "
+                          "old prompt's cross-attention) or 'recache' (every frame the cache saw is recomputed under "
+                          "the new prompt); see docs/scheduling.md", "choices": ("restart", "keep", "recache")},
+    )
 
 
 register_configs(

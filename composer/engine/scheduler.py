@@ -231,7 +231,8 @@ class StepScheduler:
         return 0.0 if left <= 0 else left
 
     def _pick(self) -> list[Unit]:
-        first = min(self._pending, key=lambda u: (-u.request.priority, u.seq))
+        candidates = [u for u in self._pending if not any(_behind(v, u) for v in self._pending)] or self._pending
+        first = min(candidates, key=lambda u: (-u.request.priority, u.seq))
         chosen = [first]
         if first.key is not None:
             budget = self.max_batch_size
@@ -277,6 +278,26 @@ class StepScheduler:
                 self.stats.batched_units += len(units)
             self.stats.largest_batch = max(self.stats.largest_batch, len(units))
             self._cv.notify_all()
+
+
+def _position(unit: Unit) -> tuple[int, int]:
+    """Where a causal unit is in its stream: (first frame, step index; a clean/context pass after every step)."""
+    step = unit.step if unit.kind == "step" else None
+    return unit.branches[0].frame_offset, (step.index if step is not None else 1 << 30)
+
+
+def _behind(other: Unit, unit: Unit) -> bool:
+    """Whether `other` (another request's causal pass) is at most one block behind `unit` in the same kind of
+    stream: `unit` then waits one iteration so `other` catches up and their next passes share a call (two
+    streams one pass apart would otherwise alternate forever). Further apart, nobody waits (no starvation)."""
+    if other.request.id == unit.request.id or other.request.priority != unit.request.priority:
+        return False
+    if unit.branches[0].kv_cache is None or other.branches[0].kv_cache is None:
+        return False
+    if other.latents.shape != unit.latents.shape or len(other.branches) != len(unit.branches):
+        return False
+    mine, theirs = _position(unit), _position(other)
+    return theirs < mine and mine[0] - theirs[0] <= unit.latents.shape[2]
 
 
 def batched_branches(units: list[Unit]) -> tuple[torch.Tensor, torch.Tensor, ModelInputs, list[int]]:

@@ -15,7 +15,8 @@ from composer.batch import ForwardBatch
 from composer.configs.causal_wan import CausalWanConfig
 from composer.errors import InvalidInputError
 from composer.pipelines.base import ComposedPipeline
-from composer.stages.causal_denoising import CausalDenoisingStage, CausalPlan, checked_segments
+from composer.cache.kv_pool import KVPool
+from composer.stages.causal_denoising import SWITCH_MODES, CausalDenoisingStage, CausalPlan, checked_segments
 from composer.stages.decoding import DecodingStage
 from composer.stages.input_validation import InputValidationStage
 from composer.stages.start_frames import StartFrameEncodingStage, StartFrames
@@ -57,6 +58,7 @@ class CausalWanPipeline(ComposedPipeline):
             CausalDenoisingStage(
                 self.make_engine(transformer), text.encode, self.config, spatial_factor=spatial,
                 kv_cache_offload=self.runtime.kv_cache_offload, progress=self.runtime.progress,
+                kv_pool=KVPool(self.runtime.kv_cache_memory, transformer.device),
             )
         )
         self.add_stage(DecodingStage(vae))
@@ -98,11 +100,14 @@ class CausalWanPipeline(ComposedPipeline):
                 batch.prompt = [segments[0][0]] * batch.batch_size
         if sampling.rollout_blocks is not None and sampling.rollout_blocks < 1:
             raise InvalidInputError(f"rollout_blocks must be >= 1, got {sampling.rollout_blocks}")
+        if sampling.prompt_switch not in SWITCH_MODES:
+            raise InvalidInputError(f"prompt_switch = {sampling.prompt_switch!r}: expected one of "
+                                    f"{', '.join(SWITCH_MODES)}")
         if sampling.overlap_frames < 0:
             raise InvalidInputError(f"overlap_frames must be >= 0, got {sampling.overlap_frames}")
         batch.attach(CausalPlan(
             segments=segments, rollout_blocks=sampling.rollout_blocks, overlap_frames=sampling.overlap_frames,
-            use_kv_cache=sampling.kv_cache, keep_video=keep_video,
+            use_kv_cache=sampling.kv_cache, keep_video=keep_video, switch=sampling.prompt_switch,
         ))
 
     def _blocks_for(self, num_frames: int, start_latent_frames: int) -> int:

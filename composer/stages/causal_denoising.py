@@ -40,8 +40,10 @@ from tqdm.auto import tqdm
 
 from composer.batch import ForwardBatch, LatentBlock, RequestStats
 from composer.cache import KVCache, KVCacheSpec
+from composer.cache.kv_pool import KVPool, PagedKVCache
 from composer.configs.causal_wan import CausalWanConfig
 from composer.engine import ClassifierFreeGuidance, DenoisingEngine, FewStepFlow, ModelInputs
+from composer.engine.scheduler import current_request
 from composer.errors import InvalidInputError
 from composer.models.wan.causal import block_causal_mask
 from composer.schedulers import FlowMatchTable
@@ -62,6 +64,7 @@ class CausalPlan:
     # segment after the segment's first, with that block's index; True ends the segment there and the next
     # segment is read. The blocks already made stay those of the unswitched video (composer serve's streams).
     ends_segment: Callable[[int], bool] | None = None
+    switch: str = "restart"  # at a prompt switch: restart | keep | recache (SWITCH_MODES)
 
 
 @dataclass
@@ -86,6 +89,94 @@ class CausalStats(RequestStats):
         if self.rollouts > 1:
             parts.append(f"{self.rollouts} rollouts")
         return ", ".join(parts)
+
+
+SWITCH_MODES = ("restart", "keep", "recache")
+
+
+def visible_frames(end: int, window: int | None, sink: int) -> list[int]:
+    """The frames (of a rollout, in order) that a pass ending at frame `end` attends to."""
+    if window is None:
+        return list(range(end))
+    return sorted(set(range(min(end, sink))) | set(range(max(sink, end - (window - sink)), end)))
+
+
+@dataclass(eq=False)
+class Rollout:
+    """One KV cache's lifetime: its frames (video latent frame of each cache frame, in cache order), the noise
+    of its blocks, how many are left."""
+
+    caches: list[KVCache | None] | None  # per guidance branch (batched branches share one); None: recompute
+    frames: list[int]
+    blocks: int
+    left: int
+    prefix: int  # context frames prefilled before the first block
+    noise: torch.Tensor  # [B, C, blocks * n, h, w]
+    clean: list[torch.Tensor] = field(default_factory=list)  # the uncached path's clean frames
+
+    def visible_frames(self, stage: CausalDenoisingStage) -> list[int]:
+        """The video frames the cache attends to now (what a 'recache' switch recomputes)."""
+        window, sink = stage.window
+        return [self.frames[i] for i in visible_frames(len(self.frames), window, sink)]
+
+    def close(self) -> None:
+        for cache in _unique(self.caches or []):
+            if cache is not None and hasattr(cache, "close"):
+                cache.close()
+
+
+@dataclass(eq=False)
+class CausalState:
+    """Where a causal request stands between blocks: everything its next block needs. Sessions suspend it
+    between `extend`s and fork or snapshot it (composer/session.py)."""
+
+    generator: torch.Generator
+    video: list[torch.Tensor] = field(default_factory=list)  # clean latent chunks [B, C, f, h, w], fp32
+    video_start: int = 0  # video latent frame of video[0]'s first frame (keep_video off forgets older ones)
+    pinned: dict[int, torch.Tensor] = field(default_factory=dict)  # older frames a recache still needs (sinks)
+    frames_done: int = 0
+    block_index: int = 0
+    segment: int = -1
+    prompt: str | None = None
+    segment_start: int = 0
+    remaining: int = 0  # blocks of the current segment not yet in a rollout
+    first_rollout: bool = True
+    rollout: Rollout | None = None
+    texts: list[ModelInputs] | None = None  # the current segment's, encoded once
+    segments: Iterator[tuple[str, int]] | None = None
+    live: bool = False  # inside the stream (False: finished, failed, or never started)
+
+    def latent_frames(self, frames: list[int]) -> torch.Tensor:
+        """The clean latents of video frames `frames` [B, C, len, h, w]."""
+        tail = torch.cat(self.video, dim=2) if self.video else None
+        parts = []
+        for f in frames:
+            if f >= self.video_start:
+                parts.append(tail[:, :, f - self.video_start:f - self.video_start + 1])
+            else:
+                parts.append(self.pinned[f])
+        return torch.cat(parts, dim=2)
+
+    def forget_old_frames(self, keep: int, pinned: list[int] = ()) -> None:
+        """Keep the newest `keep` latent frames (and `pinned` older ones)."""
+        tail = torch.cat(self.video, dim=2)
+        cut = max(0, tail.shape[2] - keep)
+        for f in pinned:
+            if self.video_start <= f < self.video_start + cut:
+                self.pinned[f] = tail[:, :, f - self.video_start:f - self.video_start + 1]
+        self.pinned = {f: t for f, t in self.pinned.items() if f in set(pinned)}
+        self.video = [tail[:, :, cut:]] if keep > 0 else []
+        self.video_start += cut
+
+    def close_rollout(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
+
+
+def _unique(caches: list) -> list:
+    """Each cache once (batched guidance branches share one)."""
+    return list({id(c): c for c in caches}.values())
 
 
 def format_bytes(n: int) -> str:
@@ -113,12 +204,15 @@ class CausalDenoisingStage(Stage):
         spatial_factor: int,
         kv_cache_offload: bool = False,
         progress: bool = True,
+        kv_pool: KVPool | None = None,
     ):
         self.engine = engine
         self.spatial_factor = spatial_factor  # the VAE's: latent height = height // spatial_factor
         self.encode_prompts = encode_prompts
         self.config = config
         self.kv_cache_offload = kv_cache_offload
+        # every stream's KV pages (one pool per model; kv_cache_memory bounds it)
+        self.kv_pool = kv_pool if kv_pool is not None else KVPool(None, engine.transformer.device)
         self.progress = progress
         self.table = FlowMatchTable(config.timestep_shift, config.num_train_timesteps)
         self.steps = self.table.step_list(config.denoising_step_list, config.warp_denoising_step)
@@ -156,12 +250,16 @@ class CausalDenoisingStage(Stage):
     # -- the sampler ---------------------------------------------------------------------------------
     def _new_caches(self, batch_size: int, branches: int, capacity: int, tokens_per_frame: int,
                     ) -> list[KVCache | None]:
-        """One cache per guidance branch; batched branches share one cache holding all their rows."""
+        """One cache per guidance branch (batched branches share one holding all their rows), pages of the
+        stage's KVPool: making one waits until the pool's budget has room (admission)."""
         cfg = self.transformer.config
         window, sink = self.window
         heads, tokens = cfg.num_attention_heads, tokens_per_frame
         if hasattr(self.transformer, "kv_cache_layout"):  # split over ranks: this rank's heads / tokens
             heads, tokens = self.transformer.kv_cache_layout(tokens_per_frame)
+        request = current_request()
+        priority = request.priority if request is not None else 0
+        cancel = request.cancel if request is not None else None
 
         def cache(rows: int) -> KVCache:
             spec = KVCacheSpec(
@@ -169,7 +267,8 @@ class CausalDenoisingStage(Stage):
                 head_dim=cfg.attention_head_dim, tokens_per_frame=tokens, capacity_frames=capacity,
                 window_frames=window, sink_frames=sink,
             )
-            return KVCache(spec, self.transformer.dtype, self.transformer.device, offload=self.kv_cache_offload)
+            return PagedKVCache(spec, self.transformer.dtype, self.transformer.device, self.kv_pool,
+                                offload=self.kv_cache_offload, priority=priority, cancel=cancel)
 
         if branches > 1 and self.engine.batched_cfg:
             return [cache(batch_size * branches)] * branches
@@ -183,109 +282,196 @@ class CausalDenoisingStage(Stage):
     def _timesteps(self, value: float, batch_size: int, frames: int) -> torch.Tensor:
         return torch.full((batch_size, frames), float(value), device=self.transformer.device)
 
+    # -- the request's state: everything the next block needs (sessions fork and snapshot it) -----------
+    def start(self, batch: ForwardBatch) -> CausalState:
+        """The state of a request before its first block."""
+        state = CausalState(generator=batch.generator)
+        if batch.start_latents is not None:
+            state.video.append(batch.start_latents.to(self.transformer.device, torch.float32))
+            state.frames_done = batch.start_latents.shape[2]
+        return state
+
     @torch.inference_mode()  # also around each resumption of this generator
     def stream(self, batch: ForwardBatch, upstream: Iterator | None = None) -> Iterator[LatentBlock]:
         """Generate block by block, yielding each finished block. Sets batch.stats (CausalStats) at once and, at
         the end, batch.latents: every latent frame (start frames included), or with keep_video off only the
-        newest `overlap_frames`."""
-        model, cfg, engine = self.transformer, self.config, self.engine
+        newest frames the next rollout needs. A request that carries a CausalState (a forked or resumed session)
+        goes on from it."""
         plan = batch.get(CausalPlan)
-        dtype, device = model.dtype, model.device
-        bsz = batch.batch_size
-        channels = model.config.in_channels
-        h, w = batch.height // self.spatial_factor, batch.width // self.spatial_factor
-        tpf = model.tokens_per_frame(h, w)
-        guidance = None
-        uncond_text = None
-        if batch.do_classifier_free_guidance:
-            guidance = ClassifierFreeGuidance(float(batch.guidance_scale), fp32=True)
-            uncond_text = engine.text_inputs(batch.negative_prompt_embeds.to(device, dtype))
-        branches = 2 if guidance is not None else 1
-        n = cfg.num_frames_per_block
-        overlap = plan.overlap_frames
-        stats = batch.stats = CausalStats()
-
-        # Clean latent chunks [B, C, f, h, w] on the device, fp32: the whole video, or (keep_video off, for
-        # endless streams) only the newest `overlap` frames the next rollout starts from.
-        video: list[torch.Tensor] = []
-        frames_done = 0
-        if batch.start_latents is not None:
-            video.append(batch.start_latents.to(device, torch.float32))
-            frames_done = batch.start_latents.shape[2]
-        block_index = 0
-        first_rollout = True
-        for segment, (prompt, num_blocks) in enumerate(checked_segments(plan.segments)):
-            texts = [engine.text_inputs(self.encode_prompts([prompt] * bsz).to(device, dtype))]
-            if uncond_text is not None:
-                texts.append(uncond_text)
-            segment_start = block_index
-            remaining = num_blocks
-            while remaining > 0 and not self._cut(plan, segment_start, block_index):
-                blocks = min(remaining, plan.rollout_blocks or remaining)
-                remaining -= blocks
-                # Rollout context: the start latents (first rollout) or the newest `overlap` frames.
-                so_far = torch.cat(video, dim=2) if video else None
-                if so_far is None:
-                    context = None
-                elif first_rollout:
-                    context = so_far
-                else:
-                    context = so_far[:, :, max(0, so_far.shape[2] - overlap):] if overlap > 0 else None
-                first_rollout = False
-                prefix = 0 if context is None else context.shape[2]
-                caches = self._new_caches(bsz, branches, prefix + blocks * n, tpf) if plan.use_kv_cache else None
-                stats.rollouts += 1
-                if caches is not None:
-                    held = {id(c): c for c in caches if c is not None}.values()
-                    stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in held))
-
-                start = time.perf_counter()
-                if caches is not None and context is not None:
-                    for s, e in self._chunks(0, prefix):
-                        engine.forward_branches(
-                            context[:, :, s:e], self._timesteps(cfg.context_noise, bsz, e - s),
-                            _cached(texts, caches, s), kind="context",
-                        )
-                _sync(device)
-                stats.prefill_seconds += time.perf_counter() - start
-
-                noise = torch.randn((bsz, blocks * n, channels, h, w), generator=batch.generator)
-                noise = noise.permute(0, 2, 1, 3, 4).to(device)  # [B, C, F, h, w]
-                # the recompute path re-reads the rollout's clean frames; the cached path has them as keys
-                rollout_clean = [] if context is None or caches is not None else [context]
-                for b in range(blocks):
-                    if b > 0 and self._cut(plan, segment_start, block_index):
-                        remaining = 0  # the rest of this rollout's noise goes unused
-                        break
-                    start = time.perf_counter()
-                    s = prefix + b * n
-                    x = noise[:, :, b * n:(b + 1) * n]
-                    if caches is not None:
-                        inputs = _cached(texts, caches, s)
-                    else:
-                        inputs = self._recompute_inputs(texts, rollout_clean, prefix, n, tpf, device)
-                    steps = FewStepFlow(self.table, self.steps.tolist(), batch.generator)
-                    with self._block_in_loop():  # concurrent streams wait for this block's passes, not its decode
-                        x0 = engine.run(x, steps, inputs[0], inputs[1] if guidance else None, guidance,
-                                        run=block_index)
-                        if caches is not None:  # the clean pass leaves the block's keys/values in the cache
-                            engine.forward_branches(x0, self._timesteps(cfg.context_noise, bsz, n), inputs,
-                                                    kind="context")
-                    x0 = x0.float()
-                    if caches is None:
-                        rollout_clean.append(x0)
-                    video.append(x0)
-                    if not plan.keep_video:
-                        video = _newest_frames(video, overlap)
-                    _sync(device)
-                    elapsed = time.perf_counter() - start
-                    stats.block_seconds.append(elapsed)
-                    yield LatentBlock(block_index, segment, prompt, frames_done, x0, elapsed)
-                    frames_done += n
-                    block_index += 1
-        if block_index == 0 and batch.start_latents is None:
+        if plan.switch not in SWITCH_MODES:
+            raise InvalidInputError(f"prompt_switch = {plan.switch!r}: expected one of {', '.join(SWITCH_MODES)}")
+        state = batch.get(CausalState, None)
+        if state is None:
+            state = self.start(batch)
+            batch.attach(state)
+        state.segments = checked_segments(plan.segments)
+        batch.stats = CausalStats()
+        try:
+            while (block := self._next_block(batch, plan, state)) is not None:
+                yield block
+        finally:
+            if not state.live:  # finished, failed or closed (a suspended session keeps its cache)
+                state.close_rollout()
+        if state.block_index == 0 and batch.start_latents is None:
             raise InvalidInputError("nothing to generate: every segment has 0 blocks")
-        batch.latents = torch.cat(video, dim=2) if video else None
+        batch.latents = torch.cat(state.video, dim=2) if state.video else None
+
+    def _next_block(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState) -> LatentBlock | None:
+        """Advance `state` by one block (reading segments and starting rollouts as needed); None when done."""
+        state.live = True
+        try:
+            while True:
+                rollout = state.rollout
+                if rollout is not None and rollout.left > 0:
+                    if rollout.left < rollout.blocks and self._cut(plan, state.segment_start, state.block_index):
+                        rollout.left = 0  # the rest of this rollout's noise goes unused
+                        state.remaining = 0
+                        continue
+                    return self._run_block(batch, plan, state)
+                if rollout is not None and (state.remaining > 0 or plan.switch == "restart"):
+                    state.close_rollout()  # a segment's next rollout, or a restart: this cache is done
+                if state.remaining > 0 and not self._cut(plan, state.segment_start, state.block_index):
+                    self._start_rollout(batch, plan, state, switch=False)
+                    continue
+                item = next(state.segments, None)
+                if item is None:
+                    state.live = False
+                    return None
+                prompt, num_blocks = item
+                switching = state.segment >= 0
+                state.segment += 1
+                state.prompt = prompt
+                state.texts = None
+                state.segment_start = state.block_index
+                state.remaining = num_blocks
+                if switching and state.rollout is not None:  # 'keep' / 'recache': from the old rollout
+                    self._start_rollout(batch, plan, state, switch=True)
+        except BaseException:
+            state.live = False
+            raise
+
+    def _texts(self, batch: ForwardBatch, state: CausalState) -> list[ModelInputs]:
+        """The current segment's text inputs (cond, and uncond under guidance), encoded once per segment."""
+        if state.texts is None:
+            engine, model = self.engine, self.transformer
+            bsz = batch.batch_size
+            texts = [engine.text_inputs(self.encode_prompts([state.prompt] * bsz).to(model.device, model.dtype))]
+            if batch.do_classifier_free_guidance:
+                texts.append(engine.text_inputs(batch.negative_prompt_embeds.to(model.device, model.dtype)))
+            state.texts = texts
+        return state.texts
+
+    def _geometry(self, batch: ForwardBatch) -> tuple[int, int, int, int]:
+        h, w = batch.height // self.spatial_factor, batch.width // self.spatial_factor
+        return self.transformer.config.in_channels, h, w, self.transformer.tokens_per_frame(h, w)
+
+    def _start_rollout(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState, switch: bool) -> None:
+        """A new KV cache for the segment's next blocks, prefilled with the rollout's context: the start latents
+        (first rollout) or the newest `overlap_frames`; at a 'recache' switch every frame the old cache attended
+        to; at a 'keep' switch no prefill: the old cache's keys/values are carried over and positions go on."""
+        cfg, engine = self.config, self.engine
+        device = self.transformer.device
+        bsz = batch.batch_size
+        n = cfg.num_frames_per_block
+        channels, h, w, tpf = self._geometry(batch)
+        branches = 2 if batch.do_classifier_free_guidance else 1
+        stats: CausalStats = batch.stats
+        blocks = min(state.remaining, plan.rollout_blocks or state.remaining)
+        old = state.rollout if switch else None
+        carry = old if old is not None and plan.switch == "keep" and old.caches is not None else None
+        if carry is not None:
+            frames = list(carry.frames)
+        elif old is not None:  # recache (or keep without a cache): every frame the old rollout attended to
+            frames = old.visible_frames(self)
+        elif not state.video:
+            frames = []
+        elif state.first_rollout:
+            frames = list(range(state.frames_done))
+        else:
+            frames = list(range(max(0, state.frames_done - plan.overlap_frames), state.frames_done))
+        context = None if carry is not None or not frames else state.latent_frames(frames)
+        state.first_rollout = False
+        prefix = len(frames)
+        caches = None
+        if plan.use_kv_cache:
+            caches = self._new_caches(bsz, branches, prefix + blocks * n, tpf)
+            if carry is not None:
+                for new, kept in zip(_unique(caches), _unique(carry.caches)):
+                    if new is not None:
+                        new.load(kept.export())
+            stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in _unique(caches) if c))
+        if old is not None:
+            state.close_rollout()
+        stats.rollouts += 1
+        start = time.perf_counter()
+        texts = self._texts(batch, state)
+        if caches is not None and context is not None:
+            for s, e in self._chunks(0, prefix):
+                engine.forward_branches(
+                    context[:, :, s:e], self._timesteps(cfg.context_noise, bsz, e - s),
+                    _cached(texts, caches, s), kind="context",
+                )
+        _sync(device)
+        stats.prefill_seconds += time.perf_counter() - start
+        noise = torch.randn((bsz, blocks * n, channels, h, w), generator=state.generator)
+        state.rollout = Rollout(
+            caches=caches, frames=frames, blocks=blocks, left=blocks, prefix=prefix,
+            noise=noise.permute(0, 2, 1, 3, 4).to(device),  # [B, C, F, h, w]
+            # the recompute path re-reads the rollout's clean frames; the cached path has them as keys
+            clean=[] if context is None or caches is not None else [context],
+        )
+        state.remaining -= blocks
+
+    def _run_block(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState) -> LatentBlock:
+        cfg, engine = self.config, self.engine
+        rollout = state.rollout
+        device = self.transformer.device
+        bsz = batch.batch_size
+        n = cfg.num_frames_per_block
+        _, _, _, tpf = self._geometry(batch)
+        guidance = (ClassifierFreeGuidance(float(batch.guidance_scale), fp32=True)
+                    if batch.do_classifier_free_guidance else None)
+        texts = self._texts(batch, state)
+        start = time.perf_counter()
+        b = rollout.blocks - rollout.left
+        x = rollout.noise[:, :, b * n:(b + 1) * n]
+        if rollout.caches is not None:
+            inputs = _cached(texts, rollout.caches, len(rollout.frames))
+        else:
+            inputs = self._recompute_inputs(texts, rollout.clean, rollout.prefix, n, tpf, device)
+        steps = FewStepFlow(self.table, self.steps.tolist(), state.generator)
+        with self._block_in_loop():  # concurrent streams wait for this block's passes, not its decode
+            x0 = engine.run(x, steps, inputs[0], inputs[1] if guidance else None, guidance, run=state.block_index)
+            if rollout.caches is not None:  # the clean pass leaves the block's keys/values in the cache
+                engine.forward_branches(x0, self._timesteps(cfg.context_noise, bsz, n), inputs, kind="context")
+        x0 = x0.float()
+        if rollout.caches is None:
+            rollout.clean.append(x0)
+        state.video.append(x0)
+        rollout.frames.extend(range(state.frames_done, state.frames_done + n))
+        rollout.left -= 1
+        if not plan.keep_video:
+            keep, pinned = self._frames_to_keep(plan, state)
+            state.forget_old_frames(keep, pinned)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        batch.stats.block_seconds.append(elapsed)
+        block = LatentBlock(state.block_index, state.segment, state.prompt, state.frames_done, x0, elapsed)
+        state.frames_done += n
+        state.block_index += 1
+        return block
+
+    def _frames_to_keep(self, plan: CausalPlan, state: CausalState) -> tuple[int, list[int]]:
+        """keep_video off: how many newest latent frames to keep (a next rollout's context), and the older frames
+        a 'recache' switch would still recompute (the sink frames)."""
+        if plan.switch != "recache" or state.rollout is None:
+            return plan.overlap_frames, []
+        seen = state.rollout.visible_frames(self)
+        newest = state.frames_done + self.config.num_frames_per_block
+        _, sink = self.window
+        recent = seen[sink:] if sink else seen
+        keep = max(plan.overlap_frames, newest - min(recent)) if recent else plan.overlap_frames
+        return keep, (seen[:sink] if sink else [])
 
     def _block_in_loop(self):
         """While a block's passes run, the step scheduler counts this request as denoising (so the others' next
@@ -320,14 +506,6 @@ class CausalDenoisingStage(Stage):
 def _cached(texts: list[ModelInputs], caches: list[KVCache], start_frame: int) -> list[ModelInputs]:
     """Each branch's inputs for a cached pass starting at `start_frame`."""
     return [t.at(start_frame, kv_cache=c) for t, c in zip(texts, caches)]
-
-
-def _newest_frames(chunks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
-    """The last `count` latent frames of a list of [B, C, f, h, w] chunks (as one chunk)."""
-    if count <= 0:
-        return []
-    tail = torch.cat(chunks, dim=2)
-    return [tail[:, :, max(0, tail.shape[2] - count):]]
 
 
 def checked_segments(segments: Iterable[tuple[str, int]]) -> Iterator[tuple[str, int]]:

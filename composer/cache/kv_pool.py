@@ -1,0 +1,459 @@
+"""KVPool: every causal session's keys/values in pages of one pool per model (PagedAttention, for frames).
+
+A *page* holds one latent frame of one batch row for every layer: `tokens_per_frame` tokens x heads x head_dim keys
+and as many values. Pages of one shape (layers, tokens per frame, heads, head_dim, dtype, device) live in one
+*arena*, two tensors [layers, pages, tokens_per_frame, heads, head_dim] that grow as sessions need them.
+
+A session's cache (`PagedKVCache`, the same bookkeeping as `KVCache`: frame f lives in slot slot(f)) holds a *page
+table* [rows, slots] -> page id. When it is made it is given an *extent* of rows x slots pages of its own (the most
+it can hold at once: the rolling window, or the rollout's frames under global attention), so a session never
+runs out of pages in the middle of a stream:
+
+- **admission**: an extent is allocated only when the pool's budget (`kv_cache_memory`) has room; otherwise the
+  session waits, in priority then arrival order, and its position is visible (`KVPool.stats`). A request larger
+  than the whole budget is refused at once.
+- **rolling windows** reuse the pages of frames that left the window (slot(f) cycles), **sinks** keep theirs.
+- **fork** (`PagedKVCache.fork`): the new cache's table points at the parent's pages (reference counted) and its
+  own extent waits unused; the first write to a slot takes the extent's page for that slot (copy-on-write without
+  the copy: a pass writes every layer of the frames it covers). Branches share their history until they overwrite
+  it.
+- **export / load**: the visible frames' keys and values as tensors, for snapshots that continue in another
+  process.
+
+Reads: while a table points only at the cache's own extent in slot order (every cache that was not forked, and a
+fork once it has written its whole window), a layer's visible keys are a *view* of the arena, exactly the
+contiguous cache's layout, no copy; otherwise the visible pages are gathered (`index_select`) into that layout. The
+order of keys is the contiguous cache's either way, so attention gets the same tensors and the output is
+bit-identical to `KVCache`'s (tests/test_kv_pool.py).
+
+With `offload=True` the arena lives in (pinned) CPU memory and each layer's visible keys are copied to the compute
+device for its attention, as `KVCache(offload=True)` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from composer.cache.kv_cache import KVCache, KVCacheSpec
+from composer.errors import InvalidInputError
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _Arena:
+    """Pages of one shape: keys/values [layers, pages, tokens_per_frame, heads, head_dim], a reference count per page."""
+
+    def __init__(self, pool: KVPool, layers: int, tpf: int, heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, offload: bool):
+        self.pool = pool
+        self.page_shape = (tpf, heads, head_dim)
+        self.layers = layers
+        self.dtype = dtype
+        self.device = device  # where attention runs
+        self.offload = offload
+        self.storage = torch.device("cpu") if offload else device
+        self.page_bytes = 2 * layers * tpf * heads * head_dim * _element_size(dtype)
+        self.keys = self._empty(0)
+        self.values = self._empty(0)
+        self.refs: list[int] = []
+        self.lock = threading.RLock()  # writes, reads and growth of these tensors
+
+    def _empty(self, pages: int) -> torch.Tensor:
+        pin = self.offload and torch.cuda.is_available()
+        return torch.zeros((self.layers, pages, *self.page_shape), dtype=self.dtype, device=self.storage,
+                           pin_memory=pin)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.refs)
+
+    @property
+    def used(self) -> int:
+        return sum(1 for r in self.refs if r > 0)
+
+    def allocate(self, count: int) -> tuple[list[int], bool]:
+        """`count` free pages (refcount 1), a contiguous run when there is one (then True), growing the arena if
+        needed. The pool's budget was checked by the caller."""
+        with self.lock:
+            run = self._free_run(count)
+            if run is None and sum(1 for r in self.refs if r == 0) < count:
+                self._grow(count)
+                run = self._free_run(count)
+            if run is not None:
+                pages, contiguous = list(range(run, run + count)), True
+            else:
+                pages, contiguous = [i for i, r in enumerate(self.refs) if r == 0][:count], False
+            for p in pages:
+                self.refs[p] = 1
+            return pages, contiguous
+
+    def _free_run(self, count: int) -> int | None:
+        length = 0
+        for i, r in enumerate(self.refs):
+            length = length + 1 if r == 0 else 0
+            if length == count:
+                return i - count + 1
+        return None
+
+    def _grow(self, count: int) -> None:
+        """Room for `count` more free pages at the end (a doubling, so growth is rare); the old pages are copied."""
+        free_tail = 0
+        for r in reversed(self.refs):
+            if r:
+                break
+            free_tail += 1
+        new_capacity = max(self.capacity + count - free_tail, 2 * self.capacity)
+        limit = self.pool.page_limit(self)
+        if limit is not None:
+            new_capacity = max(min(new_capacity, limit), self.capacity + count - free_tail)
+        keys, values = self._empty(new_capacity), self._empty(new_capacity)
+        if self.capacity:
+            keys[:, :self.capacity].copy_(self.keys)
+            values[:, :self.capacity].copy_(self.values)
+        self.keys, self.values = keys, values
+        self.refs.extend([0] * (new_capacity - len(self.refs)))
+
+    def retain(self, pages: list[int]) -> None:
+        with self.lock:
+            for p in pages:
+                self.refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        with self.lock:
+            for p in pages:
+                if self.refs[p] <= 0:
+                    raise RuntimeError(f"KV page {p} released more often than taken")
+                self.refs[p] -= 1
+        self.pool._changed()
+
+
+@dataclass
+class KVPoolStats:
+    """What the pool holds now (bytes count pages in use, shared pages once)."""
+
+    budget_bytes: int | None
+    used_bytes: int
+    allocated_bytes: int  # arenas' size, used or free
+    peak_used_bytes: int
+    sessions: int  # caches holding pages
+    waiting: int  # sessions waiting for pages (admission)
+    waits: int  # sessions that had to wait, since the pool was made
+    shared_pages: int  # pages referenced by more than one cache (forks)
+
+
+class KVPool:
+    """The pages of one model's causal sessions, under one memory budget (see the module docstring).
+
+    `budget`: bytes; a float in (0, 1] for that fraction of the device's free memory when the pool is made; None
+    for no limit (pages are still pooled and reused, nothing waits).
+    """
+
+    def __init__(self, budget: int | float | None = None, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.budget_bytes = resolve_budget(budget, self.device)
+        self._arenas: dict[tuple, _Arena] = {}
+        self._cv = threading.Condition()
+        self._queue: list[tuple[int, int, int]] = []  # (-priority, seq, id) of waiting requests
+        self._seq = itertools.count()
+        self._sessions = 0
+        self._peak = 0
+        self._waits = 0
+
+    # -- arenas ------------------------------------------------------------------------------------------
+    def arena(self, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, offload: bool) -> _Arena:
+        key = (spec.num_layers, spec.tokens_per_frame, spec.num_heads, spec.head_dim, dtype, str(device), offload)
+        with self._cv:
+            if key not in self._arenas:
+                self._arenas[key] = _Arena(self, spec.num_layers, spec.tokens_per_frame, spec.num_heads,
+                                           spec.head_dim, dtype, device, offload)
+            return self._arenas[key]
+
+    def used_bytes(self) -> int:
+        return sum(a.used * a.page_bytes for a in self._arenas.values())
+
+    def page_limit(self, arena: _Arena) -> int | None:
+        """The most pages `arena` may grow to: what the budget leaves after the other arenas' used pages."""
+        if self.budget_bytes is None:
+            return None
+        others = sum(a.used * a.page_bytes for a in self._arenas.values() if a is not arena)
+        return max(0, (self.budget_bytes - others) // arena.page_bytes)
+
+    # -- admission -----------------------------------------------------------------------------------------
+    def take(self, arena: _Arena, count: int, priority: int = 0, cancel: Any = None) -> tuple[list[int], bool]:
+        """Allocate `count` pages of `arena` for a new cache, waiting (in priority, then arrival order) until the
+        budget has room. Raises InvalidInputError when `count` pages exceed the whole budget."""
+        need = count * arena.page_bytes
+        if self.budget_bytes is not None and need > self.budget_bytes:
+            raise InvalidInputError(
+                f"this stream's KV cache needs {_fmt(need)} ({count} pages of {_fmt(arena.page_bytes)}) but "
+                f"kv_cache_memory is {_fmt(self.budget_bytes)}: raise kv_cache_memory, or use a shorter rollout "
+                "(rollout_blocks) or a smaller resolution"
+            )
+        ticket = (-priority, next(self._seq), id(threading.current_thread()))
+        with self._cv:
+            self._queue.append(ticket)
+            self._queue.sort()
+            waited = False
+            try:
+                while not (self._queue[0] == ticket and self._fits(need)):
+                    if not waited:
+                        waited = True
+                        self._waits += 1
+                        from composer.logging import get_logger
+
+                        get_logger(__name__).info(
+                            "a stream waits for KV pages: it needs %s, %s of %s in use; %d ahead of it",
+                            _fmt(need), _fmt(self.used_bytes()), _fmt(self.budget_bytes or 0),
+                            self._queue.index(ticket),
+                        )
+                    self._cv.wait(timeout=0.1)
+                    if cancel is not None:
+                        cancel.check()
+                pages, contiguous = arena.allocate(count)
+                self._sessions += 1
+                self._peak = max(self._peak, self.used_bytes())
+                return pages, contiguous
+            finally:
+                self._queue.remove(ticket)
+                self._cv.notify_all()
+
+    def _fits(self, need: int) -> bool:
+        return self.budget_bytes is None or self.used_bytes() + need <= self.budget_bytes
+
+    def position(self) -> int | None:
+        """This thread's place in the admission queue (0: next), None when it is not waiting."""
+        me = id(threading.current_thread())
+        with self._cv:
+            for i, (_, _, who) in enumerate(self._queue):
+                if who == me:
+                    return i
+        return None
+
+    def _closed_session(self) -> None:
+        with self._cv:
+            self._sessions -= 1
+            self._cv.notify_all()
+
+    def _changed(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def stats(self) -> KVPoolStats:
+        with self._cv:
+            arenas = list(self._arenas.values())
+            return KVPoolStats(
+                budget_bytes=self.budget_bytes,
+                used_bytes=sum(a.used * a.page_bytes for a in arenas),
+                allocated_bytes=sum(a.capacity * a.page_bytes for a in arenas),
+                peak_used_bytes=self._peak,
+                sessions=self._sessions,
+                waiting=len(self._queue),
+                waits=self._waits,
+                shared_pages=sum(sum(1 for r in a.refs if r > 1) for a in arenas),
+            )
+
+
+def budget_problem(budget: Any) -> str | None:
+    """What is wrong with a kv_cache_memory value (None: nothing)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget != budget or budget in (
+            float("inf"), float("-inf")):
+        return "a number of bytes, or a fraction in (0, 1] of the free device memory"
+    if budget <= 0:
+        return "a positive number of bytes, or a fraction in (0, 1]"
+    if isinstance(budget, float) and budget > 1.0 and not budget.is_integer():
+        return "a whole number of bytes (or a fraction in (0, 1])"
+    return None
+
+
+def resolve_budget(budget: int | float | None, device: torch.device) -> int | None:
+    """kv_cache_memory as bytes: a number > 1 is bytes; a float in (0, 1] a fraction of the device's free memory
+    (host memory for a CPU device)."""
+    if budget is None:
+        return None
+    if (problem := budget_problem(budget)) is not None:
+        raise InvalidInputError(f"kv_cache_memory = {budget!r}: expected {problem}")
+    if isinstance(budget, float) and budget <= 1.0:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            import os
+
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(free * budget)
+    return int(budget)
+
+
+def _fmt(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+class PagedKVCache(KVCache):
+    """A KVCache whose slots are pages of a KVPool (see the module docstring); same interface and results."""
+
+    def __init__(self, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device | str, pool: KVPool,
+                 offload: bool = False, priority: int = 0, cancel: Any = None, _parent: PagedKVCache | None = None):
+        self.spec = spec
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.offload = offload
+        self.pool = pool
+        self.arena = pool.arena(spec, dtype, self.device, offload)
+        rows, slots = spec.batch_size, spec.slots
+        self.waited_s = 0.0
+        start = time.perf_counter()
+        pages, _ = pool.take(self.arena, rows * slots, priority, cancel)
+        self.waited_s = time.perf_counter() - start
+        self.own = torch.tensor(pages, dtype=torch.long).view(rows, slots)  # this cache's extent
+        self.base = pages[0] if pages == list(range(pages[0], pages[0] + len(pages))) else None
+        self.table = self.own.clone()  # [rows, slots] -> page
+        self._foreign = 0  # table entries pointing at pages not of the extent (a fork's shared history)
+        self._closed = False
+        self.end_frame = 0
+        self._pass = None
+        if _parent is not None:
+            self._share(_parent)
+
+    # -- pages -------------------------------------------------------------------------------------------
+    def _share(self, parent: PagedKVCache) -> None:
+        written = min(parent.end_frame, self.spec.slots)
+        shared = parent.table[:, :written]
+        self.arena.retain(shared.flatten().tolist())
+        self.table[:, :written] = shared
+        self._foreign = int((shared != self.own[:, :written]).sum())
+        self.end_frame = parent.end_frame
+
+    def fork(self, priority: int = 0, cancel: Any = None) -> PagedKVCache:
+        """A cache with this one's frames, sharing its pages until either writes them (waits for its own extent)."""
+        if self._pass is not None:
+            raise RuntimeError("fork() during a pass")
+        return PagedKVCache(self.spec, self.dtype, self.device, self.pool, self.offload, priority, cancel,
+                            _parent=self)
+
+    def close(self) -> None:
+        """Give the pages back to the pool (a fork may still hold some of them)."""
+        if self._closed:
+            return
+        self._closed = True
+        foreign = self.table[self.table != self.own].tolist()
+        self.arena.release(self.own.flatten().tolist() + foreign)
+        self.pool._closed_session()
+
+    def __del__(self):  # a stream dropped without closing still gives its pages back
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def begin(self, start: int, num_frames: int) -> PagedKVCache:
+        if self._closed:
+            raise RuntimeError("this KV cache was closed")
+        super().begin(start, num_frames)
+        if self._foreign:  # copy-on-write: the frames this pass writes move to the extent's pages
+            slots = sorted({self.slot(f) for f in range(start, start + num_frames)})
+            idx = torch.tensor(slots, dtype=torch.long)
+            current, own = self.table[:, idx], self.own[:, idx]
+            moving = current != own
+            if moving.any():
+                self.arena.release(current[moving].tolist())
+                self.table[:, idx] = own
+                self._foreign -= int(moving.sum())
+        return self
+
+    def reset(self) -> None:
+        super().reset()
+        if self._foreign:
+            foreign = self.table[self.table != self.own].tolist()
+            self.arena.release(foreign)
+            self.table = self.own.clone()
+            self._foreign = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.batch_size * self.spec.slots * self.arena.page_bytes
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer, the slots' keys [rows, slots * tokens_per_frame, heads, head_dim] (a copy when gathered)."""
+        return [self._read(self.arena.keys[i], self.spec.slots) for i in range(self.spec.num_layers)]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [self._read(self.arena.values[i], self.spec.slots) for i in range(self.spec.num_layers)]
+
+    def _read(self, layer: torch.Tensor, visible: int) -> torch.Tensor:
+        rows, slots = self.spec.batch_size, self.spec.slots
+        tpf, heads, dim = self.arena.page_shape
+        if self._foreign == 0 and self.base is not None:
+            extent = layer[self.base:self.base + rows * slots].view(rows, slots * tpf, heads, dim)
+            return extent[:, :visible * tpf]
+        pages = self.table[:, :visible].flatten().to(layer.device)
+        return layer.index_select(0, pages).view(rows, visible * tpf, heads, dim)
+
+    # -- data ----------------------------------------------------------------------------------------------
+    @torch.compiler.disable
+    def _write_and_read(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self._pass
+        tpf = self.spec.tokens_per_frame
+        rows = self.spec.batch_size
+        if k.shape[1] != (end - start) * tpf:
+            raise InvalidInputError(f"pass over {end - start} frames of {tpf} tokens got {k.shape[1]} key tokens")
+        arena = self.arena
+        with arena.lock:
+            keys, values = arena.keys[index], arena.values[index]
+            slots = [self.slot(f) for f in range(start, end)]
+            pages = self.table[:, slots].flatten().to(keys.device)  # [rows * frames], row-major
+            frames = end - start
+            kp = k.reshape(rows, frames, tpf, *k.shape[2:]).flatten(0, 1).to(keys.device, keys.dtype)
+            vp = v.reshape(rows, frames, tpf, *v.shape[2:]).flatten(0, 1).to(keys.device, keys.dtype)
+            keys.index_copy_(0, pages, kp)
+            values.index_copy_(0, pages, vp)
+            visible = min(end, self.spec.slots)
+            k_all, v_all = self._read(keys, visible), self._read(values, visible)
+        if self.offload:
+            k_all = k_all.to(self.device, non_blocking=True)
+            v_all = v_all.to(self.device, non_blocking=True)
+        return k_all, v_all
+
+    # -- snapshots -----------------------------------------------------------------------------------------
+    def export(self) -> dict[str, Any]:
+        """Everything needed to rebuild this cache: the written slots' keys/values [layers, rows, slots*tpf, h, d]
+        (on the CPU) and where the cache stands."""
+        written = min(self.end_frame, self.spec.slots)
+        with self.arena.lock:
+            keys = torch.stack([self._read(self.arena.keys[i], written) for i in range(self.spec.num_layers)])
+            values = torch.stack([self._read(self.arena.values[i], written) for i in range(self.spec.num_layers)])
+        return {"spec": self.spec.__dict__.copy(), "dtype": str(self.dtype).removeprefix("torch."),
+                "end_frame": self.end_frame, "keys": keys.cpu(), "values": values.cpu()}
+
+    def load(self, data: dict[str, Any]) -> None:
+        """Fill a fresh cache (same spec) from `export`'s data."""
+        same = ("num_layers", "batch_size", "num_heads", "head_dim", "tokens_per_frame", "window_frames", "sink_frames")
+        if any(data["spec"][k] != getattr(self.spec, k) for k in same):
+            raise InvalidInputError(f"this snapshot's KV cache has the shape {data['spec']}, this model makes "
+                                    f"{self.spec.__dict__}")
+        written = data["keys"].shape[2] // self.spec.tokens_per_frame
+        if written > self.spec.slots or int(data["end_frame"]) > (self.spec.capacity_frames
+                                                                 if self.spec.window_frames is None else 1 << 62):
+            raise InvalidInputError(f"the snapshot's KV cache holds {data['end_frame']} frames; this cache has room "
+                                    f"for {self.spec.slots}")
+        tpf = self.spec.tokens_per_frame
+        rows = self.spec.batch_size
+        with self.arena.lock:
+            pages = self.table[:, :written].flatten().to(self.arena.keys.device)
+            for i in range(self.spec.num_layers):
+                for store, src in ((self.arena.keys, data["keys"]), (self.arena.values, data["values"])):
+                    part = src[i].reshape(rows, written, tpf, *src.shape[3:]).flatten(0, 1)
+                    store[i].index_copy_(0, pages, part.to(store.device, store.dtype))
+        self.end_frame = int(data["end_frame"])
