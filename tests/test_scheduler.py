@@ -147,6 +147,65 @@ def test_max_batch_size_bounds_the_videos_in_a_call(tmp_path, one_thread):
     assert gen.pipeline.engines[0].scheduler.stats.largest_batch == 1
 
 
+def unit_tokens(shape, patch_size) -> int:
+    """Transformer tokens of a call over inputs of `shape` [rows, C, F, H, W]: rows x patches, counted here
+    from the shape and the model's patch size (what max_batch_tokens documents)."""
+    rows, _, *axes = shape
+    return rows * int(np.prod([n // p for n, p in zip(axes, patch_size)]))
+
+
+@pytest.fixture(scope="module")
+def step_tokens(t2v):
+    """The tokens of one REQUEST step (its CFG pair) on the default model."""
+    gen, _ = t2v
+    shapes = []
+    handle = gen.pipeline.modules["transformer"].register_forward_pre_hook(
+        lambda module, args: shapes.append(tuple(args[0].shape)))
+    try:
+        gen.generate_video(seed=0, **dict(REQUEST, num_inference_steps=1))
+    finally:
+        handle.remove()
+    assert shapes[0][0] == 2  # one video's CFG pair
+    return unit_tokens(shapes[0], gen.pipeline.modules["transformer"].config.patch_size)
+
+
+@pytest.mark.parametrize("units_per_call", [1, 2])
+def test_max_batch_tokens_bounds_the_tokens_in_a_call(t2v, step_tokens, units_per_call, one_thread):
+    solo_gen, _ = t2v
+    seeds = (41, 42, 43)
+    solo = {s: solo_gen.generate_video(seed=s, **REQUEST) for s in seeds}
+    gen = VideoGenerator.from_pretrained(None, progress=False, max_batch_tokens=units_per_call * step_tokens)
+    assert gen.pipeline.runtime.max_batch_tokens == units_per_call * step_tokens
+    counter = CallCounter(gen.pipeline.modules["transformer"])
+    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(s,) for s in seeds])
+    assert not errors, errors
+    for s in seeds:
+        assert_same_video(results[s], solo[s])
+    stats = gen.pipeline.engines[0].scheduler.stats
+    assert max(counter.rows) == 2 * units_per_call  # at most the budget's CFG pairs in a call, ...
+    assert stats.largest_batch == units_per_call  # ... and the budget filled when requests were in step
+    assert counter.calls >= len(seeds) * REQUEST["num_inference_steps"] / units_per_call
+
+
+def test_max_batch_tokens_is_a_positive_integer_or_unset():
+    from composer.errors import ConfigError
+    from composer.runtime import RuntimeArgs
+
+    assert RuntimeArgs.from_kwargs(max_batch_tokens="4096").max_batch_tokens == 4096  # a CLI flag's string
+    for bad in (0, -1, "many", 1.5):
+        with pytest.raises(ConfigError, match="max_batch_tokens"):
+            RuntimeArgs.from_kwargs(max_batch_tokens=bad)
+
+
+def test_max_batch_tokens_is_one_name_for_the_flag_the_preset_and_the_keyword(cli, tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("runtime:\n  max_batch_tokens: 0\n")
+    for args in (["generate", "--prompt", "x", "--max-batch-tokens", "0"], ["generate", "--prompt", "x", "--config",
+                 preset], ["serve", "--max-batch-tokens", "0"]):
+        code, _, err = cli(*args)  # refused before anything loads
+        assert code != 0 and "max_batch_tokens = 0: expected a positive integer" in err, (args, err)
+
+
 def test_concurrent_streams_equal_their_solo_streams(one_thread):
     gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
     prompts = ["a red circle moving left", "a blue square moving right", "a green triangle moving up"]
@@ -242,6 +301,61 @@ def test_the_scheduler_picks_by_priority_then_arrival_and_batches_only_compatibl
             t.join()
     assert order == [[2, 0], [1]]
     assert scheduler.stats.batched_units == 2 and scheduler.stats.largest_batch == 2
+
+
+def fake_unit(scheduler, name, *, priority=0, shape=(1, 4, 2, 8, 8), branches=2, seq=None):
+    """A pending unit as `submit` makes it (batch key, tokens), for a request named `name`."""
+    from composer.engine.scheduler import Unit, batch_key, token_count
+
+    latents, timestep = torch.zeros(shape), torch.zeros(shape[0])
+    inputs = [ModelInputs(text=torch.zeros(shape[0], 3, 4)) for _ in range(branches)]
+    request = RequestContext(priority=priority)
+    request.name = name
+    unit = Unit(latents, timestep, inputs, None, "step", request, batch_key(latents, timestep, inputs, "step"),
+                next(scheduler._seq) if seq is None else seq, 0.0,
+                tokens=token_count(latents, branches, scheduler.patch_size))
+    scheduler._pending.append(unit)
+    return unit
+
+
+def picked(scheduler, now=100.0):
+    return [u.request.name for u in scheduler._pick(now=now)]
+
+
+def test_a_unit_counts_rows_times_patches_as_its_tokens():
+    from composer.engine.engine import transformer_patch_size
+    from composer.engine.scheduler import token_count
+
+    assert token_count(torch.zeros(1, 16, 5, 8, 12), 2, (1, 2, 2)) == 2 * 5 * 4 * 6
+    assert token_count(torch.zeros(3, 16, 4, 8, 8), 1, (2, 2, 2)) == 3 * 2 * 4 * 4
+    from types import SimpleNamespace
+
+    gen = VideoGenerator.from_pretrained(None, progress=False)
+    stated = tuple(gen.pipeline.modules["transformer"].config.patch_size)  # shapes-t2v: (1, 1, 1)
+    assert transformer_patch_size(gen.pipeline.modules["transformer"]) == stated
+    assert gen.pipeline.engines[0].scheduler.patch_size == stated
+    model = torch.nn.Linear(1, 1)
+    assert transformer_patch_size(model) == (1, 1, 1)  # no config: tokens are latent positions
+    model.config = SimpleNamespace(patch_size=[1, 2, 2])  # Wan
+    assert transformer_patch_size(model) == (1, 2, 2)
+    model.config = SimpleNamespace(patch_size=2, patch_size_t=1)  # HunyuanVideo
+    assert transformer_patch_size(model) == (1, 2, 2)
+
+
+def test_the_token_budget_takes_units_in_pick_order_and_never_starves_a_large_one():
+    scheduler = StepScheduler(None, None, max_batch_tokens=2 * 64, patch_size=(1, 2, 2))  # two units of 64
+    for name in "abc":
+        fake_unit(scheduler, name)  # [1, 4, 2, 8, 8], CFG pair: 2 rows x 2 x 4 x 4 = 64 tokens
+    assert scheduler._pending[0].tokens == 64
+    assert picked(scheduler) == ["a", "b"] and picked(scheduler) == ["c"]
+    fake_unit(scheduler, "big", shape=(1, 4, 4, 16, 16))  # 512 tokens: over the budget alone
+    fake_unit(scheduler, "small")
+    assert picked(scheduler) == ["big"]  # runs, alone
+    assert picked(scheduler) == ["small"]
+    scheduler.max_batch_tokens, scheduler.max_batch_size = 64 * 3, 2  # the videos' budget binds first
+    for name in "xyz":
+        fake_unit(scheduler, name)
+    assert picked(scheduler) == ["x", "y"]
 
 
 def test_the_asyncio_forms_are_scheduled_together(t2v, one_thread):
