@@ -303,13 +303,13 @@ def test_the_scheduler_picks_by_priority_then_arrival_and_batches_only_compatibl
     assert scheduler.stats.batched_units == 2 and scheduler.stats.largest_batch == 2
 
 
-def fake_unit(scheduler, name, *, priority=0, shape=(1, 4, 2, 8, 8), branches=2, seq=None):
+def fake_unit(scheduler, name, *, priority=0, deadline=None, shape=(1, 4, 2, 8, 8), branches=2, seq=None):
     """A pending unit as `submit` makes it (batch key, tokens), for a request named `name`."""
     from composer.engine.scheduler import Unit, batch_key, token_count
 
     latents, timestep = torch.zeros(shape), torch.zeros(shape[0])
     inputs = [ModelInputs(text=torch.zeros(shape[0], 3, 4)) for _ in range(branches)]
-    request = RequestContext(priority=priority)
+    request = RequestContext(priority=priority, deadline=deadline)
     request.name = name
     unit = Unit(latents, timestep, inputs, None, "step", request, batch_key(latents, timestep, inputs, "step"),
                 next(scheduler._seq) if seq is None else seq, 0.0,
@@ -356,6 +356,93 @@ def test_the_token_budget_takes_units_in_pick_order_and_never_starves_a_large_on
     for name in "xyz":
         fake_unit(scheduler, name)
     assert picked(scheduler) == ["x", "y"]
+
+
+def test_a_realtime_stream_that_is_due_goes_before_equal_and_lower_priority_work():
+    scheduler = StepScheduler(None, None)
+    job, low, urgent = (1, 4, 2, 8, 12), (1, 4, 2, 12, 12), (1, 4, 2, 16, 8)  # shapes: never in the stream's call
+    fake_unit(scheduler, "job", shape=job)
+    fake_unit(scheduler, "low", priority=-1, shape=low)
+    fake_unit(scheduler, "stream", deadline=100.5)
+    assert picked(scheduler, now=100.0) == ["job"]  # not due yet: by arrival
+    fake_unit(scheduler, "job2", shape=job)
+    assert picked(scheduler, now=100.5) == ["stream"]  # due (deadline == now): first among priority 0
+    fake_unit(scheduler, "late", deadline=99.0)
+    fake_unit(scheduler, "later", deadline=98.0)
+    fake_unit(scheduler, "urgent", priority=1, shape=urgent)
+    assert picked(scheduler, now=100.0) == ["urgent"]  # a higher priority still goes first
+    assert picked(scheduler, now=100.0) == ["later", "late"]  # earliest deadline first; compatible: one call
+    assert picked(scheduler, now=100.0) == ["job2"]
+    assert picked(scheduler, now=100.0) == ["low"]  # a due stream of priority 0 would beat it too
+    fake_unit(scheduler, "behind", priority=-1, deadline=50.0, shape=low)
+    fake_unit(scheduler, "on time", shape=job)
+    assert picked(scheduler, now=100.0) == ["on time"]  # a deadline never lifts a request above a priority
+
+
+def test_a_stream_with_a_target_frame_rate_goes_first_when_due_and_stays_exact(one_thread):
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    stream_request = dict(seed=1, num_frames=17)
+    job_request = dict(seed=2, num_frames=9, height=48, width=64)  # another size: never in the stream's calls
+    solo_stream = np.concatenate([c.frames for c in gen.stream_video("a red circle moving left", **stream_request)])
+    solo_job = gen.generate_video("a blue square moving right", **job_request)
+    scheduler = gen.pipeline.engines[0].scheduler
+    picks, pick = [], scheduler._pick
+
+    def recording_pick(now=None):
+        now = time.monotonic()
+        due = [u for u in scheduler._pending if u.request.due(now)]
+        chosen = pick(now)
+        picks.append((bool(due), chosen[0].request.due(now), chosen[0].request.target_fps))
+        return chosen
+
+    scheduler._pick = recording_pick
+    streams = {}
+
+    def run(key):
+        if key == "stream":  # 1000 frames/s: never reached here, so its next frames are always due
+            streams[key] = gen.stream_video("a red circle moving left", target_fps=1000, **stream_request)
+            return np.concatenate([c.frames for c in streams[key]])
+        return gen.generate_video("a blue square moving right", **job_request)
+
+    try:
+        results, errors = run_threads(run, [("stream",), ("job",)])
+    finally:
+        del scheduler._pick
+    assert not errors, errors
+    assert np.abs(results["stream"].astype(np.int16) - solo_stream.astype(np.int16)).max() <= 1
+    assert_same_video(results["job"], solo_job)
+    assert any(due for due, _, _ in picks) and any(fps is None for _, _, fps in picks)  # they did overlap
+    assert all(first_due for due, first_due, _ in picks if due)  # a due stream unit waiting: it went first
+    stats = streams["stream"].stats
+    assert stats.target_fps == 1000.0 and 0 < stats.fps < 1000
+    assert "target of 1000" in stats.summary()
+    assert streams["stream"].pace.context.deadline is None  # the stream is over: nothing is due
+
+
+def test_target_fps_must_be_a_positive_finite_number(one_thread):
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    for bad in (0, -5, float("nan"), float("inf"), "30", True):
+        with pytest.raises(InvalidInputError, match="target_fps"):
+            gen.stream_video("a red circle moving left", target_fps=bad)
+    with pytest.raises(InvalidInputError, match="target_fps"):
+        gen.open_session(target_fps=0)
+    stream = gen.stream_video("a red circle moving left", seed=0, num_frames=9, target_fps=24)
+    chunks = list(stream)
+    assert stream.stats.fps == pytest.approx(sum(len(c.frames) for c in chunks) / stream.pace.seconds)
+    assert stream.stats.target_fps == 24.0
+
+
+def test_a_session_paused_between_extends_does_not_count_the_pause_in_its_frame_rate(one_thread):
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    with gen.open_session(seed=3, target_fps=8) as session:
+        list(session.extend("a red circle moving left", 2))
+        assert session._stream.pace.context.deadline is None  # paused between extends: nothing is due
+        time.sleep(0.5)
+        list(session.extend("a blue square moving up", 1))
+        stats = session.stats
+    pace = session._stream.pace
+    assert stats.target_fps == 8.0 and stats.fps == pytest.approx(stats.frames / pace.seconds)
+    assert pace.seconds < stats.total_seconds - 0.5 + 1e-3  # the 0.5 s between the extends left out
 
 
 def test_the_asyncio_forms_are_scheduled_together(t2v, one_thread):

@@ -4,10 +4,11 @@ Each request runs its stages on its caller's thread; every transformer call of a
 engine's scheduler as a *unit* (one step's guidance branches, or a causal context pass) and the thread waits for its
 result. Whichever waiting thread finds no call running becomes the runner for one iteration:
 
-    pick      the first pending unit in pick order (highest priority, then the oldest), and every other pending
-              unit whose call is compatible with it (same kind, latent shape, dtype, conditioning layout; causal
-              passes: KV caches showing the same frames), in the same order, up to `max_batch_size` videos and
-              `max_batch_tokens` transformer tokens (a unit over a budget on its own still runs, alone)
+    pick      the first pending unit in pick order (highest priority; among equals, realtime streams whose next
+              frames are due, earliest deadline first; then the oldest), and every other pending unit whose call
+              is compatible with it (same kind, latent shape, dtype, conditioning layout; causal passes: KV caches
+              showing the same frames), in the same order, up to `max_batch_size` videos and `max_batch_tokens`
+              transformer tokens (a unit over a budget on its own still runs, alone)
     run       one transformer call over all their rows (each row its own timestep and text K/V), or the unit's
               own call when it is alone: exactly what a solo request runs
     hand out  each unit its rows; guidance is combined by each request with its own scale
@@ -15,7 +16,9 @@ result. Whichever waiting thread finds no call running becomes the runner for on
 A step starts only when every request inside a denoising loop has its next unit ready (or after `gather_s`), and,
 while other requests of the pipeline are elsewhere (decoding, between a stream's blocks), a little later (`settle_s`,
 at most a quarter of a recent call's time), so requests that run in step converge on one call per step. Priorities act at unit boundaries: a higher-priority
-request's unit is picked first and a running call is never interrupted, so nothing is recomputed.
+request's unit is picked first and a running call is never interrupted, so nothing is recomputed. A realtime
+stream (RequestContext.target_fps) carries a deadline, when its next frames are due; once it has come, the stream's
+units go before the other units of its priority (never before a higher priority): `pick_order`.
 
 Budgets: `max_batch_size` counts videos (a unit's latent rows; a CFG pair is one video), `max_batch_tokens` counts
 transformer tokens (`token_count`: rows with their guidance branches x latent positions after patchify with the
@@ -51,6 +54,14 @@ class RequestContext:
     priority: int = 0
     cancel: Any = None  # composer.cancel.CancelToken
     id: int = field(default_factory=itertools.count().__next__)
+    # A realtime stream (stream_video(target_fps=...)): the frame rate it states, and when (time.monotonic()) its
+    # next frames are due: once a deadline has come, its units go before the waiting units of its priority.
+    target_fps: float | None = None
+    deadline: float | None = None
+
+    def due(self, now: float) -> bool:
+        """Whether this request is a realtime stream whose next frames are due (or late) at `now`."""
+        return self.deadline is not None and self.deadline <= now
 
 
 _local = threading.local()
@@ -256,8 +267,13 @@ class StepScheduler:
 
     @staticmethod
     def pick_order(unit: Unit, now: float) -> tuple:
-        """The sort key of the pending units: higher priority first, then by arrival (`now`: the time of the pick)."""
-        return (-unit.request.priority, unit.seq)
+        """The sort key of the pending units: higher priority first; among equal priorities the units of realtime
+        streams whose next frames are due at `now` (RequestContext.deadline <= now), earliest deadline first;
+        then the rest (streams not yet due among them) by arrival."""
+        request = unit.request
+        if request.due(now):
+            return (-request.priority, 0, request.deadline, unit.seq)
+        return (-request.priority, 1, 0.0, unit.seq)
 
     def _pick(self, now: float | None = None) -> list[Unit]:
         """Take the next call's units off the queue: the first in pick order, and the compatible units after it
