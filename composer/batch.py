@@ -25,6 +25,10 @@ class RequestStats:
     time_to_first_frame: float | None = None  # seconds from the request to its first frames being ready
     total_seconds: float | None = None
     frames: int = 0  # decoded frames
+    # Streams (VideoStream): the frame rate delivered, frames over the seconds from the stream's first read to its
+    # latest chunk (a session's time between extends left out), and the rate asked for (stream_video(target_fps=)).
+    fps: float | None = None
+    target_fps: float | None = None
 
     @property
     def frames_per_second(self) -> float | None:
@@ -38,6 +42,9 @@ class RequestStats:
             parts.append(f"time to first frame {self.time_to_first_frame:.2f} s")
         if self.frames_per_second is not None:
             parts.append(f"{self.frames_per_second:.1f} frames/s ({self.frames} frames)")
+        if self.target_fps is not None:
+            reached = "-" if self.fps is None else f"{self.fps:.1f}"
+            parts.append(f"stream {reached} fps for a target of {self.target_fps:g}")
         return ", ".join(parts)
 
 

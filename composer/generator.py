@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -344,6 +345,7 @@ class VideoGenerator:
         keep_video: bool = True,
         cancel: CancelToken | None = None,
         priority: int = 0,
+        target_fps: float | None = None,
         **overrides: Any,
     ) -> VideoStream:
         """Generate block by block (causal models), yielding frames as each block is decoded.
@@ -357,8 +359,13 @@ class VideoGenerator:
         consumed as they go (written to disk), `keep_video=False` keeps neither frames nor old latents.
         `cancel`: a CancelToken; once cancelled, iteration raises `Cancelled` within one transformer block.
         `priority`: as for `generate_video`; streams read from several threads are scheduled together.
+        `target_fps`: the frame rate a realtime viewer of this stream needs (None: no target). Whenever the stream
+        has delivered fewer frames than `target_fps` x the seconds since it was first read, its next steps go
+        before the waiting steps of other requests of the same priority (docs/scheduling.md, "Realtime
+        streams"); `stats.fps` and `stats.target_fps` tell the rate reached and the one asked for.
         """
         priority = _checked_priority(priority)
+        target_fps = _checked_target_fps(target_fps)
         segments = None
         prompt = None
         ends_segment = getattr(prompts, "ends_segment", None)
@@ -377,6 +384,7 @@ class VideoGenerator:
             raise UnsupportedError("stream_video makes one video; leave num_videos_per_prompt at 1")
         check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
         batch = self._new_batch(sp, None, cancel, priority)
+        batch.get(RequestContext).target_fps = target_fps
         self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
         if callable(ends_segment):  # a live source: it may end the running segment before its last block
             from composer.stages.causal_denoising import CausalPlan
@@ -387,10 +395,11 @@ class VideoGenerator:
     def open_session(self, *, seed: int | None = None, **kwargs: Any) -> Session:
         """A causal video that lives across calls: `session.extend(prompt, num_blocks)` yields the next blocks'
         chunks, continuing the same video (`composer/session.py`). `kwargs`: stream_video's (sampling fields,
-        keep_video, cancel, priority). open_session(seed=s) + extend(p0, a) + extend(p1, b) gives the frames of
-        stream_video([(p0, a), (p1, b)], seed=s)."""
+        keep_video, cancel, priority, target_fps). open_session(seed=s) + extend(p0, a) + extend(p1, b) gives the
+        frames of stream_video([(p0, a), (p1, b)], seed=s)."""
         from composer.session import Session
 
+        _checked_target_fps(kwargs.get("target_fps"))  # refused now, not at the first extend
         if not self.pipeline.can_stream:
             raise UnsupportedError(f"{type(self.pipeline).__name__} makes whole videos; sessions need a causal model")
         if seed is None:
@@ -463,6 +472,75 @@ def _checked_priority(priority: Any) -> int:
     return priority
 
 
+def _checked_target_fps(target_fps: Any) -> float | None:
+    """A stream's target frame rate: a finite number > 0, or None (no target)."""
+    if target_fps is None:
+        return None
+    if isinstance(target_fps, bool) or not isinstance(target_fps, (int, float)) or not math.isfinite(target_fps) \
+            or target_fps <= 0:
+        raise InvalidInputError(f"target_fps = {target_fps!r}: expected a finite number of frames per second > 0 "
+                                "(or None: no target)")
+    return float(target_fps)
+
+
+class StreamPace:
+    """A stream's frames against the clock: the frame rate it reached, and (with a target) when its next frames
+    are due, kept on its RequestContext for the scheduler.
+
+    The clock runs from the stream's first read to its latest chunk; a session's `extend` starts a new stretch
+    (the time the session sat between extends is not counted). Within a stretch that began at `t0` with `n`
+    frames delivered since, the next frames are due at `t0 + n / target_fps`: at once when the stretch begins,
+    and whenever the stream has delivered fewer frames than a viewer playing at target_fps since `t0` has shown.
+    """
+
+    def __init__(self, context: RequestContext | None, clock: Any = time.monotonic):
+        self.context = context
+        self.clock = clock
+        self.frames = 0  # frames delivered in all
+        self.seconds = 0.0  # the stretches before the running one, each to its last chunk
+        self._start: float | None = None  # when the running stretch began (None: between stretches)
+        self._stretch_frames = 0
+        self._last: float | None = None  # the running stretch's latest chunk
+
+    @property
+    def target_fps(self) -> float | None:
+        return None if self.context is None else self.context.target_fps
+
+    def reading(self) -> None:
+        """The consumer asks for the next chunk: start a stretch unless one runs."""
+        if self._start is None:
+            self._start, self._stretch_frames, self._last = self.clock(), 0, None
+            self._set_deadline()
+
+    def delivered(self, frames: int) -> None:
+        """A chunk of `frames` frames was made."""
+        self.frames += frames
+        self._stretch_frames += frames
+        self._last = self.clock()
+        self._set_deadline()
+
+    def pause(self) -> None:
+        """End the running stretch (at its last chunk); the next read starts another."""
+        if self._start is not None and self._last is not None:
+            self.seconds += self._last - self._start
+        self._start, self._last = None, None
+        if self.context is not None:
+            self.context.deadline = None
+
+    @property
+    def fps(self) -> float | None:
+        """Frames delivered per second of the stretches (None before the first chunk)."""
+        seconds = self.seconds
+        if self._start is not None and self._last is not None:
+            seconds += self._last - self._start
+        return self.frames / seconds if self.frames and seconds > 0 else None
+
+    def _set_deadline(self) -> None:
+        target = self.target_fps
+        if target is not None and self._start is not None:
+            self.context.deadline = self._start + self._stretch_frames / target
+
+
 class VideoStream:
     """Chunks of a video as they are made. Iterate it once; then `frames`, `stats`, `seed` describe it all."""
 
@@ -472,6 +550,7 @@ class VideoStream:
         self.sampling = sampling
         self.keep_video = keep_video
         self.chunks: list = []  # every chunk so far (empty when keep_video is off)
+        self.pace = StreamPace(batch.get(RequestContext, None))
 
     @property
     def seed(self) -> int:
@@ -479,16 +558,27 @@ class VideoStream:
 
     def __iter__(self) -> Iterator[VideoChunk]:
         frames = 0
-        for chunk in self._chunks:
-            frames += len(chunk.frames)
-            stats = self._batch.stats
-            if stats is not None:
-                if stats.time_to_first_frame is None:
-                    stats.time_to_first_frame = chunk.since_start
-                stats.frames, stats.total_seconds = frames, time.perf_counter() - self._batch.started
-            if self.keep_video:
-                self.chunks.append(chunk)
-            yield chunk
+        pace = self.pace
+        try:
+            while True:
+                pace.reading()
+                try:
+                    chunk = next(self._chunks)
+                except StopIteration:
+                    return
+                frames += len(chunk.frames)
+                pace.delivered(len(chunk.frames))
+                stats = self._batch.stats
+                if stats is not None:
+                    if stats.time_to_first_frame is None:
+                        stats.time_to_first_frame = chunk.since_start
+                    stats.frames, stats.total_seconds = frames, time.perf_counter() - self._batch.started
+                    stats.fps, stats.target_fps = pace.fps, pace.target_fps
+                if self.keep_video:
+                    self.chunks.append(chunk)
+                yield chunk
+        finally:
+            pace.pause()  # ended, failed or closed: no frames are due any more
 
     @property
     def frames(self) -> np.ndarray:

@@ -121,6 +121,12 @@ class RuntimeArgs:
         metadata={"help": "most videos in one transformer batch: a longer prompt list runs as consecutive batches "
                           "(same seeds, same videos; less memory); default: all of a call's videos at once"},
     )
+    max_batch_tokens: int | None = field(
+        default=None,
+        metadata={"help": "most transformer tokens in one call when concurrent requests' steps share it (rows x "
+                          "tokens per row after patchify; a CFG pair is two rows); a step larger than this alone "
+                          "still runs, alone; default: no limit"},
+    )
     cfg_mode: str = field(
         default="batched",
         metadata={"help": "classifier-free guidance: 'batched' (prompt and negative prompt as one batch-2 model call) "
@@ -295,6 +301,9 @@ class RuntimeArgs:
                 errors.append(f"kv_cache_memory = {self.kv_cache_memory!r}: expected {problem}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             errors.append(f"max_batch_size = {self.max_batch_size}: expected a positive integer (or unset: no limit)")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            errors.append(f"max_batch_tokens = {self.max_batch_tokens}: expected a positive integer (or unset: no "
+                          "limit)")
         for path in self.lora_path or []:
             if not Path(path).expanduser().is_file():
                 what = "a folder" if Path(path).expanduser().is_dir() else "no such file"

@@ -82,6 +82,7 @@ class Session:
             if self._sampling.get("keep_video", True):
                 self.chunks.append(chunk)
             yield chunk
+        self._stream.pace.pause()  # the time until the next extend is not the stream's: its frame rate skips it
 
     @property
     def frames(self) -> np.ndarray:

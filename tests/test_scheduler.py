@@ -147,6 +147,65 @@ def test_max_batch_size_bounds_the_videos_in_a_call(tmp_path, one_thread):
     assert gen.pipeline.engines[0].scheduler.stats.largest_batch == 1
 
 
+def unit_tokens(shape, patch_size) -> int:
+    """Transformer tokens of a call over inputs of `shape` [rows, C, F, H, W]: rows x patches, counted here
+    from the shape and the model's patch size (what max_batch_tokens documents)."""
+    rows, _, *axes = shape
+    return rows * int(np.prod([n // p for n, p in zip(axes, patch_size)]))
+
+
+@pytest.fixture(scope="module")
+def step_tokens(t2v):
+    """The tokens of one REQUEST step (its CFG pair) on the default model."""
+    gen, _ = t2v
+    shapes = []
+    handle = gen.pipeline.modules["transformer"].register_forward_pre_hook(
+        lambda module, args: shapes.append(tuple(args[0].shape)))
+    try:
+        gen.generate_video(seed=0, **dict(REQUEST, num_inference_steps=1))
+    finally:
+        handle.remove()
+    assert shapes[0][0] == 2  # one video's CFG pair
+    return unit_tokens(shapes[0], gen.pipeline.modules["transformer"].config.patch_size)
+
+
+@pytest.mark.parametrize("units_per_call", [1, 2])
+def test_max_batch_tokens_bounds_the_tokens_in_a_call(t2v, step_tokens, units_per_call, one_thread):
+    solo_gen, _ = t2v
+    seeds = (41, 42, 43)
+    solo = {s: solo_gen.generate_video(seed=s, **REQUEST) for s in seeds}
+    gen = VideoGenerator.from_pretrained(None, progress=False, max_batch_tokens=units_per_call * step_tokens)
+    assert gen.pipeline.runtime.max_batch_tokens == units_per_call * step_tokens
+    counter = CallCounter(gen.pipeline.modules["transformer"])
+    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(s,) for s in seeds])
+    assert not errors, errors
+    for s in seeds:
+        assert_same_video(results[s], solo[s])
+    stats = gen.pipeline.engines[0].scheduler.stats
+    assert max(counter.rows) == 2 * units_per_call  # at most the budget's CFG pairs in a call, ...
+    assert stats.largest_batch == units_per_call  # ... and the budget filled when requests were in step
+    assert counter.calls >= len(seeds) * REQUEST["num_inference_steps"] / units_per_call
+
+
+def test_max_batch_tokens_is_a_positive_integer_or_unset():
+    from composer.errors import ConfigError
+    from composer.runtime import RuntimeArgs
+
+    assert RuntimeArgs.from_kwargs(max_batch_tokens="4096").max_batch_tokens == 4096  # a CLI flag's string
+    for bad in (0, -1, "many", 1.5):
+        with pytest.raises(ConfigError, match="max_batch_tokens"):
+            RuntimeArgs.from_kwargs(max_batch_tokens=bad)
+
+
+def test_max_batch_tokens_is_one_name_for_the_flag_the_preset_and_the_keyword(cli, tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("runtime:\n  max_batch_tokens: 0\n")
+    for args in (["generate", "--prompt", "x", "--max-batch-tokens", "0"], ["generate", "--prompt", "x", "--config",
+                 preset], ["serve", "--max-batch-tokens", "0"]):
+        code, _, err = cli(*args)  # refused before anything loads
+        assert code != 0 and "max_batch_tokens = 0: expected a positive integer" in err, (args, err)
+
+
 def test_concurrent_streams_equal_their_solo_streams(one_thread):
     gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
     prompts = ["a red circle moving left", "a blue square moving right", "a green triangle moving up"]
@@ -242,6 +301,148 @@ def test_the_scheduler_picks_by_priority_then_arrival_and_batches_only_compatibl
             t.join()
     assert order == [[2, 0], [1]]
     assert scheduler.stats.batched_units == 2 and scheduler.stats.largest_batch == 2
+
+
+def fake_unit(scheduler, name, *, priority=0, deadline=None, shape=(1, 4, 2, 8, 8), branches=2, seq=None):
+    """A pending unit as `submit` makes it (batch key, tokens), for a request named `name`."""
+    from composer.engine.scheduler import Unit, batch_key, token_count
+
+    latents, timestep = torch.zeros(shape), torch.zeros(shape[0])
+    inputs = [ModelInputs(text=torch.zeros(shape[0], 3, 4)) for _ in range(branches)]
+    request = RequestContext(priority=priority, deadline=deadline)
+    request.name = name
+    unit = Unit(latents, timestep, inputs, None, "step", request, batch_key(latents, timestep, inputs, "step"),
+                next(scheduler._seq) if seq is None else seq, 0.0,
+                tokens=token_count(latents, branches, scheduler.patch_size))
+    scheduler._pending.append(unit)
+    return unit
+
+
+def picked(scheduler, now=100.0):
+    return [u.request.name for u in scheduler._pick(now=now)]
+
+
+def test_a_unit_counts_rows_times_patches_as_its_tokens():
+    from composer.engine.engine import transformer_patch_size
+    from composer.engine.scheduler import token_count
+
+    assert token_count(torch.zeros(1, 16, 5, 8, 12), 2, (1, 2, 2)) == 2 * 5 * 4 * 6
+    assert token_count(torch.zeros(3, 16, 4, 8, 8), 1, (2, 2, 2)) == 3 * 2 * 4 * 4
+    from types import SimpleNamespace
+
+    gen = VideoGenerator.from_pretrained(None, progress=False)
+    stated = tuple(gen.pipeline.modules["transformer"].config.patch_size)  # shapes-t2v: (1, 1, 1)
+    assert transformer_patch_size(gen.pipeline.modules["transformer"]) == stated
+    assert gen.pipeline.engines[0].scheduler.patch_size == stated
+    model = torch.nn.Linear(1, 1)
+    assert transformer_patch_size(model) == (1, 1, 1)  # no config: tokens are latent positions
+    model.config = SimpleNamespace(patch_size=[1, 2, 2])  # Wan
+    assert transformer_patch_size(model) == (1, 2, 2)
+    model.config = SimpleNamespace(patch_size=2, patch_size_t=1)  # HunyuanVideo
+    assert transformer_patch_size(model) == (1, 2, 2)
+
+
+def test_the_token_budget_takes_units_in_pick_order_and_never_starves_a_large_one():
+    scheduler = StepScheduler(None, None, max_batch_tokens=2 * 64, patch_size=(1, 2, 2))  # two units of 64
+    for name in "abc":
+        fake_unit(scheduler, name)  # [1, 4, 2, 8, 8], CFG pair: 2 rows x 2 x 4 x 4 = 64 tokens
+    assert scheduler._pending[0].tokens == 64
+    assert picked(scheduler) == ["a", "b"] and picked(scheduler) == ["c"]
+    fake_unit(scheduler, "big", shape=(1, 4, 4, 16, 16))  # 512 tokens: over the budget alone
+    fake_unit(scheduler, "small")
+    assert picked(scheduler) == ["big"]  # runs, alone
+    assert picked(scheduler) == ["small"]
+    scheduler.max_batch_tokens, scheduler.max_batch_size = 64 * 3, 2  # the videos' budget binds first
+    for name in "xyz":
+        fake_unit(scheduler, name)
+    assert picked(scheduler) == ["x", "y"]
+
+
+def test_a_realtime_stream_that_is_due_goes_before_equal_and_lower_priority_work():
+    scheduler = StepScheduler(None, None)
+    job, low, urgent = (1, 4, 2, 8, 12), (1, 4, 2, 12, 12), (1, 4, 2, 16, 8)  # shapes: never in the stream's call
+    fake_unit(scheduler, "job", shape=job)
+    fake_unit(scheduler, "low", priority=-1, shape=low)
+    fake_unit(scheduler, "stream", deadline=100.5)
+    assert picked(scheduler, now=100.0) == ["job"]  # not due yet: by arrival
+    fake_unit(scheduler, "job2", shape=job)
+    assert picked(scheduler, now=100.5) == ["stream"]  # due (deadline == now): first among priority 0
+    fake_unit(scheduler, "late", deadline=99.0)
+    fake_unit(scheduler, "later", deadline=98.0)
+    fake_unit(scheduler, "urgent", priority=1, shape=urgent)
+    assert picked(scheduler, now=100.0) == ["urgent"]  # a higher priority still goes first
+    assert picked(scheduler, now=100.0) == ["later", "late"]  # earliest deadline first; compatible: one call
+    assert picked(scheduler, now=100.0) == ["job2"]
+    assert picked(scheduler, now=100.0) == ["low"]  # a due stream of priority 0 would beat it too
+    fake_unit(scheduler, "behind", priority=-1, deadline=50.0, shape=low)
+    fake_unit(scheduler, "on time", shape=job)
+    assert picked(scheduler, now=100.0) == ["on time"]  # a deadline never lifts a request above a priority
+
+
+def test_a_stream_with_a_target_frame_rate_goes_first_when_due_and_stays_exact(one_thread):
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    stream_request = dict(seed=1, num_frames=17)
+    job_request = dict(seed=2, num_frames=9, height=48, width=64)  # another size: never in the stream's calls
+    solo_stream = np.concatenate([c.frames for c in gen.stream_video("a red circle moving left", **stream_request)])
+    solo_job = gen.generate_video("a blue square moving right", **job_request)
+    scheduler = gen.pipeline.engines[0].scheduler
+    picks, pick = [], scheduler._pick
+
+    def recording_pick(now=None):
+        now = time.monotonic()
+        due = [u for u in scheduler._pending if u.request.due(now)]
+        chosen = pick(now)
+        picks.append((bool(due), chosen[0].request.due(now), chosen[0].request.target_fps))
+        return chosen
+
+    scheduler._pick = recording_pick
+    streams = {}
+
+    def run(key):
+        if key == "stream":  # 1000 frames/s: never reached here, so its next frames are always due
+            streams[key] = gen.stream_video("a red circle moving left", target_fps=1000, **stream_request)
+            return np.concatenate([c.frames for c in streams[key]])
+        return gen.generate_video("a blue square moving right", **job_request)
+
+    try:
+        results, errors = run_threads(run, [("stream",), ("job",)])
+    finally:
+        del scheduler._pick
+    assert not errors, errors
+    assert np.abs(results["stream"].astype(np.int16) - solo_stream.astype(np.int16)).max() <= 1
+    assert_same_video(results["job"], solo_job)
+    assert any(due for due, _, _ in picks) and any(fps is None for _, _, fps in picks)  # they did overlap
+    assert all(first_due for due, first_due, _ in picks if due)  # a due stream unit waiting: it went first
+    stats = streams["stream"].stats
+    assert stats.target_fps == 1000.0 and 0 < stats.fps < 1000
+    assert "target of 1000" in stats.summary()
+    assert streams["stream"].pace.context.deadline is None  # the stream is over: nothing is due
+
+
+def test_target_fps_must_be_a_positive_finite_number(one_thread):
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    for bad in (0, -5, float("nan"), float("inf"), "30", True):
+        with pytest.raises(InvalidInputError, match="target_fps"):
+            gen.stream_video("a red circle moving left", target_fps=bad)
+    with pytest.raises(InvalidInputError, match="target_fps"):
+        gen.open_session(target_fps=0)
+    stream = gen.stream_video("a red circle moving left", seed=0, num_frames=9, target_fps=24)
+    chunks = list(stream)
+    assert stream.stats.fps == pytest.approx(sum(len(c.frames) for c in chunks) / stream.pace.seconds)
+    assert stream.stats.target_fps == 24.0
+
+
+def test_a_session_paused_between_extends_does_not_count_the_pause_in_its_frame_rate(one_thread):
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    with gen.open_session(seed=3, target_fps=8) as session:
+        list(session.extend("a red circle moving left", 2))
+        assert session._stream.pace.context.deadline is None  # paused between extends: nothing is due
+        time.sleep(0.5)
+        list(session.extend("a blue square moving up", 1))
+        stats = session.stats
+    pace = session._stream.pace
+    assert stats.target_fps == 8.0 and stats.fps == pytest.approx(stats.frames / pace.seconds)
+    assert pace.seconds < stats.total_seconds - 0.5 + 1e-3  # the 0.5 s between the extends left out
 
 
 def test_the_asyncio_forms_are_scheduled_together(t2v, one_thread):

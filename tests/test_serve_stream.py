@@ -213,6 +213,17 @@ def test_a_stream_sends_each_block_as_it_is_decoded_and_saves_the_whole_video(se
     assert 'composer_jobs{state="completed"} 1' in metrics
 
 
+def test_a_stream_with_a_target_frame_rate_states_it_and_gives_the_same_frames(server, reference):
+    with open_stream(server) as ws:
+        ws.send(json.dumps({"prompt": RED, "num_blocks": 3, "target_fps": 1000, **FAST}))
+        messages, code = read(ws)
+    assert code == 1000 and messages[0]["type"] == "started" and messages[0]["target_fps"] == 1000.0
+    for chunk, expected in zip(chunks_of(messages), reference):  # the stream's steps went first; same frames
+        assert psnr(np.stack(chunk["images"]), expected) > 30
+    job = server.request("GET", f"/v1/videos/{messages[0]['id']}").json
+    assert job["status"] == "completed" and job["request"]["target_fps"] == 1000.0
+
+
 def test_a_prompt_switch_takes_effect_from_the_next_block(server, scripted, generator, reference):
     scripted.hold = True  # block 1 starts only once the switch is in
     with open_stream(server) as ws:
@@ -329,6 +340,10 @@ def test_delete_cancels_a_running_stream(server):
     ({"prompt": RED, "colour": "red"}, "colour", "unknown field"),
     ({"prompt": RED, "priority": False}, "priority", "an integer"),
     ({"prompt": RED, "priority": "1"}, "priority", "an integer"),
+    ({"prompt": RED, "target_fps": 0}, "target_fps", "frames per second > 0"),
+    ({"prompt": RED, "target_fps": "30"}, "target_fps", "frames per second > 0"),
+    ({"prompt": RED, "target_fps": True}, "target_fps", "frames per second > 0"),
+    ({"prompt": RED, "target_fps": float("nan")}, "target_fps", "frames per second > 0"),
 ])
 def test_a_bad_first_message_gets_an_error_naming_the_field_and_a_1008_close(server, first, param, words):
     with open_stream(server) as ws:

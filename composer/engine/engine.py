@@ -80,6 +80,20 @@ class EngineHook:
         return call(model_call)
 
 
+def transformer_patch_size(transformer: torch.nn.Module) -> tuple[int, int, int]:
+    """The (t, h, w) latent positions one transformer token covers, from the model's config: Wan's `patch_size`
+    triple, or HunyuanVideo's spatial `patch_size` with `patch_size_t`; (1, 1, 1) for a model that states none
+    (tokens are then latent positions)."""
+    config = getattr(transformer, "config", None)
+    patch = getattr(config, "patch_size", None)
+    if patch is None:
+        return (1, 1, 1)
+    if isinstance(patch, int):
+        return (int(getattr(config, "patch_size_t", None) or 1), patch, patch)
+    patch = tuple(int(p) for p in patch)[-3:]
+    return (1,) * (3 - len(patch)) + patch
+
+
 class DenoisingEngine:
     """Runs denoising loops over one transformer. `cfg_mode`: "batched" (prompt and negative prompt as one
     batch, one call a step) or "sequential" (one call per branch: less activation memory)."""
@@ -104,11 +118,16 @@ class DenoisingEngine:
         self._local.step = info
 
     def enable_scheduler(self, batching: bool = True, max_batch_size: int | None = None,
-                         active_requests: Callable[[], int] | None = None) -> StepScheduler:
+                         active_requests: Callable[[], int] | None = None,
+                         max_batch_tokens: int | None = None) -> StepScheduler:
         """Let several requests use this engine at once: their transformer calls are queued, run one at a time,
-        and (with `batching`, and batched CFG) compatible steps of different requests share one call."""
+        and (with `batching`, and batched CFG) compatible steps of different requests share one call, within
+        `max_batch_size` videos and `max_batch_tokens` transformer tokens (counted with the transformer's
+        patch size) per call."""
         self.scheduler = StepScheduler(self._run_unit, self._run_units, batching=batching and self.batched_cfg,
-                                       max_batch_size=max_batch_size, active_requests=active_requests)
+                                       max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+                                       patch_size=transformer_patch_size(self.transformer),
+                                       active_requests=active_requests)
         return self.scheduler
 
     @property

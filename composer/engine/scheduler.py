@@ -4,9 +4,11 @@ Each request runs its stages on its caller's thread; every transformer call of a
 engine's scheduler as a *unit* (one step's guidance branches, or a causal context pass) and the thread waits for its
 result. Whichever waiting thread finds no call running becomes the runner for one iteration:
 
-    pick      the pending unit with the highest priority (then the oldest), and every other pending unit whose
-              call is compatible with it (same kind, latent shape, dtype, conditioning layout; causal passes:
-              KV caches showing the same frames), up to `max_batch_size` videos
+    pick      the first pending unit in pick order (highest priority; among equals, realtime streams whose next
+              frames are due, earliest deadline first; then the oldest), and every other pending unit whose call
+              is compatible with it (same kind, latent shape, dtype, conditioning layout; causal passes: KV caches
+              showing the same frames), in the same order, up to `max_batch_size` videos and `max_batch_tokens`
+              transformer tokens (a unit over a budget on its own still runs, alone)
     run       one transformer call over all their rows (each row its own timestep and text K/V), or the unit's
               own call when it is alone: exactly what a solo request runs
     hand out  each unit its rows; guidance is combined by each request with its own scale
@@ -14,7 +16,14 @@ result. Whichever waiting thread finds no call running becomes the runner for on
 A step starts only when every request inside a denoising loop has its next unit ready (or after `gather_s`), and,
 while other requests of the pipeline are elsewhere (decoding, between a stream's blocks), a little later (`settle_s`,
 at most a quarter of a recent call's time), so requests that run in step converge on one call per step. Priorities act at unit boundaries: a higher-priority
-request's unit is picked first and a running call is never interrupted, so nothing is recomputed.
+request's unit is picked first and a running call is never interrupted, so nothing is recomputed. A realtime
+stream (RequestContext.target_fps) carries a deadline, when its next frames are due; once it has come, the stream's
+units go before the other units of its priority (never before a higher priority): `pick_order`.
+
+Budgets: `max_batch_size` counts videos (a unit's latent rows; a CFG pair is one video), `max_batch_tokens` counts
+transformer tokens (`token_count`: rows with their guidance branches x latent positions after patchify with the
+transformer's patch size). Partners join the first unit only while both budgets hold; the first unit itself always
+runs, alone if it is over a budget by itself.
 
 Exactness: rows of one batch do not interact in the transformer (attention and norms are per row), so a request's
 output equals its solo run up to the floating-point order of a larger matrix product (tests: latents <= 1e-5).
@@ -45,6 +54,14 @@ class RequestContext:
     priority: int = 0
     cancel: Any = None  # composer.cancel.CancelToken
     id: int = field(default_factory=itertools.count().__next__)
+    # A realtime stream (stream_video(target_fps=...)): the frame rate it states, and when (time.monotonic()) its
+    # next frames are due: once a deadline has come, its units go before the waiting units of its priority.
+    target_fps: float | None = None
+    deadline: float | None = None
+
+    def due(self, now: float) -> bool:
+        """Whether this request is a realtime stream whose next frames are due (or late) at `now`."""
+        return self.deadline is not None and self.deadline <= now
 
 
 _local = threading.local()
@@ -119,6 +136,19 @@ def batch_key(latents: torch.Tensor, timestep: torch.Tensor, branches: list[Mode
     return (kind, _shape_key(latents), _shape_key(timestep), len(branches), first.frame_offset, cache, layout)
 
 
+def token_count(latents: torch.Tensor, branches: int, patch_size: tuple[int, ...]) -> int:
+    """Transformer tokens of a call over `latents` [B, C, F, H, W] with `branches` guidance branches: rows
+    (B x branches) x the latents' positions after patchify (each axis divided by its patch size, the trailing
+    axes matched to `patch_size` (t, h, w)). What `max_batch_tokens` counts."""
+    axes = tuple(latents.shape[2:])
+    patch = tuple(patch_size)[-len(axes):] if axes else ()
+    patch = (1,) * (len(axes) - len(patch)) + patch
+    per_row = 1
+    for n, p in zip(axes, patch):
+        per_row *= max(1, int(n) // max(1, int(p)))
+    return int(latents.shape[0]) * branches * per_row
+
+
 @dataclass(eq=False)  # compared by identity (its tensors have no truth value)
 class Unit:
     """One request's transformer work for a step: its guidance branches over `latents` (rows [B, ...])."""
@@ -133,6 +163,7 @@ class Unit:
     seq: int
     arrived: float
     step: Any = None  # the engine's StepInfo for this unit
+    tokens: int = 0  # transformer tokens of its call (token_count): what max_batch_tokens bounds
     result: list[torch.Tensor] | None = None
     error: BaseException | None = None
     done: bool = False
@@ -161,12 +192,15 @@ class StepScheduler:
 
     def __init__(self, run_solo: Callable[[Unit], list[torch.Tensor]],
                  run_batch: Callable[[list[Unit]], list[list[torch.Tensor]]], *, batching: bool = True,
-                 max_batch_size: int | None = None, gather_s: float = 0.05, settle_s: float = 0.005,
+                 max_batch_size: int | None = None, max_batch_tokens: int | None = None,
+                 patch_size: tuple[int, ...] = (1, 1, 1), gather_s: float = 0.05, settle_s: float = 0.005,
                  active_requests: Callable[[], int] | None = None):
         self.run_solo = run_solo
         self.run_batch = run_batch
         self.batching = batching
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = max_batch_size  # videos in one call (a unit's rows / its branches)
+        self.max_batch_tokens = max_batch_tokens  # transformer tokens in one call (Unit.tokens)
+        self.patch_size = tuple(patch_size)  # (t, h, w) latent positions per token, for Unit.tokens
         self.gather_s = gather_s
         self.settle_s = settle_s
         self.active_requests = active_requests
@@ -198,7 +232,8 @@ class StepScheduler:
                merged: ModelInputs | None, kind: str, request: RequestContext, step: Any = None) -> list[torch.Tensor]:
         """Queue this thread's unit and return its branch outputs once a call has run it."""
         key = batch_key(latents, timestep, branches, kind) if self.batching else None
-        unit = Unit(latents, timestep, branches, merged, kind, request, key, next(self._seq), time.monotonic(), step)
+        unit = Unit(latents, timestep, branches, merged, kind, request, key, next(self._seq), time.monotonic(), step,
+                    tokens=token_count(latents, len(branches), self.patch_size))
         with self._cv:
             self._pending.append(unit)
             self._cv.notify_all()
@@ -230,20 +265,37 @@ class StepScheduler:
         left = self.gather_s - waited
         return 0.0 if left <= 0 else left
 
-    def _pick(self) -> list[Unit]:
-        candidates = [u for u in self._pending if not any(_behind(v, u) for v in self._pending)] or self._pending
-        first = min(candidates, key=lambda u: (-u.request.priority, u.seq))
+    @staticmethod
+    def pick_order(unit: Unit, now: float) -> tuple:
+        """The sort key of the pending units: higher priority first; among equal priorities the units of realtime
+        streams whose next frames are due at `now` (RequestContext.deadline <= now), earliest deadline first;
+        then the rest (streams not yet due among them) by arrival."""
+        request = unit.request
+        if request.due(now):
+            return (-request.priority, 0, request.deadline, unit.seq)
+        return (-request.priority, 1, 0.0, unit.seq)
+
+    def _pick(self, now: float | None = None) -> list[Unit]:
+        """Take the next call's units off the queue: the first in pick order, and the compatible units after it
+        (same batch key) that fit both budgets, in pick order. The first always runs, even when it alone is over
+        a budget (a unit larger than max_batch_tokens runs alone rather than never)."""
+        now = time.monotonic() if now is None else now
+        ordered = sorted(self._pending, key=lambda u: self.pick_order(u, now))
+        # a causal pass one unit ahead of another stream's waits for it to catch up (`_behind`)
+        first = next((u for u in ordered if not any(_behind(v, u) for v in self._pending)), ordered[0])
         chosen = [first]
         if first.key is not None:
-            budget = self.max_batch_size
-            videos = first.videos
-            for unit in sorted(self._pending, key=lambda u: (-u.request.priority, u.seq)):
+            videos, tokens = first.videos, first.tokens
+            for unit in ordered:
                 if unit is first or unit.key != first.key:
                     continue
-                if budget is not None and videos + unit.videos > budget:
+                if self.max_batch_size is not None and videos + unit.videos > self.max_batch_size:
+                    continue
+                if self.max_batch_tokens is not None and tokens + unit.tokens > self.max_batch_tokens:
                     continue
                 chosen.append(unit)
                 videos += unit.videos
+                tokens += unit.tokens
         taken = {id(u) for u in chosen}
         self._pending = [u for u in self._pending if id(u) not in taken]
         return chosen

@@ -144,6 +144,7 @@ class ComposedPipeline:
                 hook.configure_engine(engine)
         if self.concurrency != "serial":
             engine.enable_scheduler(batching=self.concurrency == "batch", max_batch_size=self.runtime.max_batch_size,
+                                    max_batch_tokens=self.runtime.max_batch_tokens,
                                     active_requests=lambda: self.gate.running)
         self.engines.append(engine)
         return engine

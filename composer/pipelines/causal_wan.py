@@ -12,10 +12,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from composer.batch import ForwardBatch
+from composer.cache.kv_pool import KVPool
 from composer.configs.causal_wan import CausalWanConfig
 from composer.errors import InvalidInputError
 from composer.pipelines.base import ComposedPipeline
-from composer.cache.kv_pool import KVPool
 from composer.stages.causal_denoising import SWITCH_MODES, CausalDenoisingStage, CausalPlan, checked_segments
 from composer.stages.decoding import DecodingStage
 from composer.stages.input_validation import InputValidationStage

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import threading
 import time
 from collections import deque
@@ -175,8 +176,11 @@ class StreamSession:
 
     def started(self, job: Job) -> None:
         req = job.request
-        self.post_message({"type": "started", "id": job.id, "seed": req.get("seed"), "fps": req.get("fps"),
-                           "height": req.get("height"), "width": req.get("width"), "num_blocks": self.num_blocks})
+        message = {"type": "started", "id": job.id, "seed": req.get("seed"), "fps": req.get("fps"),
+                   "height": req.get("height"), "width": req.get("width"), "num_blocks": self.num_blocks}
+        if req.get("target_fps") is not None:
+            message["target_fps"] = req["target_fps"]
+        self.post_message(message)
 
     def chunk(self, chunk: Any, token: CancelToken) -> None:
         """Encode a decoded chunk and queue it for the socket, waiting for a free slot (cancellable)."""
@@ -336,6 +340,11 @@ def _check_stream_body(body: Any, generator: Any, config: Any) -> tuple[Any, int
     per_block, temporal = limits.frames_per_block or 1, limits.temporal_factor or 1
     body = dict(body)
     blocks = body.pop("num_blocks", None)
+    target_fps = body.pop("target_fps", None)
+    if target_fps is not None and (isinstance(target_fps, bool) or not isinstance(target_fps, (int, float))
+                                   or not math.isfinite(target_fps) or target_fps <= 0):
+        raise RequestProblem(f"target_fps = {target_fps!r}: expected a number of frames per second > 0 (or leave it "
+                             "out: no target)", "target_fps")
     if blocks is not None:
         if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
             raise RequestProblem(f"num_blocks = {blocks!r}: expected an integer >= 1", "num_blocks")
@@ -349,6 +358,8 @@ def _check_stream_body(body: Any, generator: Any, config: Any) -> tuple[Any, int
         if blocks is not None and exc.field == "num_frames":
             raise RequestProblem(f"num_blocks = {blocks} is {body['num_frames']} frames; {exc}", "num_blocks") from None
         raise
+    if target_fps is not None:  # stream_video's own argument: the worker passes the record's fields on
+        checked.params["target_fps"] = float(target_fps)
     latent = (checked.params["num_frames"] - 1) // temporal + 1
     return checked, latent // per_block
 
