@@ -406,6 +406,15 @@ class VideoGenerator:
             seed = parallel_state.random_seed()
         return Session(self, {"seed": seed, **kwargs})
 
+    def resume_session(self, data: bytes) -> Session:
+        """The session `Session.snapshot()` wrote (in this process or another), on this generator: it must load
+        the same model. Its next `extend` gives exactly what the snapshotted session's would have."""
+        from composer.session import Session
+
+        if not self.pipeline.can_stream:
+            raise UnsupportedError(f"{type(self.pipeline).__name__} makes whole videos; sessions need a causal model")
+        return Session.resume(self, data)
+
     async def agenerate_video(self, prompt: str | list[str] | None = None, **kwargs: Any
                               ) -> GenerationResult | list[GenerationResult]:
         """`generate_video` for asyncio code (a server's handlers): runs on a worker thread, so the event loop stays

@@ -37,16 +37,25 @@ class _SegmentFeed:
         return self.waiting.popleft()
 
 
-class Session:
-    """A causal stream extended segment by segment (`VideoGenerator.open_session`)."""
+SNAPSHOT_FORMAT = "composer-session/1"
+# Sampling values a snapshot keeps as they are (a start image or video is not kept: the state holds its latents).
+_NOT_KEPT = ("cancel", "start_image", "start_video")
 
-    def __init__(self, generator: Any, sampling: dict[str, Any]):
+
+class Session:
+    """A causal stream extended segment by segment (`VideoGenerator.open_session`); `fork` branches it,
+    `snapshot` writes it out, `VideoGenerator.resume_session` reads it back."""
+
+    def __init__(self, generator: Any, sampling: dict[str, Any], restore: tuple[Any, Any] | None = None):
         self._generator = generator
         self._sampling = sampling
         self._feed = _SegmentFeed()
         self._stream: Any = None
         self._chunks: Iterator[VideoChunk] | None = None
         self._closed = False
+        self._reading = False
+        self._restore = restore  # (CausalState, StreamDecodeState) to go on from, until the stream starts
+        self._earlier: np.ndarray | None = None  # frames made before a resume (keep_video)
         self.chunks: list[VideoChunk] = []  # every chunk so far (empty with keep_video=False)
         self.blocks = 0  # blocks made so far
 
@@ -54,58 +63,199 @@ class Session:
         """Continue the video with `num_blocks` blocks of `prompt`, yielding each block's frames as it is decoded
         (the start frames first, on the first call of a session with a start image or video). Read it to the end
         before the next `extend`."""
-        if self._closed:
-            raise InvalidInputError("this session is closed; open another")
-        if not isinstance(prompt, str) or not prompt:
+        self._check_usable()
+        if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidInputError(f"prompt = {prompt!r}: expected a non-empty string")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise InvalidInputError(f"num_blocks = {num_blocks!r}: expected an integer >= 1")
-        if self._feed.waiting:
-            raise InvalidInputError("the previous extend was not read to its end; read it before extending again")
         self._feed.waiting.append((prompt, num_blocks))
         return self._blocks(num_blocks)
 
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise InvalidInputError("this session is closed; open another")
+        if self._feed.waiting or self._reading:
+            raise InvalidInputError("the previous extend was not read to its end; read it (or close it) first")
+
     def _blocks(self, num_blocks: int) -> Iterator[VideoChunk]:
+        self._reading = True
+        try:
+            if self._stream is None:
+                self._stream = self._generator.stream_video(self._feed, **self._sampling)
+                if self._restore is not None:  # a fork or a resumed snapshot: the stream goes on from its state
+                    for state in self._restore:
+                        self._stream._batch.attach(state)
+                    self._restore = None
+                self._chunks = iter(self._stream)
+            made = 0
+            while made < num_blocks:
+                try:
+                    chunk = next(self._chunks)
+                except StopIteration:
+                    self.close()
+                    raise InvalidInputError("the session's stream ended early") from None
+                if chunk.block_index is not None:
+                    made += 1
+                    self.blocks += 1
+                if self._sampling.get("keep_video", True):
+                    self.chunks.append(chunk)
+                yield chunk
+            self._stream.pace.pause()  # the time until the next extend is not the stream's: its frame rate skips it
+        finally:
+            self._reading = False
+            if self._feed.waiting:  # closed before the stream read the segment: it was never started
+                self._feed.waiting.clear()
+
+    # -- branches and snapshots ------------------------------------------------------------------------
+    def _states(self) -> tuple[Any, Any] | None:
+        """(CausalState, StreamDecodeState) where the session stands (None before its first block)."""
+        from composer.stages.causal_denoising import CausalState
+        from composer.stages.decoding import StreamDecodeState
+
+        if self._restore is not None:
+            return self._restore
         if self._stream is None:
-            self._stream = self._generator.stream_video(self._feed, **self._sampling)
-            self._chunks = iter(self._stream)
-        made = 0
-        while made < num_blocks:
-            try:
-                chunk = next(self._chunks)
-            except StopIteration:
-                self.close()
-                raise InvalidInputError("the session's stream ended early") from None
-            if chunk.block_index is not None:
-                made += 1
-                self.blocks += 1
-            if self._sampling.get("keep_video", True):
-                self.chunks.append(chunk)
-            yield chunk
-        self._stream.pace.pause()  # the time until the next extend is not the stream's: its frame rate skips it
+            return None
+        batch = self._stream._batch
+        causal, decode = batch.get(CausalState, None), batch.get(StreamDecodeState, None)
+        return None if causal is None or decode is None else (causal, decode)
+
+    def fork(self, *, priority: int | None = None, cancel: Any = None) -> Session:
+        """A second session that continues this video independently: everything so far is shared (KV pages
+        copy-on-write), and either one's next `extend` gives what this session's would. Waits, like a new stream,
+        until the KV pool has room for the fork's own pages. `priority` / `cancel`: the fork's (default: this
+        session's priority, no cancel token)."""
+        self._check_usable()
+        states = self._states()
+        sampling = {k: v for k, v in self._sampling.items() if k != "cancel" and (states is None or k not in _NOT_KEPT)}
+        if priority is not None:
+            sampling["priority"] = priority
+        if cancel is not None:
+            sampling["cancel"] = cancel
+        child = Session(self._generator, sampling)
+        if states is not None:
+            causal, decode = states
+            child._restore = (causal.fork(priority=int(sampling.get("priority", 0)), cancel=cancel), decode.fork())
+        child._earlier = self._earlier
+        child.chunks = list(self.chunks)
+        child.blocks = self.blocks
+        return child
+
+    def snapshot(self) -> bytes:
+        """Everything needed to continue this session, in another process too (`VideoGenerator.resume_session`):
+        latents, KV cache, random generator, decoder state, the plan, and (keep_video) the frames so far."""
+        import io
+
+        import torch
+
+        self._check_usable()
+        sampling = {k: v for k, v in self._sampling.items() if k not in _NOT_KEPT}
+        for key, value in sampling.items():
+            if not _plain(value):
+                raise InvalidInputError(f"a session snapshot keeps plain values only; {key} = {value!r} is not one")
+        states = self._states()
+        frames = self.frames if self._sampling.get("keep_video", True) else None
+        payload = {
+            "format": SNAPSHOT_FORMAT,
+            "model": model_fingerprint(self._generator),
+            "sampling": sampling,
+            "blocks": self.blocks,
+            "state": None if states is None else states[0].export(),
+            "decoder": None if states is None else states[1].export(),
+            "frames": None if frames is None or not len(frames) else torch.from_numpy(frames),
+        }
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        return buffer.getvalue()
+
+    @classmethod
+    def resume(cls, generator: Any, data: bytes) -> Session:
+        """The session `snapshot` wrote, on `generator` (the same model)."""
+        import io
+        import pickle
+
+        import torch
+
+        from composer.stages.decoding import StreamDecodeState
+
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidInputError(f"resume_session takes the bytes Session.snapshot() returned, got "
+                                    f"{type(data).__name__}")
+        try:
+            payload = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+            raise InvalidInputError(f"not a session snapshot (or a damaged one): {exc}") from None
+        if not isinstance(payload, dict) or payload.get("format") != SNAPSHOT_FORMAT:
+            raise InvalidInputError(f"not a session snapshot of this composer (expected format {SNAPSHOT_FORMAT})")
+        mine = model_fingerprint(generator)
+        if payload["model"] != mine:
+            differ = sorted(k for k in mine if payload["model"].get(k) != mine[k])
+            raise InvalidInputError(f"this snapshot was made with another model (its {', '.join(differ)} differ "
+                                    "from this generator's); resume it on the model that made it")
+        session = cls(generator, dict(payload["sampling"]))
+        if payload["state"] is not None:
+            pipeline = generator.pipeline
+            causal = pipeline.stage("CausalDenoisingStage").restore(payload["state"])
+            decode = StreamDecodeState.load(pipeline.modules["vae"], payload["decoder"])
+            session._restore = (causal, decode)
+        if payload["frames"] is not None:
+            session._earlier = payload["frames"].numpy()
+        session.blocks = int(payload["blocks"])
+        return session
 
     @property
     def frames(self) -> np.ndarray:
-        """Every frame so far, uint8 [T, H, W, 3]."""
-        if not self.chunks:
+        """Every frame so far, uint8 [T, H, W, 3] (with keep_video)."""
+        parts = ([] if self._earlier is None else [self._earlier]) + [c.frames for c in self.chunks]
+        if not parts:
             return np.zeros((0, 0, 0, 3), dtype=np.uint8)
-        return np.concatenate([c.frames for c in self.chunks])
+        return np.concatenate(parts)
 
     @property
     def stats(self):
         return None if self._stream is None else self._stream.stats
 
     def close(self) -> None:
-        """End the session: its stream lets go of the model (and of its KV cache)."""
+        """End the session: its stream lets go of the model and its KV pages go back to the pool."""
         if self._closed:
             return
         self._closed = True
         close = getattr(getattr(self._stream, "_chunks", None), "close", None)
         if close is not None:
             close()
+        if self._restore is not None:  # a fork or resumed session that never ran: its caches are released
+            self._restore[0].close_rollout()
+            self._restore = None
 
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def model_fingerprint(generator: Any) -> dict[str, str]:
+    """What a snapshot must be resumed on: the pipeline, the transformer's config and dtype, the VAE's."""
+    import dataclasses
+    import json
+
+    pipeline = generator.pipeline
+    transformer, vae = pipeline.modules["transformer"], pipeline.modules["vae"]
+    config = transformer.config
+    config = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    return {
+        "pipeline": type(pipeline).__name__,
+        "transformer": json.dumps(config, sort_keys=True, default=str),
+        "dtype": str(transformer.dtype),
+        "vae": json.dumps(dict(vae.config), sort_keys=True, default=str),
+    }

@@ -103,6 +103,7 @@ class _Arena:
                 return i - count + 1
         return None
 
+    @torch.inference_mode()
     def _grow(self, count: int) -> None:
         """Room for `count` more free pages at the end (a doubling, so growth is rare); the old pages are copied."""
         free_tail = 0
@@ -427,6 +428,7 @@ class PagedKVCache(KVCache):
         return k_all, v_all
 
     # -- snapshots -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def export(self) -> dict[str, Any]:
         """Everything needed to rebuild this cache: the written slots' keys/values [layers, rows, slots*tpf, h, d]
         (on the CPU) and where the cache stands."""
@@ -437,6 +439,7 @@ class PagedKVCache(KVCache):
         return {"spec": self.spec.__dict__.copy(), "dtype": str(self.dtype).removeprefix("torch."),
                 "end_frame": self.end_frame, "keys": keys.cpu(), "values": values.cpu()}
 
+    @torch.inference_mode()
     def load(self, data: dict[str, Any]) -> None:
         """Fill a fresh cache (same spec) from `export`'s data."""
         same = ("num_layers", "batch_size", "num_heads", "head_dim", "tokens_per_frame", "window_frames", "sink_frames")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -120,9 +121,11 @@ class Rollout:
         return [self.frames[i] for i in visible_frames(len(self.frames), window, sink)]
 
     def close(self) -> None:
+        """Give its KV pages back (its frames stay known: a 'recache' switch recomputes them)."""
         for cache in _unique(self.caches or []):
             if cache is not None and hasattr(cache, "close"):
                 cache.close()
+        self.caches = None
 
 
 @dataclass(eq=False)
@@ -144,7 +147,7 @@ class CausalState:
     rollout: Rollout | None = None
     texts: list[ModelInputs] | None = None  # the current segment's, encoded once
     segments: Iterator[tuple[str, int]] | None = None
-    live: bool = False  # inside the stream (False: finished, failed, or never started)
+    live: bool = False  # a block is being made (a state forks and exports only between blocks)
 
     def latent_frames(self, frames: list[int]) -> torch.Tensor:
         """The clean latents of video frames `frames` [B, C, len, h, w]."""
@@ -172,6 +175,57 @@ class CausalState:
         if self.rollout is not None:
             self.rollout.close()
             self.rollout = None
+
+    # -- sessions: fork and snapshot (at a block boundary, the stream suspended) --------------------------
+    def fork(self, priority: int = 0, cancel: Any = None) -> CausalState:
+        """An independent state that continues exactly as this one would: its own random generator (same
+        state), the same latents (never written in place), the KV caches forked (pages shared until written)."""
+        if self.live:
+            raise RuntimeError("a causal state forks between blocks, not while its stream runs")
+        generator = torch.Generator(device=self.generator.device)
+        generator.set_state(self.generator.get_state())
+        rollout = None
+        if self.rollout is not None:
+            r = self.rollout
+            caches = None
+            if r.caches is not None:
+                twins: dict[int, Any] = {}
+                for cache in _unique(r.caches):
+                    if cache is not None:
+                        twins[id(cache)] = cache.fork(priority, cancel)
+                caches = [None if c is None else twins[id(c)] for c in r.caches]
+            rollout = Rollout(caches=caches, frames=list(r.frames), blocks=r.blocks, left=r.left, prefix=r.prefix,
+                              noise=r.noise, clean=list(r.clean))
+        return CausalState(
+            generator=generator, video=list(self.video), video_start=self.video_start, pinned=dict(self.pinned),
+            frames_done=self.frames_done, block_index=self.block_index, segment=self.segment, prompt=self.prompt,
+            segment_start=self.segment_start, remaining=self.remaining, first_rollout=self.first_rollout,
+            rollout=rollout, texts=self.texts,
+        )
+
+    def export(self) -> dict[str, Any]:
+        """Everything `CausalDenoisingStage.restore` needs to rebuild this state in another process (CPU
+        tensors, ints and strings: what `torch.load(weights_only=True)` reads)."""
+        if self.live:
+            raise RuntimeError("a causal state is exported between blocks, not while its stream runs")
+        rollout = None
+        if self.rollout is not None:
+            r = self.rollout
+            unique = [c for c in _unique(r.caches or []) if c is not None]
+            rollout = {
+                "frames": list(r.frames), "blocks": r.blocks, "left": r.left, "prefix": r.prefix,
+                "noise": r.noise.cpu(), "clean": [c.cpu() for c in r.clean],
+                "caches": None if r.caches is None else [c.export() for c in unique],
+                "cache_index": None if r.caches is None else [-1 if c is None else unique.index(c) for c in r.caches],
+            }
+        return {
+            "generator": self.generator.get_state(),
+            "video": torch.cat(self.video, dim=2).cpu() if self.video else None,
+            "video_start": self.video_start, "pinned": [[f, t.cpu()] for f, t in self.pinned.items()],
+            "frames_done": self.frames_done, "block_index": self.block_index, "segment": self.segment,
+            "prompt": self.prompt, "segment_start": self.segment_start, "remaining": self.remaining,
+            "first_rollout": self.first_rollout, "rollout": rollout,
+        }
 
 
 def _unique(caches: list) -> list:
@@ -291,6 +345,47 @@ class CausalDenoisingStage(Stage):
             state.frames_done = batch.start_latents.shape[2]
         return state
 
+    def restore(self, data: dict[str, Any]) -> CausalState:
+        """The CausalState `CausalState.export` wrote (another process may have written it), on this stage's
+        device, its KV caches in this stage's pool."""
+        device = self.transformer.device
+        generator = torch.Generator()
+        generator.set_state(data["generator"])
+        rollout = None
+        if data["rollout"] is not None:
+            r = data["rollout"]
+            caches = None
+            if r["caches"] is not None:
+                made = [self._restored_cache(c) for c in r["caches"]]
+                caches = [None if i < 0 else made[i] for i in r["cache_index"]]
+            rollout = Rollout(caches=caches, frames=list(r["frames"]), blocks=int(r["blocks"]), left=int(r["left"]),
+                              prefix=int(r["prefix"]), noise=r["noise"].to(device),
+                              clean=[c.to(device) for c in r["clean"]])
+        return CausalState(
+            generator=generator, video=[] if data["video"] is None else [data["video"].to(device)],
+            video_start=int(data["video_start"]), pinned={int(f): t.to(device) for f, t in data["pinned"]},
+            frames_done=int(data["frames_done"]), block_index=int(data["block_index"]),
+            segment=int(data["segment"]), prompt=data["prompt"], segment_start=int(data["segment_start"]),
+            remaining=int(data["remaining"]), first_rollout=bool(data["first_rollout"]), rollout=rollout,
+        )
+
+    def _restored_cache(self, data: dict[str, Any]) -> KVCache:
+        spec = KVCacheSpec(**data["spec"])
+        cfg = self.transformer.config
+        window, sink = self.window
+        expected = (cfg.num_layers, cfg.attention_head_dim, window, sink)
+        if (spec.num_layers, spec.head_dim, spec.window_frames, spec.sink_frames) != expected:
+            raise InvalidInputError(
+                f"the snapshot's KV cache (layers {spec.num_layers}, head_dim {spec.head_dim}, window "
+                f"{spec.window_frames}, sink {spec.sink_frames}) does not fit this model {expected}"
+            )
+        request = current_request()
+        cache = PagedKVCache(spec, self.transformer.dtype, self.transformer.device, self.kv_pool,
+                             offload=self.kv_cache_offload, priority=request.priority if request else 0,
+                             cancel=request.cancel if request else None)
+        cache.load(data)
+        return cache
+
     @torch.inference_mode()  # also around each resumption of this generator
     def stream(self, batch: ForwardBatch, upstream: Iterator | None = None) -> Iterator[LatentBlock]:
         """Generate block by block, yielding each finished block. Sets batch.stats (CausalStats) at once and, at
@@ -308,10 +403,9 @@ class CausalDenoisingStage(Stage):
         batch.stats = CausalStats()
         try:
             while (block := self._next_block(batch, plan, state)) is not None:
-                yield block
+                yield block  # suspended here between blocks (a session between extends): the state stays
         finally:
-            if not state.live:  # finished, failed or closed (a suspended session keeps its cache)
-                state.close_rollout()
+            state.close_rollout()  # finished, failed or closed: the KV pages go back to the pool
         if state.block_index == 0 and batch.start_latents is None:
             raise InvalidInputError("nothing to generate: every segment has 0 blocks")
         batch.latents = torch.cat(state.video, dim=2) if state.video else None
@@ -320,35 +414,36 @@ class CausalDenoisingStage(Stage):
         """Advance `state` by one block (reading segments and starting rollouts as needed); None when done."""
         state.live = True
         try:
-            while True:
-                rollout = state.rollout
-                if rollout is not None and rollout.left > 0:
-                    if rollout.left < rollout.blocks and self._cut(plan, state.segment_start, state.block_index):
-                        rollout.left = 0  # the rest of this rollout's noise goes unused
-                        state.remaining = 0
-                        continue
-                    return self._run_block(batch, plan, state)
-                if rollout is not None and (state.remaining > 0 or plan.switch == "restart"):
-                    state.close_rollout()  # a segment's next rollout, or a restart: this cache is done
-                if state.remaining > 0 and not self._cut(plan, state.segment_start, state.block_index):
-                    self._start_rollout(batch, plan, state, switch=False)
-                    continue
-                item = next(state.segments, None)
-                if item is None:
-                    state.live = False
-                    return None
-                prompt, num_blocks = item
-                switching = state.segment >= 0
-                state.segment += 1
-                state.prompt = prompt
-                state.texts = None
-                state.segment_start = state.block_index
-                state.remaining = num_blocks
-                if switching and state.rollout is not None:  # 'keep' / 'recache': from the old rollout
-                    self._start_rollout(batch, plan, state, switch=True)
-        except BaseException:
+            return self._advance(batch, plan, state)
+        finally:
             state.live = False
-            raise
+
+    def _advance(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState) -> LatentBlock | None:
+        while True:
+            rollout = state.rollout
+            if rollout is not None and rollout.left > 0:
+                if rollout.left < rollout.blocks and self._cut(plan, state.segment_start, state.block_index):
+                    rollout.left = 0  # the rest of this rollout's noise goes unused
+                    state.remaining = 0
+                    continue
+                return self._run_block(batch, plan, state)
+            if rollout is not None and (state.remaining > 0 or plan.switch == "restart"):
+                state.close_rollout()  # a segment's next rollout, or a restart: this cache is done
+            if state.remaining > 0 and not self._cut(plan, state.segment_start, state.block_index):
+                self._start_rollout(batch, plan, state, switch=False)
+                continue
+            item = next(state.segments, None)
+            if item is None:
+                return None
+            prompt, num_blocks = item
+            switching = state.segment >= 0
+            state.segment += 1
+            state.prompt = prompt
+            state.texts = None
+            state.segment_start = state.block_index
+            state.remaining = num_blocks
+            if switching and state.rollout is not None:  # 'keep' / 'recache': from the old rollout
+                self._start_rollout(batch, plan, state, switch=True)
 
     def _texts(self, batch: ForwardBatch, state: CausalState) -> list[ModelInputs]:
         """The current segment's text inputs (cond, and uncond under guidance), encoded once per segment."""
@@ -450,6 +545,9 @@ class CausalDenoisingStage(Stage):
         state.video.append(x0)
         rollout.frames.extend(range(state.frames_done, state.frames_done + n))
         rollout.left -= 1
+        if rollout.left == 0 and (state.remaining > 0 or plan.switch != "keep"):
+            rollout.close()  # its pages go back now: a session idle between extends holds none (a 'recache'
+            # switch needs only the rollout's frames, a next rollout makes its own cache)
         if not plan.keep_video:
             keep, pinned = self._frames_to_keep(plan, state)
             state.forget_old_frames(keep, pinned)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from composer.batch import ForwardBatch, LatentBlock, VideoChunk
 from composer.engine.batcher import CallBatcher, module_lock
-from composer.errors import StageVerificationError, UnsupportedError
+from composer.errors import InvalidInputError, StageVerificationError, UnsupportedError
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
@@ -94,30 +97,60 @@ class DecodingStage(Stage):
         VAE's temporal cache is carried from chunk to chunk, so the frames equal a whole-video decode."""
         if upstream is None:
             raise UnsupportedError("streaming decode needs a streaming denoiser before it")
-        decoder = StreamingVideoDecoder(self.vae, self.batcher)
-        frame_index = 0
+        resumed = batch.get(StreamDecodeState, None)  # a forked or resumed session goes on from its decoder
+        state = resumed or StreamDecodeState(StreamingVideoDecoder(self.vae, self.batcher))
+        state.decoder.batcher = self.batcher
+        batch.attach(state)
 
         def chunk(latents: torch.Tensor, block: LatentBlock | None) -> VideoChunk:
-            nonlocal frame_index
             start = time.perf_counter()
-            frames = decoder.decode(latents)[0]
+            frames = state.decoder.decode(latents)[0]
             if frames.shape[1:] != (batch.height, batch.width, 3):
                 raise StageVerificationError(self.name, "output", [("frames", list(frames.shape),
                                              f"uint8 frames [t, {batch.height}, {batch.width}, 3]")])
             piece = VideoChunk(
                 frames=frames, block_index=None if block is None else block.index,
                 segment=0 if block is None else block.segment,
-                prompt=batch.prompt[0] if block is None else block.prompt, start_frame=frame_index,
+                prompt=batch.prompt[0] if block is None else block.prompt, start_frame=state.frame_index,
                 block_seconds=0.0 if block is None else block.seconds, decode_seconds=time.perf_counter() - start,
                 since_start=time.perf_counter() - batch.started,
             )
-            frame_index += len(frames)
+            state.frame_index += len(frames)
             return piece
 
-        if batch.start_latents is not None:
+        if batch.start_latents is not None and resumed is None:
             yield chunk(batch.start_latents, None)
         for block in upstream:
             yield chunk(block.latents, block)
+
+
+@dataclass(eq=False)
+class StreamDecodeState:
+    """A stream's decoder between chunks (its causal cache) and the frames it has made: what a session forks
+    and snapshots."""
+
+    decoder: StreamingVideoDecoder
+    frame_index: int = 0
+
+    def fork(self) -> StreamDecodeState:
+        """An independent copy (cache entries are replaced, never written in place, so they can be shared)."""
+        twin = copy.copy(self.decoder)
+        twin.feat_cache = list(self.decoder.feat_cache)
+        return StreamDecodeState(twin, self.frame_index)
+
+    def export(self) -> dict[str, Any]:
+        return {"feat_cache": [e.cpu() if isinstance(e, torch.Tensor) else e for e in self.decoder.feat_cache],
+                "first": self.decoder.first, "frame_index": self.frame_index}
+
+    @classmethod
+    def load(cls, vae: torch.nn.Module, data: dict[str, Any]) -> StreamDecodeState:
+        decoder = StreamingVideoDecoder(vae)
+        if len(data["feat_cache"]) != len(decoder.feat_cache):
+            raise InvalidInputError("the snapshot's video decoder state does not fit this model's VAE")
+        decoder.feat_cache = [e.to(vae.device) if isinstance(e, torch.Tensor) else e
+                              for e in data["feat_cache"]]
+        decoder.first = bool(data["first"])
+        return cls(decoder, int(data["frame_index"]))
 
 
 class StreamingVideoDecoder:

@@ -1,0 +1,156 @@
+"""Sessions as persistent world state: fork, snapshot and resume continue exactly as the original would."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from composer import VideoGenerator
+from composer.errors import InvalidInputError
+
+P0, P1, P2 = "a red circle moving left", "a blue square moving right", "a green circle moving up"
+
+
+def frames_of(chunks) -> np.ndarray:
+    return np.concatenate([c.frames for c in chunks])
+
+
+@pytest.fixture(scope="module")
+def shapes(one_thread):
+    return VideoGenerator.from_pretrained("shapes-causal", progress=False)
+
+
+@pytest.fixture(scope="module")
+def windowed(tiny_causal_dir, one_thread):
+    """The tiny converted model: 2-frame blocks, a rolling window of 5 frames with a 1-frame sink."""
+    return VideoGenerator.from_pretrained(str(tiny_causal_dir), progress=False)
+
+
+def pool_of(gen):
+    return gen.pipeline.stage("CausalDenoisingStage").kv_pool
+
+
+def small(gen) -> dict:
+    return {} if "shapes" in str(gen.pipeline.folder) else {"height": 32, "width": 32, "guidance_scale": 3.0}
+
+
+@pytest.mark.parametrize("mode", ["restart", "keep", "recache"])
+@pytest.mark.parametrize("model", ["shapes", "windowed"])
+def test_a_fork_and_its_parent_each_continue_as_a_linear_stream(model, mode, request):
+    gen = request.getfixturevalue(model)
+    kw = dict(seed=3, prompt_switch=mode, **small(gen))
+    after_p1 = frames_of(gen.stream_video([(P0, 3), (P1, 2)], **kw))
+    after_p2 = frames_of(gen.stream_video([(P0, 3), (P2, 1)], **kw))
+    pool = pool_of(gen)
+    with gen.open_session(**kw) as parent:
+        list(parent.extend(P0, 3))
+        held = pool.stats().used_bytes
+        child = parent.fork()
+        if mode == "keep":  # the cache goes on across the switch: the fork shares its pages until it writes
+            assert held > 0 and pool.stats().shared_pages > 0
+        else:  # the segment's cache was given back when its last block was made
+            assert held == 0
+        with child:
+            assert np.array_equal(frames_of(child.extend(P2, 1)), after_p2[len(parent.frames):])
+            assert np.array_equal(child.frames, after_p2) and child.blocks == 4
+        list(parent.extend(P1, 2))
+        assert np.array_equal(parent.frames, after_p1) and parent.blocks == 5
+    assert pool.stats().used_bytes == 0 and pool.stats().sessions == 0
+
+
+@pytest.mark.parametrize("mode", ["restart", "keep"])
+def test_a_snapshot_resumes_in_this_process_exactly(windowed, mode):
+    kw = dict(seed=5, prompt_switch=mode, **small(windowed))
+    linear = frames_of(windowed.stream_video([(P0, 3), (P1, 2)], **kw))
+    with windowed.open_session(**kw) as session:
+        list(session.extend(P0, 3))
+        data = session.snapshot()
+    assert isinstance(data, bytes)
+    with windowed.resume_session(data) as resumed:
+        so_far = resumed.frames  # the frames made before the snapshot come back with it
+        assert resumed.blocks == 3 and 0 < len(so_far) < len(linear) and np.array_equal(so_far, linear[:len(so_far)])
+        list(resumed.extend(P1, 2))
+        assert np.array_equal(resumed.frames, linear)
+        again = resumed.snapshot()
+    # a snapshot is a value: resuming it twice gives the same video twice
+    with windowed.resume_session(data) as first, windowed.resume_session(data) as second:
+        assert np.array_equal(frames_of(first.extend(P2, 1)), frames_of(second.extend(P2, 1)))
+    with windowed.resume_session(again) as later:
+        assert later.blocks == 5
+
+
+_CHILD = textwrap.dedent("""
+    import sys, numpy as np, torch
+    torch.set_num_threads(1)
+    from composer import VideoGenerator
+    model, mode, path = sys.argv[1:4]
+    gen = VideoGenerator.from_pretrained(model, progress=False)
+    size = {} if model == "shapes-causal" else {"height": 32, "width": 32, "guidance_scale": 3.0}
+    if mode == "write":
+        session = gen.open_session(seed=9, prompt_switch="keep", **size)
+        list(session.extend(sys.argv[4], 3))
+        open(path, "wb").write(session.snapshot())
+    else:
+        session = gen.resume_session(open(path, "rb").read())
+        list(session.extend(sys.argv[4], 2))
+        np.save(path + ".npy", session.frames)
+""")
+
+
+@pytest.mark.parametrize("model", ["shapes", "windowed"])
+def test_a_snapshot_resumes_in_another_process_exactly(model, request, tmp_path):
+    gen = request.getfixturevalue(model)
+    name = "shapes-causal" if model == "shapes" else str(request.getfixturevalue("tiny_causal_dir"))
+    linear = frames_of(gen.stream_video([(P0, 3), (P1, 2)], seed=9, prompt_switch="keep", **small(gen)))
+    path = tmp_path / "session.bin"
+    for step, prompt in (("write", P0), ("read", P1)):
+        done = subprocess.run([sys.executable, "-c", _CHILD, name, step, str(path), prompt],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert np.array_equal(np.load(str(path) + ".npy"), linear)
+
+
+def test_bad_snapshots_are_refused_clearly(shapes):
+    with pytest.raises(InvalidInputError, match="not a session snapshot"):
+        shapes.resume_session(b"definitely not a snapshot")
+    with pytest.raises(InvalidInputError, match="bytes"):
+        shapes.resume_session("a path?")
+    with shapes.open_session(seed=1) as session:
+        list(session.extend(P0, 1))
+        data = session.snapshot()
+    payload = torch.load(io.BytesIO(data), weights_only=True)
+    payload["model"]["transformer"] = payload["model"]["transformer"].replace('"num_layers": ', '"num_layers": 1')
+    edited = io.BytesIO()
+    torch.save(payload, edited)
+    with pytest.raises(InvalidInputError, match="another model.*transformer"):
+        shapes.resume_session(edited.getvalue())
+
+
+def test_forks_and_snapshots_wait_for_the_extend_being_read(shapes):
+    with shapes.open_session(seed=2) as session:
+        chunks = session.extend(P0, 2)
+        next(chunks)
+        with pytest.raises(InvalidInputError, match="not read to its end"):
+            session.fork()
+        with pytest.raises(InvalidInputError, match="not read to its end"):
+            session.snapshot()
+        list(chunks)
+        with session.fork() as child:  # now it can
+            assert child.blocks == 2
+    with pytest.raises(InvalidInputError, match="closed"):
+        session.fork()
+
+
+def test_a_fork_before_the_first_block_is_a_new_session_with_the_same_settings(shapes):
+    with shapes.open_session(seed=4) as session:
+        with session.fork() as twin:
+            assert np.array_equal(frames_of(twin.extend(P0, 1)), frames_of(session.extend(P0, 1)))
+        data = session.snapshot()
+    with shapes.resume_session(data) as resumed:
+        assert resumed.blocks == 1
