@@ -384,7 +384,10 @@ class VideoGenerator:
             raise UnsupportedError("stream_video makes one video; leave num_videos_per_prompt at 1")
         check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
         batch = self._new_batch(sp, None, cancel, priority)
-        batch.get(RequestContext).target_fps = target_fps
+        context = batch.get(RequestContext)
+        context.target_fps = target_fps
+        if isinstance(segments, list):  # the same on every rank (a lazy source is read as the stream goes)
+            context.key = request_key(sp, segments, priority)
         self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
         if callable(ends_segment):  # a live source: it may end the running segment before its last block
             from composer.stages.causal_denoising import CausalPlan
@@ -462,7 +465,7 @@ class VideoGenerator:
             batch.generator = torch.Generator("cpu").manual_seed(seed)
         if cancel is not None:
             batch.attach(cancel)
-        batch.attach(RequestContext(priority=priority, cancel=cancel))
+        batch.attach(RequestContext(priority=priority, cancel=cancel, key=request_key(sp, videos, priority)))
         return batch
 
     def _warn_ignored_settings(self, sp: SamplingParam) -> None:
@@ -548,6 +551,44 @@ class StreamPace:
         target = self.target_fps
         if target is not None and self._start is not None:
             self.context.deadline = self._start + self._stretch_frames / target
+
+
+def request_key(*parts: Any) -> str:
+    """A digest of a request's arguments, equal on every rank that makes the same call (object addresses, which
+    differ between processes, never enter it): rank 0's step plans name requests by it (composer/parallel/plan.py)."""
+    import hashlib
+
+    digest = hashlib.sha1()
+
+    def feed(value: Any) -> None:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            digest.update(repr(value).encode())
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[")
+            for v in value:
+                feed(v)
+            digest.update(b"]")
+        elif isinstance(value, dict):
+            for k in sorted(value, key=str):
+                feed(str(k))
+                feed(value[k])
+        elif isinstance(value, torch.Tensor):
+            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            digest.update(value.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, np.ndarray):
+            digest.update(np.ascontiguousarray(value).tobytes())
+        elif hasattr(value, "tobytes") and hasattr(value, "size"):  # a PIL image
+            digest.update(value.tobytes())
+        elif dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                feed(f.name)
+                feed(getattr(value, f.name))
+        else:
+            digest.update(type(value).__name__.encode())
+
+    for part in parts:
+        feed(part)
+    return digest.hexdigest()
 
 
 class VideoStream:

@@ -126,3 +126,34 @@ def test_degrees_that_do_not_match_the_launch_are_refused_before_loading(folder,
     assert "composer: error: " in proc.stderr  # the ranks' one-line error (torchrun adds its own summary)
     assert "/composer/" not in "".join(line for line in proc.stderr.splitlines() if line.lstrip().startswith("File"))
     assert "loaded transformer" not in proc.stderr
+
+
+CONCURRENT = Path(__file__).parent / "scripts" / "concurrent_ranks_script.py"
+
+
+def test_concurrent_requests_on_two_ranks_equal_their_single_process_runs(folder, causal_folder, tmp_path):
+    """Two text-to-video jobs and two causal streams from four threads on each of 2 Ulysses ranks (started in
+    another order on rank 1): rank 0 plans every transformer call, every rank makes the same calls, and each
+    request's frames equal its run alone in one process; the steps were batched (fewer calls than units)."""
+    proc = _torchrun(str(CONCURRENT), str(folder), str(causal_folder), str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from composer import VideoGenerator
+
+    gen = VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False)
+    causal = VideoGenerator.from_pretrained(causal_folder, dtype="fp32", progress=False)
+    expected = {}
+    for seed in (1, 2):
+        expected[f"t2v{seed}"] = gen.generate_video("a red ball moves left", height=48, width=80, num_frames=9,
+                                                    num_inference_steps=3, guidance_scale=5.0, seed=seed).frames
+    for seed in (3, 4):
+        chunks = causal.stream_video([("a red ball moves left", 2), ("a blue cube", 1)], seed=seed, height=32,
+                                     width=32, guidance_scale=3.0)
+        expected[f"stream{seed}"] = np.concatenate([c.frames for c in chunks])
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, frames in expected.items():
+            diff = np.abs(got["frames"][name].numpy().astype(int) - frames.astype(int)).max()
+            assert diff <= 1, f"rank {rank} {name}: {diff}"
+        assert got["calls"] == torch.load(tmp_path / "rank0.pt")["calls"]  # the same calls on every rank
+    calls, units = got["calls"], got["units"]
+    assert calls[0] < units[0] and calls[1] < units[1], (calls, units)

@@ -63,6 +63,12 @@ class ParallelHook:
             lines.append("guidance branches on two rank groups (cfg parallel)")
         return f"{layout.describe()} on {layout.world_size} ranks: " + "; ".join(lines)
 
+    def configure_scheduler(self, scheduler, runtime: Any) -> None:
+        """Concurrent requests on several ranks: rank 0 plans every transformer call (composer/parallel/plan.py)."""
+        from composer.parallel.plan import plan_channel
+
+        plan_channel(runtime.dist_timeout).register(scheduler)
+
     def configure_engine(self, engine) -> None:
         if self.state.layout.cfg > 1:
             from composer.parallel.cfg import CfgParallel

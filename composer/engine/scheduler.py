@@ -54,6 +54,9 @@ class RequestContext:
     priority: int = 0
     cancel: Any = None  # composer.cancel.CancelToken
     id: int = field(default_factory=itertools.count().__next__)
+    # The request's identity on every rank of a parallel layout (a digest of its arguments): rank 0's plans name
+    # units by it, since each rank numbers its own requests (`id`) in the order its threads happen to start.
+    key: str = ""
     # A realtime stream (stream_video(target_fps=...)): the frame rate it states, and when (time.monotonic()) its
     # next frames are due: once a deadline has come, its units go before the waiting units of its priority.
     target_fps: float | None = None
@@ -200,6 +203,7 @@ class StepScheduler:
         self.batching = batching
         self.max_batch_size = max_batch_size  # videos in one call (a unit's rows / its branches)
         self.max_batch_tokens = max_batch_tokens  # transformer tokens in one call (Unit.tokens)
+        self.planner: Any = None  # a parallel layout's PlanChannel (composer/parallel/plan.py): rank 0 plans
         self.patch_size = tuple(patch_size)  # (t, h, w) latent positions per token, for Unit.tokens
         self.gather_s = gather_s
         self.settle_s = settle_s
@@ -238,6 +242,9 @@ class StepScheduler:
             self._pending.append(unit)
             self._cv.notify_all()
             while not unit.done:
+                if self.planner is not None and not self.planner.leader:
+                    self._follow(unit)
+                    continue
                 wait = self._wait_before_running()
                 if wait == 0.0:
                     self._run_one_iteration()
@@ -301,35 +308,115 @@ class StepScheduler:
         return chosen
 
     def _run_one_iteration(self) -> None:
-        """Called with the lock held: take one batch, run it without the lock, hand out the results."""
+        """Called with the lock held: take one batch, run it without the lock, hand out the results. Under a
+        parallel layout (`planner`, rank 0) the plan goes to the other ranks first, and the process's transformer
+        calls (every scheduler's) run one at a time in the order of the plans."""
         units = self._pick()
         self._running = True
         self._cv.release()
-        started = time.perf_counter()
         try:
-            try:
-                if len(units) == 1:
-                    results = [self.run_solo(units[0])]
-                else:
-                    results = self.run_batch(units)
-                for unit, result in zip(units, results):
-                    unit.result = result
-            except BaseException as exc:  # noqa: BLE001 - every unit of the failed call gets the error
-                for unit in units:
-                    unit.error = exc
+            if self.planner is None:
+                self._execute(units)
+            else:
+                self.planner.lead(self, [(u.request.key, plan_position(u)) for u in units],
+                                  lambda: self._execute(units))
+        except BaseException as exc:  # noqa: BLE001 - the plan could not be sent: the units fail
+            for unit in units:
+                unit.error = unit.error or exc
         finally:
             self._cv.acquire()
             self._running = False
-            elapsed = time.perf_counter() - started
-            self.call_seconds = elapsed if not self.stats.calls else 0.8 * self.call_seconds + 0.2 * elapsed
+            self._finished(units)
+
+    def _execute(self, units: list[Unit]) -> None:
+        """Run `units` as one call (no lock held) and give each its result, or every one the call's error."""
+        started = time.perf_counter()
+        try:
+            if len(units) == 1:
+                results = [self.run_solo(units[0])]
+            else:
+                results = self.run_batch(units)
+            for unit, result in zip(units, results):
+                unit.result = result
+        except BaseException as exc:  # noqa: BLE001 - every unit of the failed call gets the error
             for unit in units:
-                unit.done = True
-            self.stats.calls += 1
-            self.stats.units += len(units)
-            if len(units) > 1:
-                self.stats.batched_units += len(units)
-            self.stats.largest_batch = max(self.stats.largest_batch, len(units))
-            self._cv.notify_all()
+                unit.error = exc
+        elapsed = time.perf_counter() - started
+        self.call_seconds = elapsed if not self.stats.calls else 0.8 * self.call_seconds + 0.2 * elapsed
+
+    def _finished(self, units: list[Unit]) -> None:
+        """(Lock held) Count the call, mark its units done, wake their threads."""
+        for unit in units:
+            unit.done = True
+        self.stats.calls += 1
+        self.stats.units += len(units)
+        if len(units) > 1:
+            self.stats.batched_units += len(units)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(units))
+        self._cv.notify_all()
+
+    # -- another rank than 0 of a parallel layout: rank 0's plans decide every call -------------------------
+    def _follow(self, unit: Unit) -> None:
+        """(Lock held, this rank is not 0) Until `unit` is done: whichever waiting thread gets the channel receives
+        rank 0's next plan and runs it, whichever scheduler of this process it names; the others wait."""
+        self._cv.release()
+        try:
+            if not self.planner.follow_once(stop=lambda: unit.done):
+                time.sleep(0.002)
+        except BaseException as exc:  # noqa: BLE001 - no plan can come (a peer failed): nobody here goes on
+            with self._cv:
+                for waiting in self._pending:
+                    waiting.error, waiting.done = exc, True
+                self._pending = []
+                unit.error, unit.done = unit.error or exc, True
+                self._cv.notify_all()
+        finally:
+            self._cv.acquire()
+
+    def run_planned(self, plan: list[tuple[str, tuple]]) -> None:
+        """(No lock held; this rank is not 0) Take the units `plan` names (waiting for this rank's threads to
+        submit them), run them as rank 0 did, hand out the results."""
+        with self._cv:
+            units = self._take_planned(plan)
+            self._running = True
+        try:
+            self._execute(units)
+        finally:
+            with self._cv:
+                self._running = False
+                self._finished(units)
+
+    def _take_planned(self, plan: list[tuple[str, tuple]]) -> list[Unit]:
+        """(Lock held) The pending units rank 0's plan names, in its order, waiting for this rank's threads to
+        submit them; a plan naming work this rank never gets is an error after the planner's timeout (the
+        ranks' calls differ), never a hang."""
+        deadline = time.monotonic() + self.planner.timeout_s
+        while True:
+            chosen: list[Unit] = []
+            for key, position in plan:
+                match = next((u for u in self._pending if u.request.key == key and plan_position(u) == position
+                              and all(u is not c for c in chosen)), None)
+                if match is None:
+                    break
+                chosen.append(match)
+            if len(chosen) == len(plan):
+                taken = {id(u) for u in chosen}
+                self._pending = [u for u in self._pending if id(u) not in taken]
+                return chosen
+            if time.monotonic() > deadline:
+                from composer.errors import WorkerError
+
+                raise WorkerError(
+                    f"rank 0 ran a step of a request this rank has not made (after {self.planner.timeout_s:.0f} s): "
+                    "every rank must make the same generate_video / stream_video calls with the same arguments")
+            self._cv.wait(timeout=0.05)
+
+
+def plan_position(unit: Unit) -> tuple:
+    """Where a unit is in its request, the same on every rank: kind, first frame, loop run and step index."""
+    step = unit.step
+    return (unit.kind, unit.branches[0].frame_offset, -1 if step is None else step.run,
+            -1 if step is None else step.index)
 
 
 def _position(unit: Unit) -> tuple[int, int]:

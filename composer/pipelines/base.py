@@ -58,10 +58,12 @@ class ComposedPipeline:
         self.stage_scopes: list[StageScope] = []  # hooks' context managers around each stage run
         self._lora: dict[str, Any] = {}
         self.concurrency = self.concurrency_mode()
-        # Several ranks must run the same requests in the same order: a second request while one runs is refused
-        # there (two threads could be admitted in different orders on different ranks and hang the collectives).
+        # Several ranks must make the same transformer calls in the same order: with a step scheduler rank 0 plans
+        # them (composer/parallel/plan.py); without one (serial mode) a second request while one runs is refused
+        # (two threads could be admitted in different orders on different ranks and hang the collectives).
+        parallel = any(h.name == "parallel" for h in self.hooks)
         self.gate = RequestGate(serial=self.concurrency == "serial",
-                                refuse_overlap=any(h.name == "parallel" for h in self.hooks))
+                                refuse_overlap=parallel and self.concurrency == "serial")
         with library_progress_bars(runtime.progress):  # transformers' "Loading weights" and the like
             self.modules: dict[str, Any] = self.load_modules()
         self.applied_hooks = apply_hooks(self, self.hooks)
@@ -146,6 +148,9 @@ class ComposedPipeline:
             engine.enable_scheduler(batching=self.concurrency == "batch", max_batch_size=self.runtime.max_batch_size,
                                     max_batch_tokens=self.runtime.max_batch_tokens,
                                     active_requests=lambda: self.gate.running)
+            for hook in self.hooks:
+                if hasattr(hook, "configure_scheduler"):
+                    hook.configure_scheduler(engine.scheduler, self.runtime)
         self.engines.append(engine)
         return engine
 
@@ -159,7 +164,7 @@ class ComposedPipeline:
           parallel ranks must make the same calls in the same order; model offload moves whole modules per stage).
         """
         runtime = self.runtime
-        if runtime.cache != "none" or runtime.offload == "model" or any(h.name == "parallel" for h in self.hooks):
+        if runtime.cache != "none" or runtime.offload == "model":
             return "serial"
         if runtime.compile != "none":
             return "interleave"
