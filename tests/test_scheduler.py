@@ -557,3 +557,29 @@ def test_a_parallel_layouts_gate_refuses_a_second_request_instead_of_risking_a_h
         holder.join(10)
     with gate.request():  # alone again: admitted
         pass
+
+
+@pytest.mark.slow
+def test_under_compile_calls_hold_power_of_two_videos_and_stop_recompiling(one_thread):
+    """torch.compile: concurrent requests are batched in power-of-two groups (3 requests: a call of 2 and one of
+    1 per step), each equals its solo compiled run, and a second round of the same traffic compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    gen = VideoGenerator.from_pretrained(None, progress=False, compile="regional")
+    counter = CallCounter(gen.pipeline.modules["transformer"])
+    request = dict(REQUEST, num_inference_steps=4)
+    seeds = (21, 22, 23)
+    solo = {s: gen.generate_video(seed=s, **request) for s in seeds}
+    for round_ in range(2):
+        counter.rows = []
+        graphs = int(counters["stats"]["unique_graphs"])
+        results, errors = run_threads(lambda s: gen.generate_video(seed=s, **request), [(s,) for s in seeds])
+        assert not errors, errors
+        for s in seeds:
+            assert_same_video(results[s], solo[s])
+        assert set(counter.rows) <= {2, 4}  # CFG rows: 1 or 2 videos per call, never 3
+        if round_ == 1:
+            assert int(counters["stats"]["unique_graphs"]) == graphs, "recompiled in steady state"
+    assert 4 in counter.rows  # two requests shared calls

@@ -119,15 +119,16 @@ class DenoisingEngine:
 
     def enable_scheduler(self, batching: bool = True, max_batch_size: int | None = None,
                          active_requests: Callable[[], int] | None = None,
-                         max_batch_tokens: int | None = None) -> StepScheduler:
+                         max_batch_tokens: int | None = None, bucketed: bool = False) -> StepScheduler:
         """Let several requests use this engine at once: their transformer calls are queued, run one at a time,
         and (with `batching`, and batched CFG) compatible steps of different requests share one call, within
         `max_batch_size` videos and `max_batch_tokens` transformer tokens (counted with the transformer's
-        patch size) per call."""
+        patch size) per call; `bucketed` (torch.compile): only power-of-two videos per call, so the compiled
+        graphs see a few batch sizes and stop recompiling once each has run."""
         self.scheduler = StepScheduler(self._run_unit, self._run_units, batching=batching and self.batched_cfg,
                                        max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
                                        patch_size=transformer_patch_size(self.transformer),
-                                       active_requests=active_requests)
+                                       active_requests=active_requests, bucketed=bucketed)
         return self.scheduler
 
     @property

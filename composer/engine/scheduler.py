@@ -197,12 +197,13 @@ class StepScheduler:
                  run_batch: Callable[[list[Unit]], list[list[torch.Tensor]]], *, batching: bool = True,
                  max_batch_size: int | None = None, max_batch_tokens: int | None = None,
                  patch_size: tuple[int, ...] = (1, 1, 1), gather_s: float = 0.05, settle_s: float = 0.005,
-                 active_requests: Callable[[], int] | None = None):
+                 active_requests: Callable[[], int] | None = None, bucketed: bool = False):
         self.run_solo = run_solo
         self.run_batch = run_batch
         self.batching = batching
         self.max_batch_size = max_batch_size  # videos in one call (a unit's rows / its branches)
         self.max_batch_tokens = max_batch_tokens  # transformer tokens in one call (Unit.tokens)
+        self.bucketed = bucketed  # compile: power-of-two videos per call (few graphs, no steady-state recompiles)
         self.planner: Any = None  # a parallel layout's PlanChannel (composer/parallel/plan.py): rank 0 plans
         self.patch_size = tuple(patch_size)  # (t, h, w) latent positions per token, for Unit.tokens
         self.gather_s = gather_s
@@ -303,6 +304,9 @@ class StepScheduler:
                 chosen.append(unit)
                 videos += unit.videos
                 tokens += unit.tokens
+        if self.bucketed:
+            while len(chosen) > 1 and not _power_of_two(sum(u.videos for u in chosen)):
+                chosen.pop()  # the last ones wait for the next call
         taken = {id(u) for u in chosen}
         self._pending = [u for u in self._pending if id(u) not in taken]
         return chosen
@@ -410,6 +414,10 @@ class StepScheduler:
                     f"rank 0 ran a step of a request this rank has not made (after {self.planner.timeout_s:.0f} s): "
                     "every rank must make the same generate_video / stream_video calls with the same arguments")
             self._cv.wait(timeout=0.05)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def plan_position(unit: Unit) -> tuple:

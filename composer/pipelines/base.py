@@ -147,6 +147,7 @@ class ComposedPipeline:
         if self.concurrency != "serial":
             engine.enable_scheduler(batching=self.concurrency == "batch", max_batch_size=self.runtime.max_batch_size,
                                     max_batch_tokens=self.runtime.max_batch_tokens,
+                                    bucketed=self.runtime.compile != "none",
                                     active_requests=lambda: self.gate.running)
             for hook in self.hooks:
                 if hasattr(hook, "configure_scheduler"):
@@ -158,16 +159,13 @@ class ComposedPipeline:
         """How concurrent requests share this pipeline:
 
         - "batch": their denoising steps are scheduled together and compatible steps share one transformer call;
-        - "interleave": their steps are scheduled together, one request per call (compile: a new batch size would
-          recompile);
         - "serial": one request at a time, start to finish (a step cache keeps per-request state between steps;
-          parallel ranks must make the same calls in the same order; model offload moves whole modules per stage).
+          model offload moves whole modules per stage). Under torch.compile calls hold power-of-two videos (few
+          graphs); under a parallel layout rank 0 plans every call (composer/parallel/plan.py).
         """
         runtime = self.runtime
         if runtime.cache != "none" or runtime.offload == "model":
             return "serial"
-        if runtime.compile != "none":
-            return "interleave"
         return "batch"
 
     # -- requests ------------------------------------------------------------------------------------

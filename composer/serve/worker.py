@@ -31,7 +31,7 @@ from composer.video import VideoWriter, save_video
 
 logger = get_logger(__name__)
 
-CONCURRENT_DEFAULT = 4  # jobs at once on a generator whose requests may share it (concurrency "batch"/"interleave")
+CONCURRENT_DEFAULT = 4  # jobs at once on a generator whose requests may share it (concurrency "batch")
 
 
 class QueueFull(Exception):
