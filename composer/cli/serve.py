@@ -40,6 +40,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-concurrent", type=int, default=None, help="jobs (and live streams) that run at once, "
                    "their denoising steps batched (default: 4, or 1 when the model's requests run serially: a step "
                    "cache, parallel layouts, model offload; always 1 on several ranks)")
+    p.add_argument("--max-sessions", type=int, default=16, help="causal models: sessions (/v1/sessions) open at "
+                   "once")
+    p.add_argument("--session-ttl", type=float, default=600.0, help="causal models: seconds an idle session stays "
+                   "open (snapshot it to keep it longer)")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds a job may run before it is "
                    "cancelled and failed; 0: no limit (default: 1800)")
     p.set_defaults(run=run, _runtime_names=add_flags(p.add_argument_group("runtime (RuntimeArgs fields)"),
@@ -68,11 +72,13 @@ def run(args: argparse.Namespace) -> int:
                           "pip install 'composer[serve]'") from None
     from composer.generator import VideoGenerator, check_model_configs, resolve_model
 
-    for name in ("max_queue", "max_frames", "max_size", "max_steps", "max_concurrent"):
+    for name in ("max_queue", "max_frames", "max_size", "max_steps", "max_concurrent", "max_sessions"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= 1")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected a port number in [1, 65535]")
+    if not math.isfinite(args.session_ttl) or args.session_ttl <= 0:
+        raise ConfigError(f"--session-ttl {args.session_ttl}: expected a number of seconds > 0")
     if not math.isfinite(args.request_timeout) or args.request_timeout < 0:  # NaN passed `< 0` and became the timeout
         raise ConfigError(f"--request-timeout {args.request_timeout}: expected a finite number of seconds >= 0 "
                           "(0: no limit)")
@@ -113,7 +119,7 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
         limits=ServerLimits(args.max_frames, args.max_size, args.max_steps),
         request_timeout=args.request_timeout or None,
         loras=lora_options(runtime_args.lora_path or [], runtime_args.lora_scale),
-        max_concurrent=args.max_concurrent,
+        max_concurrent=args.max_concurrent, max_sessions=args.max_sessions, session_ttl=args.session_ttl,
     )
     leader = _Leader(load, runtime_args.dist_timeout) if under_torchrun else None
     app = create_app(leader.load if leader else load, config)

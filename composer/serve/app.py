@@ -24,6 +24,7 @@ from composer.logging import get_logger
 from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, JobStore, new_job_id
 from composer.serve.page import add_page_routes
 from composer.serve.requests import LoraOption, RequestProblem, ServerLimits, check_body
+from composer.serve.sessions import SessionStore, add_session_routes
 from composer.serve.stream import add_stream_routes
 from composer.serve.worker import QueueFull, Worker
 
@@ -43,6 +44,8 @@ class ServeConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     loras: list[LoraOption] = field(default_factory=list)  # the adapters loaded at start (--lora-path)
     max_concurrent: int | None = None  # jobs running at once (None: 4 if the model's requests can share it, else 1)
+    max_sessions: int = 16  # sessions open at once (/v1/sessions)
+    session_ttl: float = 600.0  # seconds an idle session stays open
 
 
 class ServerState:
@@ -53,6 +56,7 @@ class ServerState:
         self.store = JobStore(config.output_dir)
         self.generator: Any = None
         self.worker: Worker | None = None
+        self.sessions: SessionStore | None = None  # /v1/sessions, for a causal model
         self.load_error: str | None = None
         self._load = load
         self._thread = threading.Thread(target=self._load_model, name="composer-serve-load", daemon=True)
@@ -69,11 +73,18 @@ class ServerState:
             return
         self.worker = Worker(generator, self.store, self.config.max_queue, self.config.request_timeout,
                              self.config.loras, self.config.max_concurrent)
+        ranks = getattr(generator, "world_size", 1)
+        if getattr(getattr(generator, "pipeline", None), "can_stream", False) and not (
+                isinstance(ranks, int) and ranks > 1):  # several ranks: sessions are not sent to the others
+            self.sessions = SessionStore(generator, self.config.output_dir, self.config.max_sessions,
+                                         self.config.session_ttl)
         self.generator = generator
 
     def stop(self) -> None:
         if self.worker is not None:
             self.worker.stop()
+        if self.sessions is not None:
+            self.sessions.close_all()
 
 
 def error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -98,6 +109,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
     app.state.composer = state
     add_page_routes(app, state)  # the web page at / and GET /v1/model (page.py)
     streams = add_stream_routes(app, state)  # WebSocket /v1/streams (live streams of causal models)
+    add_session_routes(app, state, lambda: state.sessions)  # /v1/sessions (sessions.py)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):

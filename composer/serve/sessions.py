@@ -1,0 +1,406 @@
+"""Sessions over HTTP (`/v1/sessions`): causal videos that live across requests, forked, snapshotted to the output
+folder and resumed after a restart (composer/session.py is the Python side).
+
+    POST   /v1/sessions                      open one (sampling fields as for a stream: seed, height, width, ...)
+    GET    /v1/sessions                      the open sessions, and the snapshots in the output folder
+    GET    /v1/sessions/{id}                 one session: blocks, frames, busy, when it was last used
+    POST   /v1/sessions/{id}/extend          {"prompt": ..., "num_blocks": n}: the next blocks; the answer comes when
+                                             they are made and names the segment's video file
+    GET    /v1/sessions/{id}/video           the whole video so far (mp4)
+    POST   /v1/sessions/{id}/fork            a new session continuing the same video independently
+    POST   /v1/sessions/{id}/snapshot        write `<output>/sessions/<name>.session` (name: the id, or "name")
+    POST   /v1/sessions/resume               {"snapshot": name}: a new session from a snapshot of the output folder
+    DELETE /v1/sessions/{id}                 close it (its KV pages go back to the pool)
+
+A session runs one extend at a time (a second gets 409); its extends run on worker threads beside the jobs and
+streams, their steps scheduled with theirs. Idle sessions are closed after `ttl_s` (snapshot first to keep one);
+at most `max_sessions` are open at once (429). Snapshot names are plain names inside the output folder's
+`sessions/` directory: never paths.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request  # the serve extra (app.py imports it first); routes' annotations must resolve here
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from composer.errors import ComposerError, InvalidInputError
+from composer.logging import get_logger
+
+logger = get_logger(__name__)
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+SUFFIX = ".session"
+
+
+class SessionProblem(ComposerError):
+    """A session request that cannot be served: `status` is the HTTP status, `param` the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+@dataclass
+class Held:
+    """An open session and what the server knows of it."""
+
+    id: str
+    session: Any  # composer.session.Session
+    sampling: dict[str, Any]
+    created: float = field(default_factory=time.time)
+    used: float = field(default_factory=time.monotonic)
+    busy: bool = False
+    segments: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def to_json(self) -> dict[str, Any]:
+        frames = self.session.frames
+        return {"id": self.id, "object": "session", "blocks": self.session.blocks, "frames": int(len(frames)),
+                "segments": self.segments, "busy": self.busy, "created_at": int(self.created),
+                "idle_seconds": round(time.monotonic() - self.used, 1), "sampling": self.sampling}
+
+
+class SessionStore:
+    """The server's open sessions over one generator."""
+
+    def __init__(self, generator: Any, output_dir: Path, max_sessions: int = 16, ttl_s: float = 600.0,
+                 fps: int = 16):
+        self.generator = generator
+        self.output_dir = Path(output_dir)
+        self.snapshots = self.output_dir / "sessions"
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self.fps = fps
+        self._held: dict[str, Held] = {}
+        self._lock = threading.Lock()
+        self._count = 0
+
+    # -- open / close ----------------------------------------------------------------------------------
+    def _new_id(self) -> str:
+        import secrets
+
+        return "sess_" + secrets.token_hex(8)
+
+    def _admit(self, make) -> Held:
+        """Make a session with `make()` (which may wait: a fork or resume waits for KV pages) in a reserved slot."""
+        self.reap()
+        with self._lock:
+            if len(self._held) + self._count >= self.max_sessions:
+                raise SessionProblem(429, f"{self.max_sessions} sessions are open (the most this server keeps); "
+                                          "close one (DELETE /v1/sessions/{id}) or wait for idle ones to expire")
+            self._count += 1  # a slot held while it is made
+        try:
+            session, sampling = make()
+            held = Held(self._new_id(), session, sampling)
+            with self._lock:
+                self._held[held.id] = held
+            return held
+        finally:
+            with self._lock:
+                self._count -= 1
+
+    def open(self, sampling: dict[str, Any], inputs: dict[str, Any] | None = None) -> Held:
+        """`sampling`: checked JSON-safe fields (the record); `inputs`: decoded images (a start image)."""
+        def make():
+            return self.generator.open_session(**sampling, **(inputs or {})), dict(sampling)
+
+        try:
+            return self._admit(make)
+        except InvalidInputError as exc:
+            raise SessionProblem(400, str(exc)) from None
+
+    def get(self, session_id: str) -> Held:
+        with self._lock:
+            held = self._held.get(session_id)
+        if held is None:
+            raise SessionProblem(404, f"no open session {session_id!r}", "id")
+        return held
+
+    def close(self, session_id: str) -> Held:
+        with self._lock:
+            held = self._held.pop(session_id, None)
+        if held is None:
+            raise SessionProblem(404, f"no open session {session_id!r}", "id")
+        if not held.lock.acquire(timeout=0):
+            with self._lock:
+                self._held[session_id] = held
+            raise SessionProblem(409, f"session {session_id} is extending; close it when the extend is done", "id")
+        try:
+            held.session.close()
+        finally:
+            held.lock.release()
+        return held
+
+    def close_all(self) -> None:
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for h in held:
+            try:
+                h.session.close()
+            except Exception:  # noqa: BLE001 - shutting down
+                logger.warning("closing session %s failed", h.id, exc_info=True)
+
+    def reap(self) -> list[str]:
+        """Close the sessions idle for longer than `ttl_s`; their ids."""
+        now = time.monotonic()
+        with self._lock:
+            old = [h for h in self._held.values() if not h.busy and now - h.used > self.ttl_s]
+        closed = []
+        for h in old:
+            try:
+                self.close(h.id)
+                closed.append(h.id)
+                logger.info("session %s closed after %.0f s idle", h.id, now - h.used)
+            except SessionProblem:
+                pass
+        return closed
+
+    def list(self) -> dict[str, Any]:
+        self.reap()
+        with self._lock:
+            held = list(self._held.values())
+        snapshots = sorted(p.name[:-len(SUFFIX)] for p in self.snapshots.glob(f"*{SUFFIX}")) \
+            if self.snapshots.is_dir() else []
+        return {"object": "list", "data": [h.to_json() for h in held], "snapshots": snapshots}
+
+    # -- work ------------------------------------------------------------------------------------------
+    def _busy(self, held: Held):
+        if not held.lock.acquire(timeout=0):
+            raise SessionProblem(409, f"session {held.id} is already extending; wait for that extend to finish", "id")
+        held.busy = True
+
+    def _idle(self, held: Held) -> None:
+        held.busy = False
+        held.used = time.monotonic()
+        held.lock.release()
+
+    def extend(self, session_id: str, prompt: Any, num_blocks: Any) -> dict[str, Any]:
+        """Make the next `num_blocks` blocks of `prompt` (blocking: run it on a worker thread)."""
+        held = self.get(session_id)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SessionProblem(400, f"prompt = {prompt!r}: expected a non-empty string", "prompt")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise SessionProblem(400, f"num_blocks = {num_blocks!r}: expected an integer >= 1", "num_blocks")
+        self._busy(held)
+        try:
+            start = time.perf_counter()
+            try:
+                chunks = list(held.session.extend(prompt, num_blocks))
+            except InvalidInputError as exc:
+                raise SessionProblem(400, str(exc)) from None
+            held.segments += 1
+            path = self._write(held, chunks)
+            frames = sum(len(c.frames) for c in chunks)
+            return {"id": held.id, "object": "session.extend", "blocks": held.session.blocks, "new_frames": frames,
+                    "frames": int(len(held.session.frames)), "seconds": round(time.perf_counter() - start, 3),
+                    "video": None if path is None else path.name}
+        finally:
+            self._idle(held)
+
+    def _write(self, held: Held, chunks: list) -> Path | None:
+        import numpy as np
+
+        from composer.video import save_video
+
+        if not chunks:
+            return None
+        folder = self.output_dir / held.id
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"segment-{held.segments:03d}.mp4"
+        save_video(np.concatenate([c.frames for c in chunks]), path, fps=self.fps)
+        return path
+
+    def video(self, session_id: str) -> Path:
+        """The whole video so far, written to the output folder."""
+        from composer.video import save_video
+
+        held = self.get(session_id)
+        frames = held.session.frames
+        if not len(frames):
+            raise SessionProblem(409, f"session {session_id} has no frames yet (extend it first)", "id")
+        folder = self.output_dir / held.id
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "video.mp4"
+        save_video(frames, path, fps=self.fps)
+        return path
+
+    def fork(self, session_id: str) -> Held:
+        held = self.get(session_id)
+        self._busy(held)
+        try:
+            return self._admit(lambda: (held.session.fork(), dict(held.sampling)))
+        finally:
+            self._idle(held)
+
+    def snapshot(self, session_id: str, name: str | None = None) -> dict[str, Any]:
+        held = self.get(session_id)
+        name = held.id if name is None else name
+        if not isinstance(name, str) or not NAME.match(name):
+            raise SessionProblem(400, f"name = {name!r}: expected a plain name (letters, digits, _ . -; at most 64)",
+                                 "name")
+        self._busy(held)
+        try:
+            try:
+                data = held.session.snapshot()
+            except InvalidInputError as exc:
+                raise SessionProblem(400, str(exc)) from None
+        finally:
+            self._idle(held)
+        self.snapshots.mkdir(parents=True, exist_ok=True)
+        path = self.snapshots / f"{name}{SUFFIX}"
+        partial = path.with_suffix(".partial")
+        partial.write_bytes(data)
+        partial.replace(path)  # a reader never sees half a snapshot
+        return {"id": held.id, "object": "session.snapshot", "name": name, "bytes": len(data)}
+
+    def resume(self, name: Any) -> Held:
+        if not isinstance(name, str) or not NAME.match(name):
+            raise SessionProblem(400, f"snapshot = {name!r}: expected the name of a snapshot in the output folder",
+                                 "snapshot")
+        path = self.snapshots / f"{name}{SUFFIX}"
+        if not path.is_file():
+            raise SessionProblem(404, f"no snapshot named {name!r} in {self.snapshots}", "snapshot")
+        data = path.read_bytes()
+
+        def make():
+            session = self.generator.resume_session(data)
+            return session, dict(session._sampling)
+
+        try:
+            return self._admit(make)
+        except InvalidInputError as exc:
+            raise SessionProblem(400, str(exc), "snapshot") from None
+
+
+def add_session_routes(app: Any, state: Any, store_of) -> None:
+    """Register `/v1/sessions` on `app`; `store_of()` gives the SessionStore (None until the model is loaded)."""
+    from composer.serve.requests import RequestProblem, ServerLimits, check_body
+
+    def problem(status: int, message: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param}},
+                            status_code=status)
+
+    async def body_of(request: Request) -> dict | JSONResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return problem(400, "the body must be JSON")
+        if not isinstance(body, dict):
+            return problem(400, f"the body must be a JSON object, not {type(body).__name__}")
+        return body
+
+    def ready():
+        store = store_of()
+        if store is None:
+            generator = getattr(state, "generator", None)
+            if generator is None:
+                return None, problem(503, "the model is still loading")
+            return None, problem(400, "sessions need a causal (block-by-block) model served by one process; this "
+                                      "server's model makes whole videos, or runs on several ranks")
+        return store, None
+
+    async def run(fn, *args, status: int = 200):
+        try:
+            result = await run_in_threadpool(fn, *args)
+        except SessionProblem as exc:
+            return problem(exc.status, str(exc), exc.param)
+        if isinstance(result, Held):
+            result = result.to_json()
+        return JSONResponse(result, status_code=status)
+
+    @app.post("/v1/sessions")
+    async def open_session(request: Request):
+        store, refused = ready()
+        if refused:
+            return refused
+        body = await body_of(request)
+        if isinstance(body, JSONResponse):
+            return body
+        limits = state.config.limits if hasattr(state, "config") else ServerLimits()
+        try:  # the stream/job field rules; a session has no prompt until its first extend
+            checked = check_body({**body, "prompt": body.get("prompt") or "(session)"}, store.generator, limits)
+        except RequestProblem as exc:
+            return problem(400, str(exc), exc.field)
+        sampling = {k: v for k, v in checked.params.items() if k in body and k != "prompt"}
+        sampling["seed"] = checked.params["seed"]
+        if checked.priority:
+            sampling["priority"] = checked.priority
+        return await run(store.open, sampling, checked.inputs, status=201)
+
+    @app.get("/v1/sessions")
+    async def list_sessions():
+        store, refused = ready()
+        return refused or JSONResponse(store.list())
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str):
+        store, refused = ready()
+        return refused or await run(store.get, session_id)
+
+    @app.post("/v1/sessions/{session_id}/extend")
+    async def extend(session_id: str, request: Request):
+        store, refused = ready()
+        if refused:
+            return refused
+        body = await body_of(request)
+        if isinstance(body, JSONResponse):
+            return body
+        unknown = [k for k in body if k not in ("prompt", "num_blocks")]
+        if unknown:
+            return problem(400, f"unknown field {unknown[0]!r}: an extend takes prompt and num_blocks", unknown[0])
+        return await run(store.extend, session_id, body.get("prompt"), body.get("num_blocks", 1))
+
+    @app.get("/v1/sessions/{session_id}/video")
+    async def video(session_id: str):
+        store, refused = ready()
+        if refused:
+            return refused
+        try:
+            path = await run_in_threadpool(store.video, session_id)
+        except SessionProblem as exc:
+            return problem(exc.status, str(exc), exc.param)
+        return FileResponse(path, media_type="video/mp4")
+
+    @app.post("/v1/sessions/{session_id}/fork")
+    async def fork(session_id: str):
+        store, refused = ready()
+        return refused or await run(store.fork, session_id, status=201)
+
+    @app.post("/v1/sessions/{session_id}/snapshot")
+    async def snapshot(session_id: str, request: Request):
+        store, refused = ready()
+        if refused:
+            return refused
+        raw = await request.body()
+        body = {}
+        if raw.strip():
+            body = await body_of(request)
+            if isinstance(body, JSONResponse):
+                return body
+        return await run(store.snapshot, session_id, body.get("name"))
+
+    @app.post("/v1/sessions/resume")
+    async def resume(request: Request):
+        store, refused = ready()
+        if refused:
+            return refused
+        body = await body_of(request)
+        if isinstance(body, JSONResponse):
+            return body
+        return await run(store.resume, body.get("snapshot"), status=201)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def close(session_id: str):
+        store, refused = ready()
+        if refused:
+            return refused
+        return await run(lambda: {**store.close(session_id).to_json(), "closed": True})
