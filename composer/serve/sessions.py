@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import Request  # the serve extra (app.py imports it first); routes' annotations must resolve here
+from fastapi import (
+    Request,  # the serve extra (app.py imports it first); routes' annotations must resolve here
+)
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
