@@ -253,14 +253,30 @@ def test_a_cache_group_writes_and_reads_each_cache_as_alone():
     assert [c.end_frame for c in grouped] == [6, 6]
 
 
-def test_a_step_cache_runs_requests_one_at_a_time(one_thread):
-    gen = VideoGenerator.from_pretrained(None, progress=False, cache="teacache")
-    assert gen.pipeline.concurrency == "serial" and gen.pipeline.engines[0].scheduler is None
-    solo = {s: gen.generate_video(seed=s, **REQUEST) for s in (1, 2)}
-    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(1,), (2,)])
+@pytest.mark.parametrize("cache", ["teacache", "dbcache"])
+def test_step_cached_requests_run_together_each_deciding_for_itself(one_thread, cache):
+    """A step cache keeps a plan, residuals and counts per request: concurrent requests are scheduled together
+    (one request per call) and each one's latents equal its solo run's bit for bit."""
+    gen = VideoGenerator.from_pretrained(None, progress=False, cache=cache, cache_threshold=0.3)
+    assert gen.pipeline.concurrency == "interleave" and gen.pipeline.engines[0].scheduler is not None
+    hook = next(h for h in gen.pipeline.hooks if h.name == "cache").hooks[0]
+    seeds, request = (1, 2, 3), dict(REQUEST, num_inference_steps=10)
+    solo, plans = {}, {}
+    for s in seeds:
+        solo[s] = gen.generate_video(seed=s, **request)
+        plans[s] = dict(hook.stats.per_run)
+    assert any(not ran for plan in plans.values() for ran in plan[0])  # some steps were skipped alone
+    counter = CallCounter(gen.pipeline.modules["transformer"])
+    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **request), [(s,) for s in seeds])
     assert not errors, errors
-    for s in (1, 2):
-        assert np.array_equal(results[s].frames, solo[s].frames)
+    for s in seeds:
+        assert torch.equal(results[s].latents, solo[s].latents)  # the denoising is the solo one, bit for bit
+        assert_same_video(results[s], solo[s])  # frames: decodes of concurrent videos may share a VAE batch
+    assert set(counter.rows) == {2}  # one request (its CFG pair) per call
+    skipped_alone = sum(not ran for plan in plans.values() for ran in plan[0])
+    if cache == "teacache":  # planned before the loop: a skipped step makes no call
+        assert counter.calls == len(seeds) * request["num_inference_steps"]
+    assert skipped_alone > 0
 
 
 def test_priority_must_be_an_integer(t2v):
@@ -498,7 +514,8 @@ def test_concurrent_decodes_share_one_vae_call(one_thread):
     before = batcher.batched_calls
     results, errors = run_threads(stream, [(0,), (1,)])
     assert not errors, errors
-    assert batcher.batched_calls > before  # streamed chunks of both streams decoded as one batch
+    sched = gen.pipeline.engines[0].scheduler.stats
+    assert batcher.batched_calls > before, sched  # streamed chunks of both streams decoded as one batch
     for i in range(2):
         assert np.abs(results[i].astype(np.int16) - solo[i].astype(np.int16)).max() <= 1
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from composer.accel.step_cache import StepCacheStats
+from composer.accel.step_cache import PerRequestStepCache, StepCacheStats
 from composer.engine import EngineHook
 from composer.errors import ConfigError
 from composer.logging import get_logger
@@ -182,7 +182,7 @@ class DBCacheHook:
 
     def __init__(self, runtime: Any):
         self.runtime = runtime
-        self.hooks: list[DBCacheEngineHook] = []
+        self.hooks: list[PerRequestStepCache] = []
         self._caches: dict[int, DualBlockCache] = {}
 
     @classmethod
@@ -227,6 +227,14 @@ class DBCacheHook:
         if cache is None:
             return
         r = self.runtime
-        hook = DBCacheEngineHook(cache, r.cache_warmup_steps, r.cache_max_cached_steps, r.cache_max_consecutive)
+
+        def make() -> tuple[DBCacheEngineHook, DualBlockCache]:
+            per_request = DualBlockCache(cache.fn_blocks, cache.bn_blocks, cache.threshold, cache.taylorseer,
+                                         cache.sp_group)
+            hook = DBCacheEngineHook(per_request, r.cache_warmup_steps, r.cache_max_cached_steps,
+                                     r.cache_max_consecutive)
+            return hook, per_request
+
+        hook = PerRequestStepCache(engine.transformer, make)
         self.hooks.append(hook)
         engine.add_hook(hook)

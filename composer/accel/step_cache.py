@@ -21,6 +21,8 @@ always runs its blocks.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from composer.engine import EngineHook
+from composer.engine.scheduler import calling_requests, current_request
 from composer.logging import get_logger, log_once
 
 logger = get_logger(__name__)
@@ -194,7 +197,7 @@ class StepCacheHook:
 
     def __init__(self, runtime: Any):
         self.runtime = runtime
-        self.hooks: list[TeaCacheEngineHook] = []
+        self.hooks: list[PerRequestStepCache] = []
         self._models: dict[int, tuple[torch.nn.Module, ResidualCache, tuple[float, ...], float]] = {}
 
     @classmethod
@@ -249,6 +252,56 @@ class StepCacheHook:
         if found is None:
             return
         model, cache, coefficients, threshold = found
-        hook = TeaCacheEngineHook(model, cache, threshold, coefficients, self.runtime.cache_warmup_steps)
+        warmup = self.runtime.cache_warmup_steps
+
+        def make() -> tuple[TeaCacheEngineHook, ResidualCache]:
+            per_request = ResidualCache()
+            return TeaCacheEngineHook(model, per_request, threshold, coefficients, warmup), per_request
+
+        hook = PerRequestStepCache(model, make)
         self.hooks.append(hook)
         engine.add_hook(hook)
+
+
+class PerRequestStepCache(EngineHook):
+    """A step cache's engine hook and the model's cache object, one pair per request, so concurrent requests
+    (scheduled together, one request per call: the pipeline's "interleave" mode) each keep their own plan,
+    residuals and counts and decide for themselves, exactly as each would alone. `make()` gives a new
+    (engine hook, cache) pair. `before_step` / `after_step` run on the request's thread (`current_request`);
+    `around_model` on whichever thread runs the call, for the request the call holds (`calling_requests`), and
+    puts that request's cache in the model's `step_cache` slot for the call (one call at a time per engine)."""
+
+    def __init__(self, model: torch.nn.Module, make: Callable[[], tuple[EngineHook, Any]]):
+        self.model = model
+        self.make = make
+        self.stats = StepCacheStats()  # the last loop a request finished (what a single caller reads)
+        self._states: dict[Any, tuple[EngineHook, Any]] = {}
+        self._lock = threading.Lock()
+
+    def _state(self, request: Any) -> tuple[EngineHook, Any]:
+        key = None if request is None else id(request)
+        with self._lock:
+            state = self._states.get(key)
+            if state is None:
+                state = self._states[key] = self.make()
+                if request is not None:  # forgotten with its request
+                    weakref.finalize(request, self._forget, key)
+            return state
+
+    def _forget(self, key: Any) -> None:
+        with self._lock:
+            self._states.pop(key, None)
+
+    def before_step(self, info) -> None:
+        self._state(current_request())[0].before_step(info)
+
+    def around_model(self, call, model_call):
+        requests = calling_requests()
+        hook, cache = self._state(requests[0] if requests else current_request())
+        self.model.step_cache = cache
+        return hook.around_model(call, model_call)
+
+    def after_step(self, info) -> None:
+        hook = self._state(current_request())[0]
+        hook.after_step(info)
+        self.stats = hook.stats

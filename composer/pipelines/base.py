@@ -159,13 +159,18 @@ class ComposedPipeline:
         """How concurrent requests share this pipeline:
 
         - "batch": their denoising steps are scheduled together and compatible steps share one transformer call;
-        - "serial": one request at a time, start to finish (a step cache keeps per-request state between steps;
-          model offload moves whole modules per stage). Under torch.compile calls hold power-of-two videos (few
-          graphs); under a parallel layout rank 0 plans every call (composer/parallel/plan.py).
+        - "interleave": their steps are scheduled together, one request per call (a step cache: each request's
+          own plan and residuals decide whether its call runs the blocks; composer/accel/step_cache.py);
+        - "serial": one request at a time, start to finish (model offload moves whole modules per stage).
+
+        Under torch.compile calls hold power-of-two videos (few graphs); under a parallel layout rank 0 plans every
+        call (composer/parallel/plan.py).
         """
         runtime = self.runtime
-        if runtime.cache != "none" or runtime.offload == "model":
+        if runtime.offload == "model":
             return "serial"
+        if runtime.cache != "none":
+            return "interleave"
         return "batch"
 
     # -- requests ------------------------------------------------------------------------------------
