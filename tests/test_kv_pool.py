@@ -28,8 +28,11 @@ def spec(window=None, sink=0, capacity=13, rows=1, layers=LAYERS):
                        capacity_frames=capacity, window_frames=window, sink_frames=sink)
 
 
-def paged(s, pool, **kwargs):
-    return PagedKVCache(s, F32, "cpu", pool, **kwargs)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def paged(s, pool, device="cpu", **kwargs):
+    return PagedKVCache(s, F32, device, pool, **kwargs)
 
 
 def frame_kv(start, end, tag=0.0, rows=1):
@@ -73,7 +76,7 @@ def same_passes(caches, passes, seed=0):
             c.begin(start, end - start)
         for i in range(first.spec.num_layers):
             shape = (first.spec.batch_size, (end - start) * TPF, HEADS, DIM)
-            k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+            k, v = torch.randn(shape, generator=g).to(first.device), torch.randn(shape, generator=g).to(first.device)
             ref_k, ref_v = first.layer(i).update(k, v)
             for c in caches[1:]:
                 got_k, got_v = c.layer(i).update(k, v)
@@ -82,12 +85,12 @@ def same_passes(caches, passes, seed=0):
             c.finish()
 
 
-def fragment(pool, s, offload=False):
+def fragment(pool, s, offload=False, device="cpu"):
     """Fill `pool`'s arena for spec `s` (and `offload`) so that its free pages are enough for one cache of `s` but in no run long
     enough: four fillers of half an extent, the first and third closed. Returns the fillers still open."""
     extent = s.batch_size * s.slots
     half = (extent + 1) // 2
-    fillers = [paged(spec(capacity=half), pool, offload=offload) for _ in range(4)]
+    fillers = [paged(spec(capacity=half), pool, device, offload=offload) for _ in range(4)]
     fillers[0].close()
     fillers[2].close()
     return [fillers[1], fillers[3]]
@@ -97,17 +100,18 @@ LAYOUTS = {"global": dict(window=None), "window": dict(window=5), "window+sink":
 
 
 # -- bit-identity with KVCache ------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fragmented", [False, True], ids=["contiguous", "fragmented"])
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 @pytest.mark.parametrize("rows", [1, 2], ids=["1row", "cfg2rows"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_paged_cache_returns_the_contiguous_caches_tensors(layout, rows, offload, fragmented):
+def test_paged_cache_returns_the_contiguous_caches_tensors(layout, rows, offload, fragmented, device):
     s = spec(rows=rows, **LAYOUTS[layout])
-    pool = KVPool()
-    keep = fragment(pool, s, offload) if fragmented else []
-    cache = paged(s, pool, offload=offload)
+    pool = KVPool(device=device)
+    keep = fragment(pool, s, offload, device) if fragmented else []
+    cache = paged(s, pool, device, offload=offload)
     assert (cache.base is None) == fragmented  # a fragmented arena gives scattered pages: reads gather
-    same_passes([KVCache(s, F32, "cpu", offload=offload), cache], sampler_passes(13), seed=rows)
+    same_passes([KVCache(s, F32, device, offload=offload), cache], sampler_passes(13), seed=rows)
     assert cache.end_frame == 13
     for c in keep:
         c.close()
