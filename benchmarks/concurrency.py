@@ -9,6 +9,9 @@ aggregate frames per second of both and their ratio (> 1: concurrency pays), tra
 hook counts them), the share of units that shared a call, the requests' latency p50 / p99, and for streams the
 per-stream frame rate and the block latency p50 / p99 (a block: time between a stream's chunks). Each concurrent
 video is checked against its sequential twin (uint8 <= 1; the script exits 1 otherwise).
+For streams, KV memory too: the KV pool's peak while the N streams ran at once, next to the sum of the streams'
+`stats.kv_cache_bytes` (what N contiguous caches would hold), and a session forked N - 1 times (pool bytes held,
+pages shared) next to N contiguous caches.
 
     python benchmarks/concurrency.py                               # shapes models, CPU
     python benchmarks/concurrency.py --levels 1,4 --kinds t2v --steps 4
@@ -83,12 +86,45 @@ def one_t2v(gen, i: int, args) -> dict:
 def one_stream(gen, i: int, args) -> dict:
     start = time.perf_counter()
     last, blocks, chunks = start, [], []
-    for chunk in gen.stream_video(PROMPTS[i % len(PROMPTS)], seed=i, num_frames=args.stream_frames):
+    stream = gen.stream_video(PROMPTS[i % len(PROMPTS)], seed=i, num_frames=args.stream_frames)
+    for chunk in stream:
         now = time.perf_counter()
         blocks.append(now - last)
         last = now
         chunks.append(chunk.frames)
-    return {"frames": np.concatenate(chunks), "seconds": time.perf_counter() - start, "blocks": blocks}
+    return {"frames": np.concatenate(chunks), "seconds": time.perf_counter() - start, "blocks": blocks,
+            "kv_bytes": stream.stats.kv_cache_bytes}
+
+
+def kv_pool(gen):
+    """The causal model's KV page pool (None for other models)."""
+    try:
+        return gen.pipeline.stage("CausalDenoisingStage").kv_pool
+    except (KeyError, LookupError, AttributeError):
+        return None
+
+
+def fork_memory(gen, n: int) -> dict:
+    """A session extended by 2 blocks ('keep' switches keep its cache between extends), then forked n - 1 times:
+    the pool's bytes in use and its shared pages, next to n contiguous caches of the session's size."""
+    pool = kv_pool(gen)
+    before = pool.stats().used_bytes
+    session = gen.open_session(seed=0, prompt_switch="keep")
+    try:
+        list(session.extend(PROMPTS[0], 2))
+        one = pool.stats().used_bytes - before
+        forks = [session.fork() for _ in range(n - 1)]
+        stats = pool.stats()
+        for fork in forks:
+            fork.close()
+    finally:
+        session.close()
+    return {"n": n, "pool_bytes": stats.used_bytes - before, "contiguous_bytes": n * one,
+            "shared_pages": stats.shared_pages}
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def warm_pool(pool: ThreadPoolExecutor, size: int, gen, fn, args) -> None:
@@ -104,22 +140,25 @@ def warm_pool(pool: ThreadPoolExecutor, size: int, gen, fn, args) -> None:
         future.result()
 
 
-def run_level(gen, counter, kind: str, n: int, args, pool: ThreadPoolExecutor) -> dict:
+def run_level(gen, counter, kind: str, n: int, args, workers: ThreadPoolExecutor) -> dict:
     fn = one_t2v if kind == "t2v" else one_stream
     # Both sides run on the pool's warmed worker threads (as a server's workers would), `args.repeats` times each,
     # interleaved; the figures are the medians (the request counts and the diffs are the last run's).
     seq_times, conc_times = [], []
     units0, batched0 = scheduler_units(gen)
+    pool = kv_pool(gen) if kind == "stream" else None
     for _ in range(args.repeats):
         counter.calls = 0
         start = time.perf_counter()
-        sequential = pool.submit(lambda: [fn(gen, i, args) for i in range(n)]).result()
+        sequential = workers.submit(lambda: [fn(gen, i, args) for i in range(n)]).result()
         seq_times.append(time.perf_counter() - start)
         seq_calls = counter.calls
 
         counter.calls = 0
+        if pool is not None:
+            pool.reset_peak()
         start = time.perf_counter()
-        futures = [pool.submit(fn, gen, i, args) for i in range(n)]
+        futures = [workers.submit(fn, gen, i, args) for i in range(n)]
         results = {i: f.result() for i, f in enumerate(futures)}
         conc_times.append(time.perf_counter() - start)
         conc_calls = counter.calls
@@ -140,6 +179,9 @@ def run_level(gen, counter, kind: str, n: int, args, pool: ThreadPoolExecutor) -
         "per_stream_fps": statistics.mean(len(r["frames"]) / r["seconds"] for r in results.values()),
         "block_p50_s": percentile(blocks, 0.5), "block_p99_s": percentile(blocks, 0.99),
         "max_uint8_diff": worst,
+        # the last concurrent run's KV memory: the pool's peak, and the N streams' contiguous caches together
+        "kv_pool_peak_bytes": pool.stats().peak_used_bytes if pool is not None else None,
+        "kv_contiguous_bytes": sum(r.get("kv_bytes", 0) for r in results.values()) if pool is not None else None,
     }
 
 
@@ -200,18 +242,29 @@ def main(argv: list[str] | None = None) -> int:
                       f"p99 {row['latency_p99_s']:.2f} s"
                       + (f", per stream {row['per_stream_fps']:.1f} frames/s, block p50 {row['block_p50_s']*1e3:.0f} "
                          f"ms p99 {row['block_p99_s']*1e3:.0f} ms" if kind == "stream" else "")
-                      + f", max uint8 diff {row['max_uint8_diff']}", flush=True)
+                      + f", max uint8 diff {row['max_uint8_diff']}"
+                      + (f", KV pool peak {mib(row['kv_pool_peak_bytes'])} (contiguous caches "
+                         f"{mib(row['kv_contiguous_bytes'])})" if row["kv_pool_peak_bytes"] is not None else ""),
+                      flush=True)
             pool.shutdown()
+            if kind == "stream" and kv_pool(gen) is not None and max(levels) > 1:
+                forks = fork_memory(gen, max(levels))
+                print(f"  forks: a session and {forks['n'] - 1} forks hold {mib(forks['pool_bytes'])} of KV pool "
+                      f"({forks['shared_pages']} pages shared; {forks['n']} contiguous caches: "
+                      f"{mib(forks['contiguous_bytes'])})", flush=True)
+                rows.append({"kind": "forks", **forks})
     print("\n| traffic | N | sequential frames/s | concurrent frames/s | ratio | transformer calls (seq -> conc) | "
           "latency p50 / p99 | max uint8 diff |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        if r["kind"] == "forks":
+            continue
         print(f"| {r['kind']} | {r['n']} | {r['sequential_fps']:.1f} | {r['concurrent_fps']:.1f} | {r['speedup']:.2f}x | "
               f"{r['sequential_calls']} -> {r['concurrent_calls']} | {r['latency_p50_s']:.2f} / "
               f"{r['latency_p99_s']:.2f} s | {r['max_uint8_diff']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0 if all(r["max_uint8_diff"] <= 1 for r in rows) else 1
+    return 0 if all(r.get("max_uint8_diff", 0) <= 1 for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 A *page* holds one latent frame of one batch row for every layer: `tokens_per_frame` tokens x heads x head_dim keys
 and as many values. Pages of one shape (layers, tokens per frame, heads, head_dim, dtype, device) live in one
-*arena*, two tensors [layers, pages, tokens_per_frame, heads, head_dim] that grow as sessions need them.
+*arena*, two tensors [layers, pages, tokens_per_frame, heads, head_dim] that grow as sessions need them; the free
+pages at an arena's end give their memory back when another arena needs it under the budget.
 
 A session's cache (`PagedKVCache`, the same bookkeeping as `KVCache`: frame f lives in slot slot(f)) holds a *page
 table* [rows, slots] -> page id. When it is made it is given an *extent* of rows x slots pages of its own (the most
@@ -10,13 +11,16 @@ it can hold at once: the rolling window, or the rollout's frames under global at
 runs out of pages in the middle of a stream:
 
 - **admission**: an extent is allocated only when the pool's budget (`kv_cache_memory`) has room; otherwise the
-  session waits, in priority then arrival order, and its position is visible (`KVPool.stats`). A request larger
-  than the whole budget is refused at once.
+  session waits, in priority then arrival order, and its position is visible (`KVPool.stats`,
+  `KVPool.position`). A request larger than the whole budget is refused at once. The caches of one request (its
+  guidance branches) are admitted together (`PagedKVCache.several`): a request never waits holding pages.
 - **rolling windows** reuse the pages of frames that left the window (slot(f) cycles), **sinks** keep theirs.
 - **fork** (`PagedKVCache.fork`): the new cache's table points at the parent's pages (reference counted) and its
-  own extent waits unused; the first write to a slot takes the extent's page for that slot (copy-on-write without
-  the copy: a pass writes every layer of the frames it covers). Branches share their history until they overwrite
-  it.
+  own extent waits unused. Copy-on-write, on either side: a pass that writes a slot whose page another cache also
+  points at first gives one of the two caches a copy in its own extent's page for that slot (the fork, when the
+  fork writes a page it borrowed; each borrower, when the page's owner writes it: re-running the newest frames, or
+  a rolling window's new frames overwriting old ones). Branches share their history until they overwrite it, and a
+  pass that fails leaves the other branch's frames, and its own, as they were.
 - **export / load**: the visible frames' keys and values as tensors, for snapshots that continue in another
   process.
 
@@ -35,6 +39,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,12 +69,17 @@ class _Arena:
         self.keys = self._empty(0)
         self.values = self._empty(0)
         self.refs: list[int] = []
-        self.lock = threading.RLock()  # writes, reads and growth of these tensors
+        self.caches: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()  # open caches with pages here
+        self.lock = threading.RLock()  # writes, reads and growth of these tensors, page tables' changes
 
     def _empty(self, pages: int) -> torch.Tensor:
+        """Normal tensors, never inference tensors (the arena may grow inside a stream's inference mode): its
+        pages are written in place in and outside inference mode (a stream's passes, a fork's copy-on-write from a
+        session, load)."""
         pin = self.offload and torch.cuda.is_available()
-        return torch.zeros((self.layers, pages, *self.page_shape), dtype=self.dtype, device=self.storage,
-                           pin_memory=pin)
+        with torch.inference_mode(False):
+            return torch.zeros((self.layers, pages, *self.page_shape), dtype=self.dtype, device=self.storage,
+                               pin_memory=pin)
 
     @property
     def capacity(self) -> int:
@@ -111,10 +121,11 @@ class _Arena:
             if r:
                 break
             free_tail += 1
-        new_capacity = max(self.capacity + count - free_tail, 2 * self.capacity)
-        limit = self.pool.page_limit(self)
+        needed = self.capacity + count - free_tail
+        new_capacity = max(needed, 2 * self.capacity)
+        limit = self.pool.page_limit(self, needed)
         if limit is not None:
-            new_capacity = max(min(new_capacity, limit), self.capacity + count - free_tail)
+            new_capacity = max(min(new_capacity, limit), needed)
         keys, values = self._empty(new_capacity), self._empty(new_capacity)
         if self.capacity:
             keys[:, :self.capacity].copy_(self.keys)
@@ -122,18 +133,64 @@ class _Arena:
         self.keys, self.values = keys, values
         self.refs.extend([0] * (new_capacity - len(self.refs)))
 
+    def trim(self) -> None:
+        """Give back the memory of the free pages at the arena's end (pages in use keep their ids)."""
+        with self.lock:
+            keep = len(self.refs)
+            while keep and self.refs[keep - 1] == 0:
+                keep -= 1
+            if keep == len(self.refs):
+                return
+            keys, values = self._empty(keep), self._empty(keep)
+            if keep:
+                keys.copy_(self.keys[:, :keep])
+                values.copy_(self.values[:, :keep])
+            self.keys, self.values = keys, values
+            del self.refs[keep:]
+
     def retain(self, pages: list[int]) -> None:
         with self.lock:
             for p in pages:
+                if self.refs[p] <= 0:
+                    raise RuntimeError(f"KV page {p} is free: it cannot be shared")
                 self.refs[p] += 1
 
-    def release(self, pages: list[int]) -> None:
+    def unref(self, pages: list[int]) -> None:
+        """Drop one reference to each page (the caller holds the lock, or takes it here; it tells the pool)."""
         with self.lock:
             for p in pages:
                 if self.refs[p] <= 0:
                     raise RuntimeError(f"KV page {p} released more often than taken")
                 self.refs[p] -= 1
-        self.pool._changed()
+
+    def release(self, pages: list[int]) -> None:
+        self.unref(pages)
+        self.pool._changed()  # outside the arena's lock: the pool's lock comes first where both are taken
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Pages `dst` := pages `src` (keys and values, every layer). The caller holds the lock."""
+        dst = dst.to(self.keys.device)
+        src = src.to(self.keys.device)
+        self.keys.index_copy_(1, dst, self.keys.index_select(1, src))
+        self.values.index_copy_(1, dst, self.values.index_select(1, src))
+
+    def unshare(self, pages: list[int], owner: PagedKVCache) -> int:
+        """`owner` is about to write `pages` of its extent: every other cache pointing at one of them gets a copy in
+        its own extent's page for that slot. Returns the references dropped. The caller holds the lock."""
+        wanted = torch.tensor(pages, dtype=torch.long)
+        dropped = 0
+        for cache in list(self.caches):
+            if cache is owner:
+                continue
+            hit = torch.isin(cache.table, wanted) & (cache.table != cache.own)
+            if hit.any():
+                src, dst = cache.table[hit], cache.own[hit]
+                self.copy(src, dst)
+                cache.table[hit] = dst
+                cache._foreign -= int(hit.sum())
+                self.unref(src.tolist())
+                dropped += len(src)
+        return dropped
 
 
 @dataclass
@@ -180,17 +237,23 @@ class KVPool:
     def used_bytes(self) -> int:
         return sum(a.used * a.page_bytes for a in self._arenas.values())
 
-    def page_limit(self, arena: _Arena) -> int | None:
-        """The most pages `arena` may grow to: what the budget leaves after the other arenas' used pages."""
+    def page_limit(self, arena: _Arena, needed: int) -> int | None:
+        """The most pages `arena` may grow to (it needs `needed`): what the budget leaves after the other arenas'
+        memory, whose free pages at their ends are given back first when they stand in the way (pages of another
+        shape: streams of another resolution). The caller holds the pool's lock."""
         if self.budget_bytes is None:
             return None
-        others = sum(a.used * a.page_bytes for a in self._arenas.values() if a is not arena)
-        return max(0, (self.budget_bytes - others) // arena.page_bytes)
+        others = [a for a in self._arenas.values() if a is not arena]
+        if sum(a.capacity * a.page_bytes for a in others) + needed * arena.page_bytes > self.budget_bytes:
+            for a in others:
+                a.trim()
+        return max(0, (self.budget_bytes - sum(a.capacity * a.page_bytes for a in others)) // arena.page_bytes)
 
     # -- admission -----------------------------------------------------------------------------------------
-    def take(self, arena: _Arena, count: int, priority: int = 0, cancel: Any = None) -> tuple[list[int], bool]:
-        """Allocate `count` pages of `arena` for a new cache, waiting (in priority, then arrival order) until the
-        budget has room. Raises InvalidInputError when `count` pages exceed the whole budget."""
+    def take(self, arena: _Arena, count: int, priority: int = 0, cancel: Any = None, caches: int = 1,
+             ) -> tuple[list[int], bool]:
+        """Allocate `count` pages of `arena` for `caches` new caches, waiting (in priority, then arrival order) until
+        the budget has room. Raises InvalidInputError when `count` pages exceed the whole budget."""
         need = count * arena.page_bytes
         if self.budget_bytes is not None and need > self.budget_bytes:
             raise InvalidInputError(
@@ -219,7 +282,7 @@ class KVPool:
                     if cancel is not None:
                         cancel.check()
                 pages, contiguous = arena.allocate(count)
-                self._sessions += 1
+                self._sessions += caches
                 self._peak = max(self._peak, self.used_bytes())
                 return pages, contiguous
             finally:
@@ -229,9 +292,10 @@ class KVPool:
     def _fits(self, need: int) -> bool:
         return self.budget_bytes is None or self.used_bytes() + need <= self.budget_bytes
 
-    def position(self) -> int | None:
-        """This thread's place in the admission queue (0: next), None when it is not waiting."""
-        me = id(threading.current_thread())
+    def position(self, thread: threading.Thread | None = None) -> int | None:
+        """A thread's place in the admission queue (0: next; default: the calling thread's), None when it is not
+        waiting."""
+        me = id(thread if thread is not None else threading.current_thread())
         with self._cv:
             for i, (_, _, who) in enumerate(self._queue):
                 if who == me:
@@ -246,6 +310,11 @@ class KVPool:
     def _changed(self) -> None:
         with self._cv:
             self._cv.notify_all()
+
+    def reset_peak(self) -> None:
+        """Start `peak_used_bytes` over from the bytes in use now (to measure one stretch of traffic)."""
+        with self._cv:
+            self._peak = self.used_bytes()
 
     def stats(self) -> KVPoolStats:
         with self._cv:
@@ -303,7 +372,8 @@ class PagedKVCache(KVCache):
     """A KVCache whose slots are pages of a KVPool (see the module docstring); same interface and results."""
 
     def __init__(self, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device | str, pool: KVPool,
-                 offload: bool = False, priority: int = 0, cancel: Any = None, _parent: PagedKVCache | None = None):
+                 offload: bool = False, priority: int = 0, cancel: Any = None, _parent: PagedKVCache | None = None,
+                 _pages: list[int] | None = None):
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
@@ -312,9 +382,11 @@ class PagedKVCache(KVCache):
         self.arena = pool.arena(spec, dtype, self.device, offload)
         rows, slots = spec.batch_size, spec.slots
         self.waited_s = 0.0
-        start = time.perf_counter()
-        pages, _ = pool.take(self.arena, rows * slots, priority, cancel)
-        self.waited_s = time.perf_counter() - start
+        if _pages is None:
+            start = time.perf_counter()
+            _pages, _ = pool.take(self.arena, rows * slots, priority, cancel)
+            self.waited_s = time.perf_counter() - start
+        pages = _pages
         self.own = torch.tensor(pages, dtype=torch.long).view(rows, slots)  # this cache's extent
         self.base = pages[0] if pages == list(range(pages[0], pages[0] + len(pages))) else None
         self.table = self.own.clone()  # [rows, slots] -> page
@@ -322,22 +394,61 @@ class PagedKVCache(KVCache):
         self._closed = False
         self.end_frame = 0
         self._pass = None
+        with self.arena.lock:
+            self.arena.caches.add(self)
         if _parent is not None:
-            self._share(_parent)
+            try:
+                self._share(_parent)
+            except BaseException:
+                self.close()
+                raise
+
+    @classmethod
+    def several(cls, specs: list[KVCacheSpec], dtype: torch.dtype, device: torch.device | str, pool: KVPool,
+                offload: bool = False, priority: int = 0, cancel: Any = None) -> list[PagedKVCache]:
+        """Caches admitted together (one request's guidance branches): one wait for all their pages, so two
+        requests never each hold part of what they need while both wait for the rest. The specs differ at most in
+        rows and frames (one arena)."""
+        if len(specs) <= 1:
+            return [cls(s, dtype, device, pool, offload, priority, cancel) for s in specs]
+        arena = pool.arena(specs[0], dtype, torch.device(device), offload)
+        if any(pool.arena(s, dtype, torch.device(device), offload) is not arena for s in specs):
+            raise ValueError("PagedKVCache.several: the caches' pages must have one shape")
+        sizes = [s.batch_size * s.slots for s in specs]
+        start = time.perf_counter()
+        pages, _ = pool.take(arena, sum(sizes), priority, cancel, caches=len(specs))
+        waited = time.perf_counter() - start
+        out, first = [], 0
+        for s, size in zip(specs, sizes):
+            out.append(cls(s, dtype, device, pool, offload, _pages=pages[first:first + size]))
+            out[-1].waited_s = waited
+            first += size
+        return out
 
     # -- pages -------------------------------------------------------------------------------------------
     def _share(self, parent: PagedKVCache) -> None:
-        written = min(parent.end_frame, self.spec.slots)
-        shared = parent.table[:, :written]
-        self.arena.retain(shared.flatten().tolist())
-        self.table[:, :written] = shared
-        self._foreign = int((shared != self.own[:, :written]).sum())
-        self.end_frame = parent.end_frame
+        with self.arena.lock:
+            if parent._closed:  # closed while this fork waited for its extent
+                raise RuntimeError("fork() of a KV cache that was closed")
+            written = min(parent.end_frame, self.spec.slots)
+            shared = parent.table[:, :written]
+            self.arena.retain(shared.flatten().tolist())
+            self.table[:, :written] = shared
+            self._foreign = int((shared != self.own[:, :written]).sum())
+            self.end_frame = parent.end_frame
 
     def fork(self, priority: int = 0, cancel: Any = None) -> PagedKVCache:
         """A cache with this one's frames, sharing its pages until either writes them (waits for its own extent)."""
+        if self._closed:
+            raise RuntimeError("fork() of a KV cache that was closed")
         if self._pass is not None:
             raise RuntimeError("fork() during a pass")
+        budget = self.pool.budget_bytes
+        if budget is not None and 2 * self.nbytes > budget:  # it would wait for pages its own parent holds
+            raise InvalidInputError(
+                f"a fork's KV cache needs {_fmt(self.nbytes)} besides its parent's {_fmt(self.nbytes)} but "
+                f"kv_cache_memory is {_fmt(budget)}: raise kv_cache_memory to fork this stream"
+            )
         return PagedKVCache(self.spec, self.dtype, self.device, self.pool, self.offload, priority, cancel,
                             _parent=self)
 
@@ -346,8 +457,10 @@ class PagedKVCache(KVCache):
         if self._closed:
             return
         self._closed = True
-        foreign = self.table[self.table != self.own].tolist()
-        self.arena.release(self.own.flatten().tolist() + foreign)
+        with self.arena.lock:
+            self.arena.caches.discard(self)
+            foreign = self.table[self.table != self.own].tolist()
+            self.arena.unref(self.own.flatten().tolist() + foreign)
         self.pool._closed_session()
 
     def __del__(self):  # a stream dropped without closing still gives its pages back
@@ -361,24 +474,38 @@ class PagedKVCache(KVCache):
         if self._closed:
             raise RuntimeError("this KV cache was closed")
         super().begin(start, num_frames)
-        if self._foreign:  # copy-on-write: the frames this pass writes move to the extent's pages
-            slots = sorted({self.slot(f) for f in range(start, start + num_frames)})
-            idx = torch.tensor(slots, dtype=torch.long)
-            current, own = self.table[:, idx], self.own[:, idx]
-            moving = current != own
-            if moving.any():
-                self.arena.release(current[moving].tolist())
-                self.table[:, idx] = own
-                self._foreign -= int(moving.sum())
+        self._write_own(sorted({self.slot(f) for f in range(start, start + num_frames)}))
         return self
+
+    def _write_own(self, slots: list[int]) -> None:
+        """Copy-on-write before `slots` are written: the pages of those slots become this cache's alone, with the
+        keys/values they held (a pass that fails before writing them all leaves the frames as they were)."""
+        arena = self.arena
+        idx = torch.tensor(slots, dtype=torch.long)
+        with arena.lock:
+            current, own = self.table[:, idx], self.own[:, idx]
+            mine = current == own
+            lent = [p for p in current[mine].tolist() if arena.refs[p] > 1]
+            dropped = arena.unshare(lent, self) if lent else 0  # forks keep their copy of the old frames
+            borrowed = ~mine
+            if borrowed.any():  # pages of another cache: take the extent's page of the slot, with their data
+                src, dst = current[borrowed], own[borrowed]
+                arena.copy(src, dst)
+                self.table[:, idx] = own
+                self._foreign -= int(borrowed.sum())
+                arena.unref(src.tolist())
+                dropped += len(src)
+        if dropped:
+            self.pool._changed()
 
     def reset(self) -> None:
         super().reset()
         if self._foreign:
-            foreign = self.table[self.table != self.own].tolist()
-            self.arena.release(foreign)
-            self.table = self.own.clone()
-            self._foreign = 0
+            with self.arena.lock:
+                self.arena.unref(self.table[self.table != self.own].tolist())
+                self.table = self.own.clone()
+                self._foreign = 0
+            self.pool._changed()
 
     @property
     def nbytes(self) -> int:
@@ -451,8 +578,15 @@ class PagedKVCache(KVCache):
                                                                  if self.spec.window_frames is None else 1 << 62):
             raise InvalidInputError(f"the snapshot's KV cache holds {data['end_frame']} frames; this cache has room "
                                     f"for {self.spec.slots}")
+        if written != min(int(data["end_frame"]), self.spec.slots):
+            raise InvalidInputError(f"the snapshot's KV cache holds {written} frames of keys but says it has "
+                                    f"{data['end_frame']} frames")
+        if self._closed or self._pass is not None:
+            raise RuntimeError("load() into a closed KV cache or during a pass")
         tpf = self.spec.tokens_per_frame
         rows = self.spec.batch_size
+        if written:
+            self._write_own(list(range(written)))
         with self.arena.lock:
             pages = self.table[:, :written].flatten().to(self.arena.keys.device)
             for i in range(self.spec.num_layers):

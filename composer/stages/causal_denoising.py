@@ -315,19 +315,26 @@ class CausalDenoisingStage(Stage):
         priority = request.priority if request is not None else 0
         cancel = request.cancel if request is not None else None
 
-        def cache(rows: int) -> KVCache:
-            spec = KVCacheSpec(
+        def spec(rows: int) -> KVCacheSpec:
+            return KVCacheSpec(
                 num_layers=cfg.num_layers, batch_size=rows, num_heads=heads,
                 head_dim=cfg.attention_head_dim, tokens_per_frame=tokens, capacity_frames=capacity,
                 window_frames=window, sink_frames=sink,
             )
-            return PagedKVCache(spec, self.transformer.dtype, self.transformer.device, self.kv_pool,
-                                offload=self.kv_cache_offload, priority=priority, cancel=cancel)
 
-        if branches > 1 and self.engine.batched_cfg:
-            return [cache(batch_size * branches)] * branches
+        batched = branches > 1 and self.engine.batched_cfg
         # CFG parallel: a rank keeps the cache of its own branch only
-        return [cache(batch_size) if self.engine.owns_branch(i) else None for i in range(branches)]
+        owned = [0] if batched else [i for i in range(branches) if self.engine.owns_branch(i)]
+        rows = batch_size * branches if batched else batch_size
+        # the branches' pages in one admission: a request never holds one branch's cache while waiting for another
+        made = PagedKVCache.several([spec(rows)] * len(owned), self.transformer.dtype, self.transformer.device,
+                                    self.kv_pool, offload=self.kv_cache_offload, priority=priority, cancel=cancel)
+        if batched:
+            return made * branches
+        caches: list[KVCache | None] = [None] * branches
+        for i, cache in zip(owned, made):
+            caches[i] = cache
+        return caches
 
     def _chunks(self, start: int, end: int) -> list[tuple[int, int]]:
         n = self.config.num_frames_per_block
@@ -489,11 +496,15 @@ class CausalDenoisingStage(Stage):
         prefix = len(frames)
         caches = None
         if plan.use_kv_cache:
+            # 'keep': the old cache's keys/values move through the host, so that the old rollout's pages go back
+            # to the pool before the new cache takes its own: a stream never waits for pages it holds itself
+            kept = [c.export() if c is not None else None for c in _unique(carry.caches)] if carry else None
+            if old is not None:
+                state.close_rollout()
             caches = self._new_caches(bsz, branches, prefix + blocks * n, tpf)
-            if carry is not None:
-                for new, kept in zip(_unique(caches), _unique(carry.caches)):
-                    if new is not None:
-                        new.load(kept.export())
+            for new, data in zip(_unique(caches), kept or []):
+                if new is not None:
+                    new.load(data)
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in _unique(caches) if c))
         if old is not None:
             state.close_rollout()
