@@ -268,3 +268,62 @@ def test_the_cli_flag(cli, capsys, tiny_causal_dir, tmp_path):
                          "a cat::1", *size, "--prompt-switch", "recache", "--output", tmp_path / "c.mp4")
     assert code == 0, err
     assert "2 rollouts" in out and (tmp_path / "c.mp4").is_file()
+
+
+# -- benchmarks/prompt_switch.py -------------------------------------------------------------------------
+def _benchmark():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "prompt_switch_benchmark"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "prompt_switch.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_the_benchmark_reads_the_colour_and_smoothness_of_rendered_clips():
+    """On drawn clips (the demo's renderer): a red circle whose colour turns blue at frame 9 is blue from the
+    switch on; one that keeps red never turns; a clip that keeps its object's path moves as much across the
+    switch as within, one that jumps does not."""
+    from demo.shapes import ClipSpec, ShapeSpec, render
+
+    bench = _benchmark()
+
+    def clip(color, x=32.0, direction="right"):
+        return render(ClipSpec((ShapeSpec("circle", color, direction, 8.0, x, 32.0, 1.5),)), num_frames=9)
+
+    red, blue = clip("red"), clip("blue", x=32.0 + 9 * 1.5)  # blue continues red's path
+    switched = np.concatenate([red, blue])
+    shares = bench.new_colour_shares(switched, "red", "blue")
+    assert (shares[:9] == 0).all() and (shares[9:] == 1).all()
+    assert bench.frames_until_dominant(shares, 9) == 0
+    assert bench.frames_until_dominant(bench.new_colour_shares(np.concatenate([red, clip("red", 45.5)]), "red",
+                                                               "blue"), 9) is None
+    moved, within = bench.motion_smoothness(switched, 9)
+    assert moved == pytest.approx(within, abs=0.3)
+    cut = np.concatenate([red, clip("blue", x=10.0)])  # the object jumps back 35 px
+    assert bench.motion_smoothness(cut, 9)[0] > 10 * within
+    assert bench.latent_boundaries(13) == [1, 5, 9]
+
+
+@pytest.mark.slow
+def test_the_benchmark_prints_a_row_per_mode(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "prompt_switch.py"), "--seeds", "1", "--pairs", "1",
+                          "--before", "4", "--after", "1", "--threads", "1", "--json", str(tmp_path / "switch.json")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert all(f"  {mode} " in run.stdout for mode in MODES) and "jump/within" in run.stdout
+    summaries = json.loads((tmp_path / "switch.json").read_text())
+    assert [s["mode"] for s in summaries] == list(MODES) and all(s["runs"] == 1 for s in summaries)
+    assert summaries[1]["prefill_s"] < summaries[2]["prefill_s"]  # keep copies the cache; recache runs 4 passes
