@@ -9,6 +9,7 @@ pipeline's InputValidationStage stays as the second line of defence.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Iterable
@@ -156,6 +157,7 @@ def check_request(
         result.add_failure("num_inference_steps", sp.num_inference_steps, f"{limits.fixed_steps} (this model is "
                            f"distilled for its own {limits.fixed_steps}-step schedule)")
     _check_numbers(result, sp)
+    _check_choices(result, sp, cli)
     if sp.flow_shift is not None:
         if limits.supports_flow_shift:
             result.add_check("flow_shift", sp.flow_shift, V.positive_number)
@@ -228,6 +230,22 @@ def _check_numbers(result: VerificationResult, sp: Any) -> None:
         value = getattr(sp, name, None)
         if name != "flow_shift" and base_type(hint) is float and value is not None:
             result.add_check(name, value, NUMBER_RULES.get(name, V.finite_number))
+
+
+def _check_choices(result: VerificationResult, sp: Any, cli: bool) -> None:
+    """Every sampling field whose metadata lists the values it takes (prompt_switch) holds one of them; and a
+    'keep' prompt switch needs the KV cache (the uncached path has no cached keys/values of the old prompt)."""
+    for f in dataclasses.fields(sp):
+        choices, value = f.metadata.get("choices"), getattr(sp, f.name, None)
+        if choices is None or value is None:
+            continue
+        allowed = tuple(choices() if callable(choices) else choices)
+        if value not in allowed:
+            result.add_failure(f.name, value, f"one of {', '.join(allowed)}")
+    if getattr(sp, "prompt_switch", None) == "keep" and getattr(sp, "kv_cache", True) is False:
+        off = "--no-kv-cache" if cli else "kv_cache=False"
+        result.add_failure("prompt_switch", "keep", f"restart or recache with {off} ('keep' carries the old "
+                           "prompt's cached keys/values, and the uncached path has none)")
 
 
 def _as_written(field: str, value: str, rule: str, cli: bool) -> tuple[str, str, str]:

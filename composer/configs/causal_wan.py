@@ -58,7 +58,7 @@ class CausalWanSamplingParam(SamplingParam):
         metadata={"help": "causal models, at a prompt switch: 'restart' (a fresh KV cache from the last "
                           "overlap_frames under the new prompt), 'keep' (the cache goes on: cached frames keep the "
                           "old prompt's cross-attention) or 'recache' (every frame the cache saw is recomputed under "
-                          "the new prompt); see docs/scheduling.md", "choices": ("restart", "keep", "recache")},
+                          "the new prompt); see docs/causal-streaming.md", "choices": ("restart", "keep", "recache")},
     )
 
 

@@ -16,7 +16,12 @@ from composer.cache.kv_pool import KVPool
 from composer.configs.causal_wan import CausalWanConfig
 from composer.errors import InvalidInputError
 from composer.pipelines.base import ComposedPipeline
-from composer.stages.causal_denoising import SWITCH_MODES, CausalDenoisingStage, CausalPlan, checked_segments
+from composer.stages.causal_denoising import (
+    CausalDenoisingStage,
+    CausalPlan,
+    checked_segments,
+    switch_problem,
+)
 from composer.stages.decoding import DecodingStage
 from composer.stages.input_validation import InputValidationStage
 from composer.stages.start_frames import StartFrameEncodingStage, StartFrames
@@ -100,9 +105,8 @@ class CausalWanPipeline(ComposedPipeline):
                 batch.prompt = [segments[0][0]] * batch.batch_size
         if sampling.rollout_blocks is not None and sampling.rollout_blocks < 1:
             raise InvalidInputError(f"rollout_blocks must be >= 1, got {sampling.rollout_blocks}")
-        if sampling.prompt_switch not in SWITCH_MODES:
-            raise InvalidInputError(f"prompt_switch = {sampling.prompt_switch!r}: expected one of "
-                                    f"{', '.join(SWITCH_MODES)}")
+        if (problem := switch_problem(sampling.prompt_switch, sampling.kv_cache)) is not None:
+            raise InvalidInputError(f"prompt_switch = {sampling.prompt_switch!r}: expected {problem}")
         if sampling.overlap_frames < 0:
             raise InvalidInputError(f"overlap_frames must be >= 0, got {sampling.overlap_frames}")
         batch.attach(CausalPlan(

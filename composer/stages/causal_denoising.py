@@ -95,6 +95,18 @@ class CausalStats(RequestStats):
 SWITCH_MODES = ("restart", "keep", "recache")
 
 
+def switch_problem(switch: object, kv_cache: bool = True) -> str | None:
+    """What is wrong with a prompt_switch value (None: nothing). 'keep' needs the KV cache: the uncached path
+    recomputes every frame of the rollout under the one prompt in use, so its old frames cannot keep the old
+    prompt's cross-attention (there is no uncached reference for it)."""
+    if switch not in SWITCH_MODES:
+        return f"one of {', '.join(SWITCH_MODES)}"
+    if switch == "keep" and not kv_cache:
+        return ("'restart' or 'recache' when kv_cache is off ('keep' carries the cached keys/values of the old "
+                "prompt, and the uncached path has none)")
+    return None
+
+
 def visible_frames(end: int, window: int | None, sink: int) -> list[int]:
     """The frames (of a rollout, in order) that a pass ending at frame `end` attends to."""
     if window is None:
@@ -400,8 +412,8 @@ class CausalDenoisingStage(Stage):
         newest frames the next rollout needs. A request that carries a CausalState (a forked or resumed session)
         goes on from it."""
         plan = batch.get(CausalPlan)
-        if plan.switch not in SWITCH_MODES:
-            raise InvalidInputError(f"prompt_switch = {plan.switch!r}: expected one of {', '.join(SWITCH_MODES)}")
+        if (problem := switch_problem(plan.switch, plan.use_kv_cache)) is not None:
+            raise InvalidInputError(f"prompt_switch = {plan.switch!r}: expected {problem}")
         state = batch.get(CausalState, None)
         if state is None:
             state = self.start(batch)
@@ -434,9 +446,11 @@ class CausalDenoisingStage(Stage):
                     state.remaining = 0
                     continue
                 return self._run_block(batch, plan, state)
+            if state.remaining > 0 and self._cut(plan, state.segment_start, state.block_index):
+                state.remaining = 0  # a live source ends the segment where a rollout ended
             if rollout is not None and (state.remaining > 0 or plan.switch == "restart"):
                 state.close_rollout()  # a segment's next rollout, or a restart: this cache is done
-            if state.remaining > 0 and not self._cut(plan, state.segment_start, state.block_index):
+            if state.remaining > 0:
                 self._start_rollout(batch, plan, state, switch=False)
                 continue
             item = next(state.segments, None)
@@ -483,7 +497,7 @@ class CausalDenoisingStage(Stage):
         carry = old if old is not None and plan.switch == "keep" and old.caches is not None else None
         if carry is not None:
             frames = list(carry.frames)
-        elif old is not None:  # recache (or keep without a cache): every frame the old rollout attended to
+        elif old is not None:  # recache: every frame the old rollout attended to, under the new prompt
             frames = old.visible_frames(self)
         elif not state.video:
             frames = []
@@ -494,23 +508,25 @@ class CausalDenoisingStage(Stage):
         context = None if carry is not None or not frames else state.latent_frames(frames)
         state.first_rollout = False
         prefix = len(frames)
-        caches = None
-        if plan.use_kv_cache:
-            # 'keep': the old cache's keys/values move through the host, so that the old rollout's pages go back
-            # to the pool before the new cache takes its own: a stream never waits for pages it holds itself
-            kept = [c.export() if c is not None else None for c in _unique(carry.caches)] if carry else None
-            if old is not None:
-                state.close_rollout()
-            caches = self._new_caches(bsz, branches, prefix + blocks * n, tpf)
-            for new, data in zip(_unique(caches), kept or []):
-                if new is not None:
-                    new.load(data)
-            stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in _unique(caches) if c))
+        texts = self._texts(batch, state)  # (a new segment's prompt is encoded here, outside prefill_seconds)
+        start = time.perf_counter()
+        # The old cache goes back to the pool before the new one is taken: under a kv_cache_memory budget that
+        # holds one of them, taking the new one first would wait for ever for this stream's own pages. 'keep'
+        # copies the old keys/values out first.
+        kept = [c.export() if c is not None else None for c in _unique(carry.caches)] if carry is not None else None
         if old is not None:
             state.close_rollout()
+        prefill = time.perf_counter() - start
+        caches = None
+        if plan.use_kv_cache:
+            caches = self._new_caches(bsz, branches, prefix + blocks * n, tpf)  # may wait for the pool's room
+            stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in _unique(caches) if c))
         stats.rollouts += 1
         start = time.perf_counter()
-        texts = self._texts(batch, state)
+        if kept is not None:
+            for new, data in zip(_unique(caches), kept):
+                if new is not None and data is not None:
+                    new.load(data)
         if caches is not None and context is not None:
             for s, e in self._chunks(0, prefix):
                 engine.forward_branches(
@@ -518,7 +534,7 @@ class CausalDenoisingStage(Stage):
                     _cached(texts, caches, s), kind="context",
                 )
         _sync(device)
-        stats.prefill_seconds += time.perf_counter() - start
+        stats.prefill_seconds += prefill + time.perf_counter() - start
         noise = torch.randn((bsz, blocks * n, channels, h, w), generator=state.generator)
         state.rollout = Rollout(
             caches=caches, frames=frames, blocks=blocks, left=blocks, prefix=prefix,
@@ -556,7 +572,7 @@ class CausalDenoisingStage(Stage):
         state.video.append(x0)
         rollout.frames.extend(range(state.frames_done, state.frames_done + n))
         rollout.left -= 1
-        if rollout.left == 0 and (state.remaining > 0 or plan.switch != "keep"):
+        if rollout.left == 0 and plan.switch != "keep":
             rollout.close()  # its pages go back now: a session idle between extends holds none (a 'recache'
             # switch needs only the rollout's frames, a next rollout makes its own cache)
         if not plan.keep_video:
