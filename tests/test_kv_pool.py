@@ -580,3 +580,92 @@ def test_arenas_of_several_shapes_stay_within_the_budget():
     assert seen(run_pass(held, 2, 3)) == [0, 1, 2]  # the live cache kept its pages through the trim
     held.close()
     other.close()
+
+
+# -- host memory under pressure --------------------------------------------------------------------------------
+def test_an_idle_lower_priority_cache_moves_to_the_host_for_a_higher_priority_stream():
+    s = spec(capacity=4, rows=2)
+    pool = KVPool(extent_bytes(s))  # room for one cache
+    low = paged(s, pool, priority=0)
+    run_pass(low, 0, 2, tag=0.5)
+    before = low.export()
+    low.idle = True  # its stream is suspended between blocks
+    thread, box = in_thread(lambda: paged(s, pool, priority=1))
+    thread.join(timeout=10)
+    assert "error" not in box and not thread.is_alive()  # admitted without waiting for `low` to close
+    high = box["result"]
+    stats = pool.stats()
+    assert stats.swaps == 1 and stats.swapped_bytes == extent_bytes(s) and stats.used_bytes == extent_bytes(s)
+    assert seen(run_pass(high, 0, 2)) == [0, 1]
+    # `low` comes back (waiting for room) when its stream goes on, with its keys and values as they were
+    thread, box = in_thread(low.resume)
+    thread.join(timeout=0.3)
+    assert thread.is_alive()  # `high` holds the budget
+    high.close()
+    thread.join(timeout=10)
+    assert "error" not in box and low.swapped is None and pool.stats().swapped_bytes == 0
+    after = low.export()
+    assert after["end_frame"] == before["end_frame"] and torch.equal(after["keys"], before["keys"])
+    assert torch.equal(after["values"], before["values"])
+    assert seen(run_pass(low, 2, 4)) == [0.5, 1.5, 2, 3]
+    low.close()
+    assert pool.stats().used_bytes == 0
+
+
+def test_only_idle_caches_of_lower_priority_move_to_the_host():
+    s = spec(capacity=4)
+    for holder, waiter, idle in ((1, 0, True), (0, 0, True), (0, 1, False)):
+        pool = KVPool(extent_bytes(s))
+        held = paged(s, pool, priority=holder)
+        run_pass(held, 0, 1)
+        held.idle = idle
+        thread, box = in_thread(lambda pool=pool, waiter=waiter: paged(s, pool, priority=waiter))
+        thread.join(timeout=0.3)
+        assert thread.is_alive() and pool.stats().swaps == 0, (holder, waiter, idle)  # it waits instead
+        held.close()
+        thread.join(timeout=10)
+        box["result"].close()
+
+
+def test_a_closed_swapped_cache_frees_nothing_twice():
+    s = spec(capacity=4)
+    pool = KVPool(extent_bytes(s))
+    low = paged(s, pool)
+    run_pass(low, 0, 1)
+    low.idle = True
+    high = paged(s, pool, priority=5)
+    assert low.swapped is not None
+    low.close()
+    assert pool.stats().swapped_bytes == 0 and pool.stats().used_bytes == extent_bytes(s)
+    high.close()
+    assert pool.stats().used_bytes == 0
+
+
+def test_a_session_between_extends_lends_its_pages_to_a_higher_priority_stream(unlimited):
+    """A 'keep' session holds its KV cache between extends; under a budget for one stream, a priority-1 stream
+    moves that idle cache to host memory, runs to its end, and the session's next extend brings it back and
+    continues exactly as the linear stream."""
+    from composer import VideoGenerator
+
+    kw = dict(seed=2, prompt_switch="keep")
+    linear = np.concatenate([c.frames for c in unlimited.stream_video([(PROMPTS[0], 2), (PROMPTS[1], 2)], **kw)])
+    other = unlimited.stream_video(PROMPTS[2], seed=4, num_frames=9)
+    alone = np.concatenate([c.frames for c in other])
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False,
+                                         kv_cache_memory=max(other.stats.kv_cache_bytes, 2 ** 20) * 4)
+    pool = gen.pipeline.stage("CausalDenoisingStage").kv_pool
+    with gen.open_session(**kw) as session:
+        list(session.extend(PROMPTS[0], 2))
+        held = pool.stats().used_bytes
+        assert held > 0
+        pool.budget_bytes = max(held, other.stats.kv_cache_bytes)  # room for the new stream only without it
+        results, errors = run_threads(
+            lambda _: np.concatenate([c.frames for c in gen.stream_video(PROMPTS[2], seed=4, num_frames=9,
+                                                                          priority=1)]), [(0,)])
+        assert not errors, errors
+        assert np.array_equal(results[0], alone)
+        assert pool.stats().swaps == 1
+        pool.budget_bytes = None
+        list(session.extend(PROMPTS[1], 2))
+        assert np.array_equal(session.frames, linear)
+    assert pool.stats().used_bytes == 0 and pool.stats().swapped_bytes == 0

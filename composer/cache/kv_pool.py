@@ -205,6 +205,8 @@ class KVPoolStats:
     waiting: int  # sessions waiting for pages (admission)
     waits: int  # sessions that had to wait, since the pool was made
     shared_pages: int  # pages referenced by more than one cache (forks)
+    swaps: int = 0  # idle caches moved to host memory for a higher-priority stream, since the pool was made
+    swapped_bytes: int = 0  # keys/values on the host now
 
 
 class KVPool:
@@ -224,6 +226,8 @@ class KVPool:
         self._sessions = 0
         self._peak = 0
         self._waits = 0
+        self.swaps = 0  # caches moved to host memory (since the pool was made)
+        self.swapped_bytes = 0  # keys/values on the host now
 
     # -- arenas ------------------------------------------------------------------------------------------
     def arena(self, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, offload: bool) -> _Arena:
@@ -268,6 +272,8 @@ class KVPool:
             waited = False
             try:
                 while not (self._queue[0] == ticket and self._fits(need)):
+                    if self._queue[0] == ticket and self._make_room(need, priority):
+                        continue
                     if not waited:
                         waited = True
                         self._waits += 1
@@ -288,6 +294,17 @@ class KVPool:
             finally:
                 self._queue.remove(ticket)
                 self._cv.notify_all()
+
+    def _make_room(self, need: int, priority: int) -> bool:
+        """Move idle caches of lower priority than `priority` to host memory (lowest priority first, then the
+        largest) until `need` bytes fit; whether any moved."""
+        idle = [c for a in self._arenas.values() for c in list(a.caches) if c.idle and c.priority < priority]
+        moved = False
+        for cache in sorted(idle, key=lambda c: (c.priority, -c.nbytes)):
+            if self._fits(need):
+                break
+            moved = cache.swap_out() or moved
+        return moved
 
     def _fits(self, need: int) -> bool:
         return self.budget_bytes is None or self.used_bytes() + need <= self.budget_bytes
@@ -328,6 +345,7 @@ class KVPool:
                 waiting=len(self._queue),
                 waits=self._waits,
                 shared_pages=sum(sum(1 for r in a.refs if r > 1) for a in arenas),
+                swaps=self.swaps, swapped_bytes=self.swapped_bytes,
             )
 
 
@@ -394,6 +412,10 @@ class PagedKVCache(KVCache):
         self._closed = False
         self.end_frame = 0
         self._pass = None
+        self.priority = priority
+        self.cancel = cancel
+        self.idle = False  # its stream is suspended between blocks: its pages may go to host memory
+        self.swapped: tuple[torch.Tensor, torch.Tensor] | None = None  # its pages' keys/values while on the host
         with self.arena.lock:
             self.arena.caches.add(self)
         if _parent is not None:
@@ -443,6 +465,7 @@ class PagedKVCache(KVCache):
             raise RuntimeError("fork() of a KV cache that was closed")
         if self._pass is not None:
             raise RuntimeError("fork() during a pass")
+        self._resident()
         budget = self.pool.budget_bytes
         if budget is not None and 2 * self.nbytes > budget:  # it would wait for pages its own parent holds
             raise InvalidInputError(
@@ -459,8 +482,12 @@ class PagedKVCache(KVCache):
         self._closed = True
         with self.arena.lock:
             self.arena.caches.discard(self)
-            foreign = self.table[self.table != self.own].tolist()
-            self.arena.unref(self.own.flatten().tolist() + foreign)
+            if self.swapped is not None:  # its pages went back when it moved to the host
+                self.swapped = None
+                self.pool.swapped_bytes -= self.nbytes
+            else:
+                foreign = self.table[self.table != self.own].tolist()
+                self.arena.unref(self.own.flatten().tolist() + foreign)
         self.pool._closed_session()
 
     def __del__(self):  # a stream dropped without closing still gives its pages back
@@ -473,6 +500,7 @@ class PagedKVCache(KVCache):
     def begin(self, start: int, num_frames: int) -> PagedKVCache:
         if self._closed:
             raise RuntimeError("this KV cache was closed")
+        self.resume()
         super().begin(start, num_frames)
         self._write_own(sorted({self.slot(f) for f in range(start, start + num_frames)}))
         return self
@@ -497,6 +525,54 @@ class PagedKVCache(KVCache):
                 dropped += len(src)
         if dropped:
             self.pool._changed()
+
+    # -- host memory under pressure ----------------------------------------------------------------------
+    def swap_out(self) -> bool:
+        """Move this idle cache's pages to host memory and give them back to the pool (a higher-priority stream
+        needs them); False when it cannot go now (running, shared with a fork, already out)."""
+        arena = self.arena
+        with arena.lock:
+            if (self._closed or not self.idle or self._pass is not None or self.swapped is not None or self._foreign
+                    or any(arena.refs[p] != 1 for p in self.own.flatten().tolist())):
+                return False
+            idx = self.own.flatten().to(arena.keys.device)
+            pin = torch.cuda.is_available() and arena.keys.device.type == "cuda"
+            keys, values = arena.keys.index_select(1, idx), arena.values.index_select(1, idx)
+            self.swapped = (keys.to("cpu").pin_memory() if pin else keys.cpu(),
+                            values.to("cpu").pin_memory() if pin else values.cpu())
+            arena.caches.discard(self)
+            arena.unref(self.own.flatten().tolist())
+            self.pool.swaps += 1
+            self.pool.swapped_bytes += self.nbytes
+        return True
+
+    @torch.inference_mode()
+    def resume(self) -> None:
+        """Back from host memory, if it went there: new pages (waiting for the pool's room like a new stream,
+        never an out-of-memory error), the keys/values copied back. A no-op for a resident cache."""
+        self.idle = False
+        if self.swapped is None:
+            return
+        rows, slots = self.spec.batch_size, self.spec.slots
+        pages, _ = self.pool.take(self.arena, rows * slots, self.priority, self.cancel, caches=0)
+        arena = self.arena
+        with arena.lock:
+            idx = torch.tensor(pages, dtype=torch.long)
+            keys, values = self.swapped
+            arena.keys.index_copy_(1, idx.to(arena.keys.device), keys.to(arena.keys.device))
+            arena.values.index_copy_(1, idx.to(arena.keys.device), values.to(arena.keys.device))
+            self.own = idx.view(rows, slots)
+            self.base = pages[0] if pages == list(range(pages[0], pages[0] + len(pages))) else None
+            self.table = self.own.clone()
+            self.swapped = None
+            arena.caches.add(self)
+            self.pool.swapped_bytes -= self.nbytes
+
+    def _resident(self) -> None:
+        """Back from the host if it went there, still idle if it was (a fork or an export of a parked cache)."""
+        idle = self.idle
+        self.resume()
+        self.idle = idle
 
     def reset(self) -> None:
         super().reset()
@@ -559,6 +635,7 @@ class PagedKVCache(KVCache):
     def export(self) -> dict[str, Any]:
         """Everything needed to rebuild this cache: the written slots' keys/values [layers, rows, slots*tpf, h, d]
         (on the CPU) and where the cache stands."""
+        self._resident()
         written = min(self.end_frame, self.spec.slots)
         with self.arena.lock:
             keys = torch.stack([self._read(self.arena.keys[i], written) for i in range(self.spec.num_layers)])

@@ -183,6 +183,16 @@ class CausalState:
         self.video = [tail[:, :, cut:]] if keep > 0 else []
         self.video_start += cut
 
+    def park(self, idle: bool) -> None:
+        """Between blocks (`idle`) the rollout's KV caches may be moved to host memory under pressure; going on,
+        they come back (waiting for the pool's room, like a new stream) before the next pass."""
+        for cache in _unique(self.rollout.caches or []) if self.rollout is not None else []:
+            if cache is not None and hasattr(cache, "resume"):
+                if idle:
+                    cache.idle = True
+                else:
+                    cache.resume()
+
     def close_rollout(self) -> None:
         if self.rollout is not None:
             self.rollout.close()
@@ -422,7 +432,9 @@ class CausalDenoisingStage(Stage):
         batch.stats = CausalStats()
         try:
             while (block := self._next_block(batch, plan, state)) is not None:
-                yield block  # suspended here between blocks (a session between extends): the state stays
+                state.park(True)  # suspended between blocks: an idle stream's KV pages may go to host memory
+                yield block  # (a session between extends, a slow reader) for a higher-priority stream
+                state.park(False)
         finally:
             state.close_rollout()  # finished, failed or closed: the KV pages go back to the pool
         if state.block_index == 0 and batch.start_latents is None:
