@@ -370,10 +370,15 @@ class RequestGate:
     @property
     def busy(self) -> int:
         """Requests at work in the pipeline: `running` less the streams parked for longer than `park_grace_s`."""
+        return self.counts()[1]
+
+    def counts(self) -> tuple[int, int]:
+        """(`running`, `busy`), read together."""
         now = time.monotonic()
         with self._cv:
             idle = sum(1 for since in self._parked.values() if now - since >= self.park_grace_s)
-            return sum(self._active.values()) - idle
+            running = sum(self._active.values())
+            return running, running - idle
 
     def park(self, key: int) -> None:
         """The stream `key` handed a piece to its reader: parked until `unpark`."""
