@@ -582,8 +582,10 @@ def test_a_stream_whose_reader_holds_its_chunk_is_parked_and_no_call_waits_for_i
     frames = [next(chunks).frames]
     time.sleep(2 * gen.pipeline.gate.park_grace_s)  # the reader holds the chunk: the stream is parked
     assert gen.pipeline.gate.running == 1 and scheduler.active_requests() == 0
+    settled = scheduler.stats.settle_seconds
     other = gen.generate_video("a blue square moving right", seed=1, num_frames=5)  # runs as if alone
     assert other.frames.shape[0] == 5
+    assert scheduler.stats.settle_seconds == settled  # none of its calls waited for the parked stream
     frames += [c.frames for c in chunks]
     assert np.array_equal(np.concatenate(frames), solo)
     assert gen.pipeline.gate.running == 0 and scheduler.active_requests() == 0
