@@ -8,8 +8,18 @@ end the server must still be healthy and list every accepted job in a final stat
 Prints the outcome counts, the latency percentiles (submit to completed) and the throughput; exits 1 on any
 failed check.
 
+With `--streams N` it soaks live streams (the causal shapes model by default): N WebSocket streams at once, each
+read to its end (every chunk in order, every JPEG decoded, the saved video fetched), beside jobs from `--clients`
+threads (`--requests` of them per round), and with `--stalled`, one more stream whose client reads nothing. Each
+round runs twice, without and with the stalled client, on a fresh server over the same loaded model; the stalled
+stream must pause (its progress stays put while the others run) and must stop nobody else: the report compares
+the other streams' frame rates and the jobs' latency with and without it. The stalled stream's frames are swapped
+for random `--stall-frame-size` noise after the model makes them, so that its socket's buffers fill in a few
+chunks (the shapes model's 64x64 JPEGs are ~1 KB: megabytes of them would fit in the buffers first).
+
     python benchmarks/serve_soak.py                               # 200 requests, 8 clients, 10 malformed, 10 cancelled
     python benchmarks/serve_soak.py --requests 40 --clients 4 --steps 1 --timeout 120
+    python benchmarks/serve_soak.py --streams 3 --stalled --requests 6 --clients 2 --rounds 2
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -25,8 +36,11 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -97,7 +111,9 @@ def run_one(client: Client, index: int, kind: str, args, deadline: float, frames
         status, _, data = client.submit(body, deadline)
         return Outcome(kind, 400 <= status < 500, f"{status} {data[:80]!r}")
     request = {"prompt": f"a {('red', 'blue', 'green')[index % 3]} circle moving left", "seed": index,
-               "num_inference_steps": args.steps, "num_frames": args.num_frames}
+               "num_frames": args.num_frames}
+    if args.steps is not None:  # None: the model's own (a distilled causal model's fixed steps)
+        request["num_inference_steps"] = args.steps
     start = time.monotonic()
     status, _, data = client.submit(json.dumps(request).encode(), deadline)
     if status != 200:
@@ -128,6 +144,335 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
+@dataclass
+class Running:
+    """A server in a thread: its uvicorn Server, the thread, a client and its output folder."""
+
+    server: Any
+    thread: threading.Thread
+    client: Client
+    tmp: tempfile.TemporaryDirectory
+
+
+def start_server(load, args, max_concurrent: int | None = None, max_frames: int | None = None) -> Running:
+    import uvicorn
+
+    from composer.serve.app import ServeConfig, create_app
+    from composer.serve.requests import ServerLimits
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp = tempfile.TemporaryDirectory(prefix="composer-soak-")
+    config = ServeConfig(output_dir=Path(tmp.name) / "serve", max_queue=args.max_queue,
+                         max_concurrent=max_concurrent if max_concurrent is not None else args.max_concurrent)
+    if max_frames is not None:
+        config.limits = ServerLimits(max_frames=max_frames)
+    app = create_app(load, config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    client = Client(port, args.timeout)
+    start = time.monotonic()
+    while not server.started or client.request("GET", "/health")[0] != 200:
+        if time.monotonic() - start > 120:
+            raise RuntimeError("the server did not become ready in 120 s")
+        time.sleep(0.1)
+    if args.stall_timeout is not None:
+        app.state.streams.stall_timeout = args.stall_timeout
+    return Running(server, thread, client, tmp)
+
+
+def stop_server(running: Running) -> None:
+    running.server.should_exit = True
+    running.thread.join(timeout=30)
+    running.tmp.cleanup()
+
+
+def final_check(running: Running, outcomes: list[Outcome]) -> tuple[bool, list[str]]:
+    """(healthy, the accepted jobs not listed in a final state)."""
+    client = running.client
+    healthy = running.thread.is_alive() and client.request("GET", "/health")[0] == 200
+    listed = {job["id"]: job["status"] for job in json.loads(client.request("GET", "/v1/videos")[2])["data"]}
+    lost = [o.job_id for o in outcomes if o.job_id and listed.get(o.job_id) not in ("completed", "failed", "cancelled")]
+    return healthy, lost
+
+
+# -- live streams ----------------------------------------------------------------------------------------------
+
+STALLED = "stalled"  # the prompt prefix of the stream whose client reads nothing
+
+
+class NoisyStalledFrames:
+    """The served generator; a stream whose prompt starts with STALLED is made by the model as any other, but
+    each chunk's frames are swapped for random `size` x `size` noise (big JPEGs: its client's socket fills in a
+    few chunks)."""
+
+    def __init__(self, generator: Any, size: int):
+        self._generator = generator
+        self.size = size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._generator, name)
+
+    def stream_video(self, prompts, **kwargs):
+        stream = self._generator.stream_video(prompts, **kwargs)
+        if not str(getattr(prompts, "prompt", "")).startswith(STALLED):
+            return stream
+        return _Noise(stream, self.size)
+
+
+class _Noise:
+    def __init__(self, stream: Any, size: int):
+        self._stream = stream
+        self._size = size
+
+    @property
+    def stats(self) -> Any:
+        return getattr(self._stream, "stats", None)
+
+    def __iter__(self):
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        for chunk in self._stream:
+            frames = rng.integers(0, 256, (len(chunk.frames), self._size, self._size, 3), dtype=np.uint8)
+            yield SimpleNamespace(frames=frames, block_index=chunk.block_index, start_frame=chunk.start_frame,
+                                  prompt=chunk.prompt)
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+@dataclass
+class StreamResult:
+    ok: bool
+    detail: str = ""
+    job_id: str | None = None
+    fps: float | None = None  # frames received per second, from the first chunk to the last
+    server_fps: float | None = None  # the last chunk's `fps` (the rate the server says the stream reached)
+
+
+def watch_stream(client: Client, index: int, args, frames_dir: Path) -> StreamResult:
+    """One stream read to its end: every chunk in order with its JPEGs, `done`, and the saved video."""
+    import io
+
+    import PIL.Image
+    from websockets.sync.client import connect
+
+    from composer.video import read_frames
+
+    request = {"prompt": f"a {('red circle', 'blue square', 'green triangle')[index % 3]} moving "
+                         f"{('left', 'right', 'up', 'down')[index % 4]}", "seed": index, "num_blocks": args.stream_blocks}
+    job_id, chunks, frames, times, server_fps, size, event = None, [], 0, [], None, None, {}
+    try:
+        with connect(f"ws://127.0.0.1:{client.port}/v1/streams", open_timeout=60, close_timeout=10) as ws:
+            ws.send(json.dumps(request))
+            expected = 0
+            for message in ws:
+                if isinstance(message, bytes):
+                    image = PIL.Image.open(io.BytesIO(message))
+                    if expected <= 0 or image.size != size:
+                        return StreamResult(False, f"a frame outside a chunk or of size {image.size}", job_id)
+                    expected -= 1
+                    frames += 1
+                    if expected == 0:
+                        times.append((time.perf_counter(), frames))
+                    continue
+                event = json.loads(message)
+                if event["type"] == "started":
+                    job_id, size = event["id"], (event["width"], event["height"])
+                elif event["type"] == "chunk":
+                    if event["index"] != len(chunks) or expected:
+                        return StreamResult(False, f"chunk {event['index']} out of order", job_id)
+                    chunks.append(event)
+                    expected = event["frames"]
+                    server_fps = event.get("fps")
+                elif event["type"] == "done":
+                    break
+                elif event["type"] == "error":
+                    return StreamResult(False, f"error: {event['error']['message']}", job_id)
+    except Exception as exc:  # noqa: BLE001 - reported as a failed check
+        return StreamResult(False, f"{type(exc).__name__}: {exc}", job_id)
+    if len(chunks) != args.stream_blocks or event["frames"] != frames:
+        return StreamResult(False, f"{len(chunks)} chunks, {frames} frames; done says {event.get('frames')}", job_id)
+    status, _, video = client.request("GET", f"/v1/videos/{job_id}/content")
+    path = frames_dir / f"{job_id}.mp4"
+    path.write_bytes(video)
+    saved = read_frames(path).shape[0] if status == 200 else 0
+    path.unlink()
+    if saved != frames:
+        return StreamResult(False, f"the saved video has {saved} frames of {frames}", job_id)
+    (t0, f0), (t1, f1) = times[0], times[-1]  # from the first chunk's last frame: the stream's pace, not its start
+    fps = (f1 - f0) / (t1 - t0) if t1 > t0 else None
+    return StreamResult(True, "", job_id, fps, server_fps)
+
+
+def job_progress(client: Client, job_id: str) -> float:
+    return json.loads(client.request("GET", f"/v1/videos/{job_id}")[2])["progress"]
+
+
+def start_stalled(client: Client, args, stack: ExitStack) -> tuple[str, float, float]:
+    """A stream whose client reads nothing after its first message (its connection closes with `stack`);
+    returns (its id, its progress once it paused, the seconds it took to pause)."""
+    from websockets.sync.client import connect
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    sock.connect(("127.0.0.1", client.port))
+    ws = stack.enter_context(connect(f"ws://127.0.0.1:{client.port}/v1/streams", sock=sock, max_queue=1,
+                                     open_timeout=60, close_timeout=1))
+    ws.send(json.dumps({"prompt": f"{STALLED}: a red circle moving left", "seed": 99,
+                        "num_blocks": args.stall_blocks}))
+    started = json.loads(ws.recv(timeout=120))
+    assert started["type"] == "started", started
+    job_id, began = started["id"], time.monotonic()
+    last, since = -1.0, time.monotonic()
+    while True:  # paused: no progress for a second, its two chunks buffered
+        progress = job_progress(client, job_id)
+        if progress != last:
+            last, since = progress, time.monotonic()
+        metrics = client.request("GET", "/metrics")[2].decode()
+        buffered = next(float(line.split()[1]) for line in metrics.splitlines()
+                        if line.startswith("composer_stream_buffered_chunks "))
+        if time.monotonic() - since > 1.0 and buffered >= 2:
+            return job_id, progress, time.monotonic() - began
+        if time.monotonic() - began > 120:
+            raise RuntimeError("the stalled stream never paused")
+        time.sleep(0.1)
+
+
+def settling(generator: Any) -> tuple[float, int]:
+    """(seconds ready transformer calls were held for requests outside a loop, calls) over the schedulers."""
+    stats = [e.scheduler.stats for e in generator.pipeline.engines if e.scheduler is not None]
+    return sum(s.settle_seconds for s in stats), sum(s.calls for s in stats)
+
+
+def stream_round(load, args, stalled: bool, frames_dir: Path, slots: int, generator: Any) -> dict:
+    """One round on a fresh server: the streams and the jobs at once (and first, the stalled stream)."""
+    running = start_server(load, args, slots, max_frames=100_000)  # the stalled stream's blocks
+    client = running.client
+    result: dict = {"stalled": None, "checks": []}
+    stack = ExitStack()  # the stalled client's connection
+    try:
+        if stalled:
+            stalled_id, paused_at, pause_s = start_stalled(client, args, stack)
+        deadline = time.monotonic() + args.timeout
+        began = time.monotonic()
+        settled_before = settling(generator)
+        with ThreadPoolExecutor(args.streams + args.clients) as pool:
+            streams = [pool.submit(watch_stream, client, i, args, frames_dir) for i in range(args.streams)]
+            per_client = [list(range(c, args.requests, args.clients)) for c in range(args.clients)]
+            jobs = [pool.submit(lambda ids: [run_one(client, i, "video", args, deadline, frames_dir) for i in ids],
+                                ids) for ids in per_client]
+            result["streams"] = [f.result() for f in streams]
+            result["jobs"] = [o for f in jobs for o in f.result()]
+        result["wall"] = time.monotonic() - began
+        settled = settling(generator)
+        result["settle_s"], result["calls"] = settled[0] - settled_before[0], settled[1] - settled_before[1]
+        if stalled:
+            now = job_progress(client, stalled_id)
+            status = json.loads(client.request("GET", f"/v1/videos/{stalled_id}")[2])["status"]
+            result["stalled"] = {"blocks": round(paused_at * args.stall_blocks), "moved": now - paused_at,
+                                 "status_while": status, "pause_s": pause_s}
+            if now != paused_at:
+                result["checks"].append(f"the stalled stream moved from {paused_at} to {now} while it stalled")
+            stack.close()  # the client leaves: its stream is cancelled (or it already failed on the stall timeout)
+            end = client.wait(stalled_id, time.monotonic() + 60)["status"]
+            result["stalled"]["end"] = end
+            if end not in ("cancelled", "failed"):
+                result["checks"].append(f"the stalled stream ended {end}")
+        outcomes = [Outcome("stream", r.ok, r.detail, r.job_id) for r in result["streams"]] + result["jobs"]
+        if stalled:
+            outcomes.append(Outcome("stream", True, "", stalled_id))
+        result["healthy"], result["lost"] = final_check(running, outcomes)
+        result["failures"] = [o for o in outcomes if not o.ok]
+        return result
+    finally:
+        stack.close()
+        stop_server(running)
+
+
+def stream_soak(args) -> int:
+    from composer import VideoGenerator
+
+    generator = VideoGenerator.from_pretrained(args.model_path or "shapes-causal", progress=False)
+    if not getattr(generator.pipeline, "can_stream", False):
+        print(f"{generator.family} cannot stream: --streams needs a causal model")
+        return 1
+    fixed = getattr(generator.pipeline.stage("CausalDenoisingStage"), "steps", None)
+    if args.park_grace is not None:  # inf: a stalled stream is never parked (composer before parking)
+        generator.pipeline.gate.park_grace_s = args.park_grace
+    args.steps = None if fixed is not None else args.steps  # a distilled model runs its own steps
+    load = (lambda: NoisyStalledFrames(generator, args.stall_frame_size)) if args.stalled else (lambda: generator)
+    for _ in generator.stream_video("warm up", num_frames=5, keep_video=False):  # first calls' costs out of round 1
+        pass
+    generator.generate_video("warm up", num_frames=5)
+    slots = args.max_concurrent or args.streams + args.clients + int(args.stalled)
+    frames_dir = Path(tempfile.mkdtemp(prefix="composer-soak-frames-"))
+    rounds = []
+    try:
+        for r in range(args.rounds):
+            for stalled in ((False, True) if args.stalled else (False,)):
+                rounds.append((stalled, stream_round(load, args, stalled, frames_dir, slots, generator)))
+                print(f"round {r + 1} {'with' if stalled else 'without'} the stalled client: "
+                      f"{summary(rounds[-1][1])}", flush=True)
+    finally:
+        shutil.rmtree(frames_dir, ignore_errors=True)
+
+    print(f"{args.streams} streams at once ({args.stream_blocks} blocks each, every chunk read and decoded) and "
+          f"{args.requests} jobs from {args.clients} clients ({args.num_frames} frames) per round, {args.rounds} "
+          f"round(s), {slots} slots, on {generator.family}")
+    if args.stalled:
+        print(f"stalled client: one more stream of {args.stall_blocks} blocks that reads nothing (its frames "
+              f"{args.stall_frame_size}x{args.stall_frame_size} noise), started before the others")
+    for stalled in ((False, True) if args.stalled else (False,)):
+        mine = [res for s, res in rounds if s == stalled]
+        fps = [x.fps for res in mine for x in res["streams"] if x.fps]
+        server_fps = [x.server_fps for res in mine for x in res["streams"] if x.server_fps]
+        latency = [o.latency for res in mine for o in res["jobs"] if o.latency is not None]
+        settle, calls = sum(res["settle_s"] for res in mine), sum(res["calls"] for res in mine)
+        label = "with the stalled client:   " if stalled else "without the stalled client:"
+        print(f"{label} streams {median(fps):.2f} fps received (median of {len(fps)}; server's "
+              f"{median(server_fps):.2f}), jobs latency p50 {median(latency):.2f} s, max {max(latency, default=0):.2f} "
+              f"s ({len(latency)} jobs); calls held for requests outside a loop: {settle:.2f} s over {calls} calls")
+        if stalled:
+            st = [res["stalled"] for res in mine]
+            blocks = ", ".join(str(x["blocks"]) for x in st)
+            pauses = ", ".join(f"{x['pause_s']:.1f}" for x in st)
+            print(f"the stalled stream paused after {blocks} block(s) (in {pauses} s), moved "
+                  f"{sum(x['moved'] != 0 for x in st)} time(s) while the others ran, ended "
+                  f"{', '.join(x['end'] for x in st)}")
+    if args.stalled:
+        def collect(stalled, pick):
+            return [v for s, res in rounds if s == stalled for v in pick(res)]
+        fps_ratio = (median(collect(True, lambda r: [x.fps for x in r["streams"] if x.fps]))
+                     / median(collect(False, lambda r: [x.fps for x in r["streams"] if x.fps])))
+        lat_ratio = (median(collect(True, lambda r: [o.latency for o in r["jobs"] if o.latency]))
+                     / median(collect(False, lambda r: [o.latency for o in r["jobs"] if o.latency])))
+        print(f"with / without the stalled client: streams' fps {fps_ratio:.2f}x, jobs' latency {lat_ratio:.2f}x")
+    healthy = all(res["healthy"] for _, res in rounds)
+    lost = sum(len(res["lost"]) for _, res in rounds)
+    failures = [f for _, res in rounds for f in res["failures"]] + [
+        Outcome("check", False, c) for _, res in rounds for c in res["checks"]]
+    print(f"server crashes: {sum(not res['healthy'] for _, res in rounds)}; lost jobs: {lost}; failed checks: "
+          f"{len(failures)}")
+    for o in failures[:10]:
+        print(f"  failed: {o.kind} {o.job_id or ''} {o.detail}")
+    return 0 if healthy and not lost and not failures else 1
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summary(res: dict) -> str:
+    fps = [x.fps for x in res["streams"] if x.fps]
+    latency = [o.latency for o in res["jobs"] if o.latency is not None]
+    return (f"{sum(x.ok for x in res['streams'])}/{len(res['streams'])} streams ok at {median(fps):.2f} fps, "
+            f"{len(latency)}/{len(res['jobs'])} jobs completed, p50 {median(latency):.2f} s, {res['wall']:.1f} s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default=None, help="default: the embedded shapes model")
@@ -139,34 +484,35 @@ def main() -> int:
     parser.add_argument("--num-frames", type=int, default=5)
     parser.add_argument("--max-queue", type=int, default=16)
     parser.add_argument("--max-concurrent", type=int, default=None, help="jobs at once (default: the server's)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole soak")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole soak (per round with "
+                        "--streams)")
+    parser.add_argument("--streams", type=int, default=0, help="live streams at once (default 0: the jobs soak); "
+                        "the model defaults to shapes-causal")
+    parser.add_argument("--stream-blocks", type=int, default=24, help="blocks of each stream")
+    parser.add_argument("--stalled", action="store_true", help="add a stream whose client reads nothing, and "
+                        "compare each round with and without it")
+    parser.add_argument("--stall-blocks", type=int, default=400, help="blocks the stalled stream asks for")
+    parser.add_argument("--stall-frame-size", type=int, default=256, help="the stalled stream's noise frames")
+    parser.add_argument("--stall-timeout", type=float, default=None, help="the server's stall timeout (default: "
+                        "its own, 60 s)")
+    parser.add_argument("--rounds", type=int, default=1, help="--streams rounds (each with and without --stalled)")
+    parser.add_argument("--park-grace", type=float, default=None, help="seconds before a stream whose reader holds "
+                        "its chunk stops being waited for (default: the gate's, 0.05; inf: never, as before parking)")
     args = parser.parse_args()
+    os.environ.setdefault("COMPOSER_LOG_LEVEL", "WARNING")
+    if args.streams:  # jobs beside the streams are all well-formed and run to the end
+        return stream_soak(args)
     if args.malformed + args.cancel > args.requests:
         parser.error("--malformed + --cancel must not exceed --requests")
-    os.environ.setdefault("COMPOSER_LOG_LEVEL", "WARNING")
-
-    import uvicorn
 
     from composer import VideoGenerator
-    from composer.serve.app import ServeConfig, create_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = tempfile.TemporaryDirectory(prefix="composer-soak-")
-    config = ServeConfig(output_dir=Path(tmp.name) / "serve", max_queue=args.max_queue,
-                         max_concurrent=args.max_concurrent)
-    app = create_app(lambda: VideoGenerator.from_pretrained(args.model_path, progress=False), config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    client = Client(port, args.timeout)
-    start = time.monotonic()
-    while not server.started or client.request("GET", "/health")[0] != 200:
-        if time.monotonic() - start > 120:
-            print("the server did not become ready in 120 s")
-            return 1
-        time.sleep(0.1)
+    try:
+        running = start_server(lambda: VideoGenerator.from_pretrained(args.model_path, progress=False), args)
+    except RuntimeError as exc:
+        print(exc)
+        return 1
+    client, tmp = running.client, running.tmp
 
     # spread the malformed and cancelled requests over the run
     kinds = ["video"] * args.requests
@@ -190,13 +536,8 @@ def main() -> int:
     wall = time.monotonic() - began
 
     failures = [o for o in outcomes if not o.ok]
-    healthy = thread.is_alive() and client.request("GET", "/health")[0] == 200
-    listed = {job["id"]: job["status"] for job in json.loads(client.request("GET", "/v1/videos")[2])["data"]}
-    accepted = [o.job_id for o in outcomes if o.job_id]
-    lost = [j for j in accepted if listed.get(j) not in ("completed", "failed", "cancelled")]
-    server.should_exit = True
-    thread.join(timeout=30)
-    tmp.cleanup()
+    healthy, lost = final_check(running, outcomes)
+    stop_server(running)
 
     latencies = [o.latency for o in outcomes if o.latency is not None]
     completed = len(latencies)

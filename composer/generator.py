@@ -630,6 +630,14 @@ class VideoStream:
         finally:
             pace.pause()  # ended, failed or closed: no frames are due any more
 
+    def close(self) -> None:
+        """End the stream now (read to its end or not): the pipeline lets go of the request, its place and its KV
+        cache, at once rather than when the stream is collected."""
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+        self.pace.pause()
+
     @property
     def frames(self) -> np.ndarray:
         """Every frame streamed so far, uint8 [T, H, W, 3]."""

@@ -600,3 +600,42 @@ def test_under_compile_calls_hold_power_of_two_videos_and_stop_recompiling(one_t
         if round_ == 1:
             assert int(counters["stats"]["unique_graphs"]) == graphs, "recompiled in steady state"
     assert 4 in counter.rows  # two requests shared calls
+
+
+def test_a_stream_whose_reader_holds_its_chunk_is_parked_and_no_call_waits_for_it():
+    """A reader that stops reading (a stalled client, a session between extends) keeps its stream's place at the
+    gate, but past the grace the step scheduler and the decode batcher no longer count it among the requests they
+    wait a moment for; it counts again as soon as it reads on, and it keeps its frames."""
+    from composer.pipelines.base import RequestGate
+
+    gate = RequestGate(park_grace_s=0.05)
+    with gate.request():
+        gate.park(1)
+        assert gate.running == gate.busy == 1  # within the grace: a reader about to come back
+        time.sleep(0.06)
+        assert (gate.running, gate.busy) == (1, 0)
+        gate.unpark(1)
+        assert gate.busy == 1
+
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    scheduler = gen.pipeline.engines[0].scheduler
+    solo = np.concatenate([c.frames for c in gen.stream_video("a red circle moving left", seed=3, num_frames=9)])
+    stream = gen.stream_video("a red circle moving left", seed=3, num_frames=9)
+    chunks = iter(stream)
+    frames = [next(chunks).frames]
+    time.sleep(2 * gen.pipeline.gate.park_grace_s)  # the reader holds the chunk: the stream is parked
+    assert gen.pipeline.gate.running == 1 and scheduler.active_requests() == 0
+    settled = scheduler.stats.settle_seconds
+    other = gen.generate_video("a blue square moving right", seed=1, num_frames=5)  # runs as if alone
+    assert other.frames.shape[0] == 5
+    assert scheduler.stats.settle_seconds == settled  # none of its calls waited for the parked stream
+    frames += [c.frames for c in chunks]
+    assert np.array_equal(np.concatenate(frames), solo)
+    assert gen.pipeline.gate.running == 0 and scheduler.active_requests() == 0
+
+    session = gen.open_session(seed=3)
+    list(session.extend("a red circle moving left", 1))
+    time.sleep(2 * gen.pipeline.gate.park_grace_s)  # between extends: parked too
+    assert gen.pipeline.gate.running == 1 and scheduler.active_requests() == 0
+    session.close()
+    assert gen.pipeline.gate.running == 0

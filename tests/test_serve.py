@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 
@@ -206,6 +207,46 @@ def test_cli_refuses_bad_serve_flags_before_loading(capsys):
     assert "dtype" in capsys.readouterr().err
     assert main(["serve", "--num-gpus", "2"]) == 1
     assert "torchrun --nproc-per-node 2 -m composer serve" in capsys.readouterr().err
+
+
+def test_serve_hands_kv_cache_memory_and_max_batch_tokens_to_its_generator(monkeypatch):
+    """--kv-cache-memory and --max-batch-tokens are RuntimeArgs flags: the served generator's KV pool has that
+    budget and its step scheduler that token budget."""
+    import uvicorn
+
+    from composer.cli.main import main
+
+    served = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: served.append(self.config.app.state.composer))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", "--model-path", "shapes-causal", "--port", str(port), "--no-progress",
+                 "--kv-cache-memory", "5e7", "--max-batch-tokens", "4096"]) == 0
+    generator = served[0]._load()  # what the app loads in the background once it starts
+    assert generator.pipeline.runtime.kv_cache_memory == 5e7
+    assert generator.pipeline.stage("CausalDenoisingStage").kv_pool.stats().budget_bytes == 50_000_000
+    assert generator.pipeline.engines[0].scheduler.max_batch_tokens == 4096
+
+
+def test_serve_refuses_a_bad_kv_cache_memory_or_max_batch_tokens_before_binding_or_loading(monkeypatch, capsys):
+    from composer.cli import serve
+    from composer.cli.main import main
+    from composer.generator import VideoGenerator
+
+    touched = []
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", lambda *a, **k: touched.append("load"))
+    monkeypatch.setattr(serve, "bind_port", lambda *a: touched.append("bind"))
+    for flag, words in (("--kv-cache-memory=0", "kv_cache_memory = 0.0: expected a positive number of bytes"),
+                        ("--kv-cache-memory=-1e9", "kv_cache_memory = -1000000000.0: expected a positive number"),
+                        ("--kv-cache-memory=nan", "kv_cache_memory = nan: expected a number of bytes"),
+                        ("--kv-cache-memory=1.5", "kv_cache_memory = 1.5: expected a whole number of bytes"),
+                        ("--kv-cache-memory=lots", "kv_cache_memory = 'lots': expected float"),
+                        ("--max-batch-tokens=0", "max_batch_tokens = 0: expected a positive integer")):
+        assert main(["serve", "--model-path", "shapes-causal", flag]) == 1, flag
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, (flag, err)  # one line, before anything else
+    assert touched == []
 
 
 def test_cli_refuses_a_port_out_of_range_or_in_use_before_loading(monkeypatch, capsys, tmp_path):

@@ -122,6 +122,12 @@ def test_jobs_released_together_share_transformer_calls_and_give_their_solo_fram
         # the steps of jobs in step share a call: fewer calls than units
         assert metric(metrics, "composer_batched_units_total") > before
         assert metric(metrics, "composer_step_seconds_count") == 3 * 12
+        # the batch size: units per call (the mean is _sum / _count), and the largest batch
+        assert "# TYPE composer_batch_size summary" in metrics and "# TYPE composer_batch_size_max gauge" in metrics
+        assert metric(metrics, "composer_batch_size_sum") == metric(metrics, "composer_scheduled_units_total")
+        assert metric(metrics, "composer_batch_size_count") == metric(metrics, "composer_transformer_calls_total")
+        assert metric(metrics, "composer_batch_size_sum") > metric(metrics, "composer_batch_size_count")
+        assert metric(metrics, "composer_batch_size_max") >= 2
         for i, ((prompt, seed), job) in enumerate(zip(prompts, jobs)):
             served = served_frames(srv, job, tmp_path / f"served{i}.mp4")
             solo = direct_frames(t2v, tmp_path / f"solo{i}.mp4", prompt, seed=seed, **fields)
@@ -143,6 +149,9 @@ def test_with_one_slot_a_higher_priority_job_queued_later_starts_first(gated, tm
         assert (low["priority"], high["priority"]) == (0, 5)
         metrics = srv.request("GET", "/metrics").body.decode()
         assert metric(metrics, "composer_max_concurrent") == 1 and metric(metrics, "composer_queue_length") == 3
+        assert "# TYPE composer_queue_wait_seconds summary" in metrics
+        assert metric(metrics, "composer_queue_wait_seconds_count") == 1  # the running job, started at once
+        waited_before = metric(metrics, "composer_queue_wait_seconds_sum")
         worker = srv.app.state.composer.worker
         ahead = {name: worker.jobs_ahead(srv.app.state.composer.store.get(job["id"]))
                  for name, job in (("low", low), ("high", high), ("also_high", also_high))}
@@ -152,6 +161,11 @@ def test_with_one_slot_a_higher_priority_job_queued_later_starts_first(gated, tm
         assert all(d["status"] == "completed" for d in done.values())
         order = sorted(done, key=lambda name: done[name]["started_at"])
         assert order == ["high", "also_high", "low"]
+        metrics = srv.request("GET", "/metrics").body.decode()
+        assert metric(metrics, "composer_queue_wait_seconds_count") == 4
+        # the three waited behind the gated job at least: low for as long as it stood in line
+        waited = metric(metrics, "composer_queue_wait_seconds_sum") - waited_before
+        assert waited >= done["low"]["started_at"] - low["created_at"] - 0.05
     finally:
         gated.gate.set()
         srv.stop()
@@ -187,13 +201,18 @@ class Bulky:
                 pieces.close()
 
 
-def test_a_stalled_stream_holds_only_itself_a_job_completes_meanwhile(tmp_path):
+def test_a_stalled_stream_holds_only_itself_the_other_stream_and_a_job_go_on_unwaited(tmp_path):
+    """Two streams and a job at once; one stream's client reads nothing. Its stream pauses (its buffer full, its
+    progress still) while the other stream and the job run to the end, and no call of theirs waits for the stalled
+    one: from the moment it stalls, the step scheduler counts it out of the requests it waits a moment for (it
+    used to count it in, and every call of the others settled for it)."""
     pytest.importorskip("websockets", reason="live streams need the serve extra (fastapi, uvicorn, websockets)")
     import socket
 
     from websockets.sync.client import connect
 
     causal = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    scheduler, gate = causal.pipeline.engines[0].scheduler, causal.pipeline.gate
     srv = Server(lambda: Bulky(causal), ServeConfig(output_dir=tmp_path / "serve",
                                                     limits=ServerLimits(max_frames=200)))
     srv.wait_ready()
@@ -201,6 +220,13 @@ def test_a_stalled_stream_holds_only_itself_a_job_completes_meanwhile(tmp_path):
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
     sock.connect(("127.0.0.1", srv.port))
+    seen: list[tuple[int, int]] = []  # (requests holding a place, requests the scheduler waited for) at each ask
+
+    def asked():
+        counts = gate.counts()
+        seen.append(counts)
+        return counts[1]
+
     try:
         with connect(f"ws://127.0.0.1:{srv.port}/v1/streams", sock=sock, max_queue=2, open_timeout=30,
                      close_timeout=1) as ws:  # the server's close waits behind what the client never read
@@ -209,18 +235,35 @@ def test_a_stalled_stream_holds_only_itself_a_job_completes_meanwhile(tmp_path):
             assert started["type"] == "started"
             routes = srv.app.state.streams
             deadline = time.time() + 60
-            while routes.open[started["id"]].buffered < 2:  # the client reads nothing: the stream's buffer fills
-                assert time.time() < deadline, "the stream never filled its buffer"
+            while routes.open[started["id"]].buffered < 2 or gate.counts() != (1, 0):  # stalled, and parked
+                assert time.time() < deadline, f"never stalled and parked: {gate.counts()} (running, busy)"
                 time.sleep(0.05)
-            stream_job = srv.request("GET", f"/v1/videos/{started['id']}").json
+            stalled = srv.request("GET", f"/v1/videos/{started['id']}").json
+            scheduler.active_requests = asked
+            other: dict = {}
+
+            def watch():  # the other stream, read as it comes
+                with connect(f"ws://127.0.0.1:{srv.port}/v1/streams", open_timeout=30) as live:
+                    live.send(json.dumps({"prompt": "a green triangle moving up", "num_blocks": 6,
+                                          "guidance_scale": 1.0, "seed": 7}))
+                    other["messages"] = [m if isinstance(m, bytes) else json.loads(m) for m in live]
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
             job = submit(srv, "a blue square moving left", seed=2, guidance_scale=1.0, num_frames=5)
             done = srv.wait(job["id"], timeout=120)
+            watcher.join(timeout=120)
             assert done["status"] == "completed"
+            events = [m for m in other["messages"] if isinstance(m, dict)]
+            assert [e["type"] for e in events] == ["started"] + ["chunk"] * 6 + ["done"]
+            assert sum(isinstance(m, bytes) for m in other["messages"]) == events[-1]["frames"] == 21
             now = srv.request("GET", f"/v1/videos/{started['id']}").json
-            assert now["status"] == "in_progress" and stream_job["progress"] <= now["progress"] < 0.9  # still held
+            assert now["status"] == "in_progress" and now["progress"] == stalled["progress"] < 0.9  # still held
+            assert seen and all(busy < running for running, busy in seen), seen  # the stalled one never counted
             wait_metric(srv, "composer_jobs_running", 1)  # the stalled stream
         assert srv.wait(started["id"], timeout=60)["status"] == "cancelled"  # the client left
     finally:
+        scheduler.active_requests = lambda: gate.busy
         srv.stop()
 
 
@@ -289,6 +332,10 @@ def test_jobs_with_the_active_adapters_run_together_and_another_set_waits_its_tu
         assert other.status == "queued"  # a2 still runs on the old adapters
         fake.release.setdefault("a2", threading.Event()).set()
         wait(other, "in_progress")
+        deadline = time.time() + 30
+        while "b1" not in fake.started:  # in progress from its start; it calls the generator after the switch
+            assert time.time() < deadline, "b1 never reached the generator"
+            time.sleep(0.01)
         assert fake.started["b1"] == ("b.safetensors",) and after.status == "queued"
         fake.release.setdefault("b1", threading.Event()).set()
         wait(after, "in_progress")

@@ -92,6 +92,22 @@ def test_the_static_files_are_package_data():
         assert any(path.relative_to(package).match(p) for p in patterns), path.name
 
 
+def test_the_live_view_has_a_tile_per_stream_with_its_own_stop_and_stats(server):
+    """Several live streams at once: the start form makes a tile per stream from a template (its frame, status,
+    frame rates, next prompt, Stop and Close), and Stop all ends every running one."""
+    html = server.request("GET", "/").body.decode()
+    for element in ('id="live-form"', 'id="live-start"', 'id="live-stop-all"', 'id="live-target-fps"',
+                    'id="live-tiles"', '<template id="live-tile-template">', 'class="tile-frame"',
+                    'class="tile-stop quiet"', 'class="tile-close quiet"', 'class="tile-fps"', 'class="tile-shown"',
+                    'class="tile-next-prompt"', 'class="tile-send"', 'class="tile-status"'):
+        assert element in html, element
+    script = server.request("GET", "/static/live.js").body.decode()
+    for code in ("class LiveTile", "live.tiles.push(new LiveTile(", 'getElementById("live-tile-template")',
+                 "message.fps", "this.stream.stop()", "live.running().forEach((tile) => tile.stop())"):
+        assert code in script, code
+    assert "live.stream = " not in script  # no single stream slot: the start form never waits for one to end
+
+
 def test_model_gives_the_family_defaults_limits_and_whether_it_streams(server):
     info = server.request("GET", "/v1/model").json
     assert info["status"] == "ready" and info["family"] == "shapes-t2v" and info["causal"] is False
@@ -314,13 +330,15 @@ class ScriptedStream:
         request = json.loads(await websocket.receive_text())
         self.received.append(request)
         blocks, prompt = request.get("num_blocks", 3), request["prompt"]
-        await websocket.send_json({"type": "queued", "id": "video_live", "position": 0})
-        await websocket.send_json({"type": "started", "id": "video_live", "seed": request.get("seed", 1),
+        stream_id = f"video_live{len(self.received)}"
+        await websocket.send_json({"type": "queued", "id": stream_id, "position": 0})
+        await websocket.send_json({"type": "started", "id": stream_id, "seed": request.get("seed", 1),
                                    "fps": self.FPS, "height": 64, "width": 64, "num_blocks": blocks})
         sent = 0
         for block in range(blocks):
             await websocket.send_json({"type": "chunk", "index": block, "block": block,
-                                       "frames": self.FRAMES_PER_BLOCK, "first_frame": sent, "prompt": prompt})
+                                       "frames": self.FRAMES_PER_BLOCK, "first_frame": sent, "prompt": prompt,
+                                       "fps": 12.5})
             for i in range(self.FRAMES_PER_BLOCK):
                 await websocket.send_bytes(jpeg((40 * block % 256, 20 * i, 200)))
             sent += self.FRAMES_PER_BLOCK
@@ -334,19 +352,28 @@ class ScriptedStream:
                 await websocket.send_json({"type": "prompt", "prompt": prompt, "from_block": block + 1})
             elif message["type"] == "stop":
                 break
-        await websocket.send_json({"type": "done", "id": "video_live", "frames": sent,
-                                   "video": "/v1/videos/video_live/content"})
+        await websocket.send_json({"type": "done", "id": stream_id, "frames": sent,
+                                   "video": f"/v1/videos/{stream_id}/content"})
         await websocket.close()
 
 
-def start_live_stream(page, base: str, prompt: str, blocks: int) -> None:
+def open_live_page(page, base: str) -> None:
     page.goto(base + "/")
     wait_for(page, "() => document.querySelector('#health').classList.contains('ready')")
-    assert page.is_visible("#live")
+    assert page.is_visible("#live") and page.is_visible("#live-empty")
+
+
+def start_live_stream(page, prompt: str, blocks: int, seed: int = 5) -> None:
+    """Start one more stream from the live form (its tile goes first in #live-tiles)."""
     page.fill("#live-prompt", prompt)
     page.fill("#live-blocks", str(blocks))
-    page.fill("#live-seed", "5")
+    page.fill("#live-seed", str(seed))
     page.click("#live-start")
+
+
+def tile(n: int) -> str:
+    """The selector of the n-th stream started on the page (0: the first; tiles go newest first)."""
+    return f"#live-tiles .live-tile:nth-last-child({n + 1})"
 
 
 @pytest.mark.slow
@@ -359,15 +386,17 @@ def test_the_live_view_shows_a_streams_frames_at_its_fps_and_sends_the_next_prom
     srv.app.router.routes.insert(0, WebSocketRoute("/v1/streams", stream.serve))  # ahead of the real one, if any
     try:
         srv.wait_ready()
-        start_live_stream(page, f"http://127.0.0.1:{srv.port}", "a red circle moving right", blocks=3)
-        wait_for(page, "() => document.querySelector('#live-frame').dataset.shown >= 2")
-        page.fill("#live-next-prompt", "a blue square moving left")
-        page.click("#live-send")
-        wait_for(page, "() => !document.querySelector('#live-video').hidden")
-        wait_for(page, "() => document.querySelector('#live-status').textContent.startsWith('finished')")
-        log = page.evaluate("() => window.ComposerLive.log")
-        shown = int(page.get_attribute("#live-frame", "data-shown"))
-        times = page.evaluate("() => window.ComposerLive.frameTimes")
+        open_live_page(page, f"http://127.0.0.1:{srv.port}")
+        start_live_stream(page, "a red circle moving right", blocks=3)
+        wait_for(page, f"() => document.querySelector('{tile(0)} .tile-frame').dataset.shown >= 2")
+        page.fill(f"{tile(0)} .tile-next-prompt", "a blue square moving left")
+        page.click(f"{tile(0)} .tile-send")
+        wait_for(page, f"() => !document.querySelector('{tile(0)} .tile-video').hidden")
+        wait_for(page, f"() => document.querySelector('{tile(0)} .tile-status').textContent.startsWith('finished')")
+        log = page.evaluate("() => window.ComposerLive.tiles[0].log")
+        shown = int(page.get_attribute(f"{tile(0)} .tile-frame", "data-shown"))
+        times = page.evaluate("() => window.ComposerLive.tiles[0].frameTimes")
+        stats = page.inner_text(f"{tile(0)} .tile-stats")
         problems = list(page.problems)  # before the server stops under the page's polling
     finally:
         srv.stop()
@@ -376,30 +405,85 @@ def test_the_live_view_shows_a_streams_frames_at_its_fps_and_sends_the_next_prom
     assert [m["type"] for m in log][:2] == ["queued", "started"] and log[-1]["type"] == "done"
     assert any(m["type"] == "prompt" for m in log)
     assert shown == 3 * ScriptedStream.FRAMES_PER_BLOCK == log[-1]["frames"]
-    assert page.inner_text("#live-status") == f"finished: {shown} frames shown"
+    assert page.inner_text(f"{tile(0)} .tile-status") == f"finished: {shown} frames shown"
+    assert "12.5 fps made" in stats and f"{shown} frames shown at" in stats, stats  # the server's rate, and ours
     # paced at the stream's 8 fps, though the frames came faster (timers fire late, never early)
     assert (times[-1] - times[0]) / 1000 >= (shown - 1) / ScriptedStream.FPS * 0.95, times
-    assert page.get_attribute("#live-video a", "href") == "/v1/videos/video_live/content"
+    assert page.get_attribute(f"{tile(0)} .tile-video a", "href") == log[-1]["video"]
+    assert page.is_visible(f"{tile(0)} .tile-close") and page.is_disabled(f"{tile(0)} .tile-stop")
+    assert problems == []
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_the_live_view_runs_several_streams_each_in_its_tile_with_its_own_stop(causal, page, tmp_path):
+    """Three streams at once from one page: each in its own tile with its frames and stats; one tile's Stop ends
+    that stream only; Close removes a finished tile; Stop all ends the rest."""
+    from starlette.routing import WebSocketRoute
+
+    stream = ScriptedStream()
+    srv = Server(lambda: causal, ServeConfig(output_dir=tmp_path))
+    srv.app.router.routes.insert(0, WebSocketRoute("/v1/streams", stream.serve))
+    try:
+        srv.wait_ready()
+        open_live_page(page, f"http://127.0.0.1:{srv.port}")
+        start_live_stream(page, "a red circle moving right", blocks=40, seed=1)
+        start_live_stream(page, "a blue square moving left", blocks=40, seed=2)
+        start_live_stream(page, "a green triangle moving up", blocks=3, seed=3)
+        assert page.locator("#live-tiles .live-tile").count() == 3 and page.is_hidden("#live-empty")
+        for n in range(3):  # every tile shows its own stream's frames
+            wait_for(page, f"() => document.querySelector('{tile(n)} .tile-frame').dataset.shown >= 2")
+        assert [page.inner_text(f"{tile(n)} .tile-prompt") for n in range(3)] == [
+            "a red circle moving right", "a blue square moving left", "a green triangle moving up"]
+        ids = [page.get_attribute(tile(n), "data-id") for n in range(3)]
+        assert len(set(ids)) == 3
+        page.click(f"{tile(0)} .tile-stop")  # the first stream only
+        wait_for(page, f"() => document.querySelector('{tile(0)}').dataset.state === 'finished'")
+        second = int(page.get_attribute(f"{tile(1)} .tile-frame", "data-shown"))
+        wait_for(page, f"() => document.querySelector('{tile(1)} .tile-frame').dataset.shown > {second}")
+        assert page.get_attribute(tile(1), "data-state") == "running"  # the second goes on
+        wait_for(page, f"() => document.querySelector('{tile(2)}').dataset.state === 'finished'")  # 3 blocks: done
+        assert page.get_attribute(tile(2), "data-fps") == "12.5"
+        page.click(f"{tile(2)} .tile-close")
+        assert page.locator("#live-tiles .live-tile").count() == 2
+        page.click("#live-stop-all")
+        wait_for(page, "() => [...document.querySelectorAll('#live-tiles .live-tile')].every(t => "
+                       "t.dataset.state === 'finished')")
+        assert page.is_disabled("#live-stop-all")
+        logs = page.evaluate("() => window.ComposerLive.tiles.map(t => t.log.map(m => m.type))")
+        problems = list(page.problems)
+    finally:
+        srv.stop()
+    assert [r for r in stream.received if r.get("type") == "stop"] == [{"type": "stop"}] * 2
+    assert all(types[-1] == "done" for types in logs) and len(logs) == 2  # the closed tile is forgotten
+    page.set_viewport_size({"width": 360, "height": 800})  # tiles stack on a phone
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 360
     assert problems == []
 
 
 @pytest.mark.slow
 @pytest.mark.browser
 def test_the_live_view_streams_the_causal_model(causal, page, tmp_path):
-    """Against the server's own /v1/streams; skipped where that endpoint is not built yet."""
+    """Against the server's own /v1/streams: two streams at once, each to its end."""
     srv = Server(lambda: causal, ServeConfig(output_dir=tmp_path))
     try:
-        if not any(getattr(route, "path", None) == "/v1/streams" for route in srv.app.router.routes):
-            pytest.skip("this server has no WebSocket /v1/streams yet")
         srv.wait_ready()
-        start_live_stream(page, f"http://127.0.0.1:{srv.port}", "a red circle moving right", blocks=2)
-        wait_for(page, "() => document.querySelector('#live-status').textContent.startsWith('finished')", timeout=60)
-        log = page.evaluate("() => window.ComposerLive.log")
-        shown = int(page.get_attribute("#live-frame", "data-shown"))
-        done = log[-1]
-        assert done["type"] == "done" and shown == done["frames"] > 0, log
-        assert srv.request("GET", done["video"]).status == 200
-        assert page.is_hidden("#live-error") and page.problems == []
+        open_live_page(page, f"http://127.0.0.1:{srv.port}")
+        start_live_stream(page, "a red circle moving right", blocks=2, seed=1)
+        start_live_stream(page, "a blue square moving left", blocks=2, seed=2)
+        for n in range(2):
+            wait_for(page, f"() => document.querySelector('{tile(n)} .tile-status').textContent"
+                           ".startsWith('finished')", timeout=60)
+        for n in range(2):
+            log = page.evaluate(f"() => window.ComposerLive.tiles[{n}].log")
+            shown = int(page.get_attribute(f"{tile(n)} .tile-frame", "data-shown"))
+            done = log[-1]
+            assert done["type"] == "done" and shown == done["frames"] > 0, log
+            assert all(m["fps"] > 0 for m in log if m["type"] == "chunk")
+            assert float(page.get_attribute(tile(n), "data-fps")) > 0
+            assert srv.request("GET", done["video"]).status == 200
+            assert page.is_hidden(f"{tile(n)} .tile-error")
+        assert page.problems == []
     finally:
         srv.stop()
 

@@ -1,5 +1,6 @@
 """benchmarks/serve_soak.py runs a small soak: concurrent clients, malformed and cancelled requests, every
-completed video fetched and decoded, no crash, no lost job (its exit status says so)."""
+completed video fetched and decoded, no crash, no lost job (its exit status says so); and a tiny live-stream soak:
+streams and jobs at once, with and without a stalled stream client that must pause only its own stream."""
 
 from __future__ import annotations
 
@@ -25,3 +26,18 @@ def test_a_small_soak_loses_nothing():
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "server crashes: 0; lost jobs: 0; failed checks: 0" in run.stdout
     assert "malformed refused with a 4xx: 2" in run.stdout
+
+
+@pytest.mark.slow
+def test_a_tiny_stream_soak_with_a_stalled_client_loses_nothing_and_pauses_only_that_stream():
+    pytest.importorskip("websockets", reason="live streams need the serve extra (fastapi, uvicorn, websockets)")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "serve_soak.py"), "--streams", "2",
+                          "--stream-blocks", "4", "--stalled", "--requests", "2", "--clients", "1", "--num-frames", "9",
+                          "--timeout", "180"], capture_output=True, text=True, env=env, timeout=400)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "server crashes: 0; lost jobs: 0; failed checks: 0" in run.stdout
+    assert "round 1 without the stalled client: 2/2 streams ok" in run.stdout
+    assert "round 1 with the stalled client: 2/2 streams ok" in run.stdout
+    assert "moved 0 time(s) while the others ran, ended cancelled" in run.stdout
+    assert "with / without the stalled client: streams' fps" in run.stdout

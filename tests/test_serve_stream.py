@@ -189,6 +189,7 @@ def test_a_stream_sends_each_block_as_it_is_decoded_and_saves_the_whole_video(se
     assert [(c["index"], c["block"], c["frames"], c["first_frame"], c["prompt"]) for c in chunks] == [
         (0, 0, 1, 0, RED), (1, 1, 4, 1, RED), (2, 2, 4, 5, RED)]
     assert [len(c["images"]) for c in chunks] == FRAMES_OF_3_BLOCKS
+    assert all(c["fps"] > 0 for c in chunks)  # the rate the stream reached (its stats' fps) at each chunk
     assert all(image.shape == (64, 64, 3) for c in chunks for image in c["images"])
     for chunk, expected in zip(chunks, reference):  # stream_video's frames, through JPEG
         assert psnr(np.stack(chunk["images"]), expected) > 30
@@ -222,6 +223,52 @@ def test_a_stream_with_a_target_frame_rate_states_it_and_gives_the_same_frames(s
         assert psnr(np.stack(chunk["images"]), expected) > 30
     job = server.request("GET", f"/v1/videos/{messages[0]['id']}").json
     assert job["status"] == "completed" and job["request"]["target_fps"] == 1000.0
+
+
+def labelled(text: str, name: str) -> dict[str, float]:
+    """The /metrics lines `name{stream="id"} value` as {id: value}."""
+    prefix = name + '{stream="'
+    return {line[len(prefix):line.index('"}')]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith(prefix)}
+
+
+def test_metrics_show_a_running_streams_fps_and_the_kv_pool(server, scripted):
+    """While a stream runs: its frame rate (and target) by id, its KV pages in use; once it ends its series are
+    gone (only running streams are labelled) and the pool's peak stays."""
+    text = server.request("GET", "/metrics").body.decode()
+    for name in ("budget_bytes", "used_bytes", "allocated_bytes", "peak_used_bytes", "sessions", "waiting",
+                 "shared_pages"):
+        assert f"# TYPE composer_kv_pool_{name} gauge" in text, name
+    assert "composer_kv_pool_budget_bytes +Inf" in text and "# TYPE composer_kv_pool_waits_total counter" in text
+    assert "# TYPE composer_stream_fps gauge" in text and labelled(text, "composer_stream_fps") == {}
+    scripted.hold = True  # the stream waits after its first chunk until the client stops it
+    with open_stream(server) as ws:
+        ws.send(json.dumps({"prompt": RED, "num_blocks": 3, "target_fps": 50, **FAST}))
+        messages, _ = read(ws, until="chunk")
+        stream_id = messages[0]["id"]
+        assert messages[-1]["fps"] > 0  # the chunk message says the rate reached so far
+        text = server.request("GET", "/metrics").body.decode()
+        assert labelled(text, "composer_stream_fps")[stream_id] > 0
+        assert labelled(text, "composer_stream_target_fps") == {stream_id: 50.0}
+        assert metric(text, "composer_kv_pool_sessions") == 1 and metric(text, "composer_kv_pool_used_bytes") > 0
+        ws.send(json.dumps({"type": "stop"}))
+        read(ws)
+    server.wait(stream_id)
+    text = server.request("GET", "/metrics").body.decode()
+    assert labelled(text, "composer_stream_fps") == {} and labelled(text, "composer_stream_target_fps") == {}
+    assert metric(text, "composer_kv_pool_sessions") == 0 and metric(text, "composer_kv_pool_used_bytes") == 0
+    assert metric(text, "composer_kv_pool_peak_used_bytes") > 0
+
+
+def test_a_whole_video_model_has_no_kv_pool_metrics(tmp_path):
+    t2v = VideoGenerator.from_pretrained(None, progress=False)
+    srv = Server(lambda: t2v, ServeConfig(output_dir=tmp_path / "serve"))
+    try:
+        srv.wait_ready()
+        text = srv.request("GET", "/metrics").body.decode()
+    finally:
+        srv.stop()
+    assert "composer_kv_pool" not in text and "# TYPE composer_stream_fps gauge" in text
 
 
 def test_a_prompt_switch_takes_effect_from_the_next_block(server, scripted, generator, reference):

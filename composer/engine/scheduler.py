@@ -184,6 +184,7 @@ class SchedulerStats:
     units: int = 0
     batched_units: int = 0  # units that ran together with at least one other
     largest_batch: int = 0  # most units in one call
+    settle_seconds: float = 0.0  # time ready calls were held back for requests outside a loop (`settle_s`)
 
 
 class StepScheduler:
@@ -215,6 +216,7 @@ class StepScheduler:
         self._pending: list[Unit] = []
         self._in_loop: dict[int, int] = {}  # request id -> nesting depth of its denoising loops
         self._running = False
+        self._settling: float | None = None  # since when the ready call waits for requests outside a loop
         self._seq = itertools.count()
 
     # -- which requests are denoising -------------------------------------------------------------------
@@ -268,6 +270,8 @@ class StepScheduler:
             others = (self.active_requests() if self.active_requests is not None else 0) - len(waiting)
             settle = min(self.settle_s, 0.25 * self.call_seconds)
             if others > 0 and waited < settle:
+                if self._settling is None:
+                    self._settling = time.monotonic()
                 return settle - waited
             return 0.0
         left = self.gather_s - waited
@@ -317,6 +321,9 @@ class StepScheduler:
         calls (every scheduler's) run one at a time in the order of the plans."""
         units = self._pick()
         self._running = True
+        if self._settling is not None:
+            self.stats.settle_seconds += time.monotonic() - self._settling
+            self._settling = None
         self._cv.release()
         try:
             if self.planner is None:

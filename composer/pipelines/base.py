@@ -148,7 +148,7 @@ class ComposedPipeline:
             engine.enable_scheduler(batching=self.concurrency == "batch", max_batch_size=self.runtime.max_batch_size,
                                     max_batch_tokens=self.runtime.max_batch_tokens,
                                     bucketed=self.runtime.compile != "none",
-                                    active_requests=lambda: self.gate.running)
+                                    active_requests=lambda: self.gate.busy)
             for hook in self.hooks:
                 if hasattr(hook, "configure_scheduler"):
                     hook.configure_scheduler(engine.scheduler, self.runtime)
@@ -225,7 +225,7 @@ class ComposedPipeline:
         stage.check_values = self.runtime.verify_values
         self.stages.append(stage)
         if self.concurrency == "batch" and hasattr(stage, "share_decodes"):
-            stage.share_decodes(lambda: self.gate.running)
+            stage.share_decodes(lambda: self.gate.busy)
 
     def stage(self, name: str) -> Stage:
         for stage in self.stages:
@@ -311,13 +311,21 @@ class ComposedPipeline:
 
 class RequestGate:
     """Who may run on a pipeline: any number of requests at once (one at a time when `serial`), and, between
-    requests, exclusive work that changes the model (switching LoRA adapters) once every running request is done."""
+    requests, exclusive work that changes the model (switching LoRA adapters) once every running request is done.
 
-    def __init__(self, serial: bool = False, refuse_overlap: bool = False):
+    A stream whose reader holds its latest piece (it sends it to a slow client, or a session waits for its next
+    extend) is *parked*: it still holds its place (`running`, what exclusive work waits for), but once parked
+    for `park_grace_s` it no longer counts among the requests that are `busy`, the ones the step scheduler and the
+    decode batcher wait a moment for before a call (a reader that stalls must not slow every other request's
+    calls; one that is back within the grace still joins them)."""
+
+    def __init__(self, serial: bool = False, refuse_overlap: bool = False, park_grace_s: float = 0.05):
         self.serial = serial or refuse_overlap
         self.refuse_overlap = refuse_overlap
+        self.park_grace_s = park_grace_s
         self._cv = threading.Condition()
         self._active: dict[int, int] = {}  # thread id -> requests it holds
+        self._parked: dict[int, float] = {}  # a parked stream (id of its iterator) -> since when (time.monotonic)
         self._exclusive = False
 
     @contextmanager
@@ -363,8 +371,32 @@ class RequestGate:
 
     @property
     def running(self) -> int:
+        """Requests holding their place, parked streams included."""
         with self._cv:
             return sum(self._active.values())
+
+    @property
+    def busy(self) -> int:
+        """Requests at work in the pipeline: `running` less the streams parked for longer than `park_grace_s`."""
+        return self.counts()[1]
+
+    def counts(self) -> tuple[int, int]:
+        """(`running`, `busy`), read together."""
+        now = time.monotonic()
+        with self._cv:
+            idle = sum(1 for since in self._parked.values() if now - since >= self.park_grace_s)
+            running = sum(self._active.values())
+            return running, running - idle
+
+    def park(self, key: int) -> None:
+        """The stream `key` handed a piece to its reader: parked until `unpark`."""
+        with self._cv:
+            self._parked[key] = time.monotonic()
+
+    def unpark(self, key: int) -> None:
+        """The stream `key` is at work again (its reader asks for the next piece), or is over."""
+        with self._cv:
+            self._parked.pop(key, None)
 
 
 class _RequestIterator:
@@ -388,17 +420,21 @@ class _RequestIterator:
         if self._slot is None:
             self._slot = ExitStack()
             self._slot.enter_context(self._gate.request())
+        self._gate.unpark(id(self))
         try:
             with running_request(self._context):
-                return next(self._pieces)
+                piece = next(self._pieces)
         except BaseException:
             self.close()
             raise
+        self._gate.park(id(self))  # until the reader asks again: a reader that stalls holds nobody else's calls
+        return piece
 
     def close(self) -> None:
         if self._done:
             return
         self._done = True
+        self._gate.unpark(id(self))
         try:
             with running_request(self._context):
                 self._pieces.close()

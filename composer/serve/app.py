@@ -204,13 +204,18 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        """Prometheus text format: queue length, jobs by state, jobs running and the most at once, seconds per
-        denoising step, the step schedulers' transformer calls, live streams."""
+        """Prometheus text format: queue length and queue wait, jobs by state, jobs running and the most at once,
+        seconds per denoising step, the step schedulers' transformer calls and batch sizes, the KV page pool of a
+        causal model, live streams (each running stream's frame rate)."""
         worker = state.worker
         lines = ["# HELP composer_ready 1 once the model is loaded", "# TYPE composer_ready gauge",
                  f"composer_ready {int(state.generator is not None)}",
                  "# HELP composer_queue_length jobs waiting for a worker", "# TYPE composer_queue_length gauge",
                  f"composer_queue_length {worker.queue_length if worker else 0}",
+                 "# HELP composer_queue_wait_seconds seconds each started job (or stream) waited in the queue",
+                 "# TYPE composer_queue_wait_seconds summary",
+                 f"composer_queue_wait_seconds_sum {worker.queue_wait_sum if worker else 0.0:.6f}",
+                 f"composer_queue_wait_seconds_count {worker.queue_waits if worker else 0}",
                  "# HELP composer_jobs jobs by state", "# TYPE composer_jobs gauge"]
         counts = state.store.counts()
         lines += [f'composer_jobs{{state="{s}"}} {counts[s]}' for s in STATES]
@@ -223,17 +228,43 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
                   "for each)", "# TYPE composer_step_seconds summary",
                   f"composer_step_seconds_sum {worker.step_seconds_sum if worker else 0.0:.6f}",
                   f"composer_step_seconds_count {worker.steps if worker else 0}"]
-        calls, units, batched = worker.scheduler_stats() if worker else (0, 0, 0)
+        calls, units, batched, largest = worker.scheduler_stats() if worker else (0, 0, 0, 0)
         lines += ["# HELP composer_transformer_calls_total transformer calls the step schedulers ran",
                   "# TYPE composer_transformer_calls_total counter", f"composer_transformer_calls_total {calls}",
                   "# HELP composer_scheduled_units_total requests' steps (units) the step schedulers ran",
                   "# TYPE composer_scheduled_units_total counter", f"composer_scheduled_units_total {units}",
                   "# HELP composer_batched_units_total units that shared a transformer call with another request's",
-                  "# TYPE composer_batched_units_total counter", f"composer_batched_units_total {batched}"]
+                  "# TYPE composer_batched_units_total counter", f"composer_batched_units_total {batched}",
+                  "# HELP composer_batch_size units (requests' steps) per transformer call: _sum / _count is the "
+                  "mean batch", "# TYPE composer_batch_size summary", f"composer_batch_size_sum {units}",
+                  f"composer_batch_size_count {calls}",
+                  "# HELP composer_batch_size_max the most units one transformer call ran",
+                  "# TYPE composer_batch_size_max gauge", f"composer_batch_size_max {largest}"]
+        pool = worker.kv_pool_stats() if worker else None
+        if pool is not None:  # a causal model: its streams' KV pages
+            budget = "+Inf" if pool.budget_bytes is None else str(pool.budget_bytes)
+            lines += _gauges("composer_kv_pool", [
+                ("budget_bytes", "the KV page pool's budget (--kv-cache-memory; +Inf: no limit)", budget),
+                ("used_bytes", "KV cache bytes in use by streams now", pool.used_bytes),
+                ("allocated_bytes", "KV page arenas allocated, used or free", pool.allocated_bytes),
+                ("peak_used_bytes", "the most KV cache bytes in use at once", pool.peak_used_bytes),
+                ("sessions", "KV caches holding pages now", pool.sessions),
+                ("waiting", "KV caches waiting for pages now (the budget is full)", pool.waiting),
+                ("shared_pages", "KV pages shared by more than one cache (forks)", pool.shared_pages)])
+            lines += ["# HELP composer_kv_pool_waits_total KV caches that had to wait for pages",
+                      "# TYPE composer_kv_pool_waits_total counter", f"composer_kv_pool_waits_total {pool.waits}"]
         lines += streams.metric_lines()
         return "\n".join(lines) + "\n"
 
     return app
+
+
+def _gauges(prefix: str, rows: list[tuple[str, str, Any]]) -> list[str]:
+    """Prometheus lines for gauges `prefix_name`, each with its help text and value."""
+    lines = []
+    for name, help_text, value in rows:
+        lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} gauge", f"{prefix}_{name} {value}"]
+    return lines
 
 
 async def _read_json(request: Any, limit: int) -> Any:

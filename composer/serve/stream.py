@@ -29,7 +29,7 @@ from composer.cancel import CancelToken
 from composer.errors import ComposerError
 from composer.logging import get_logger
 from composer.request_check import ModelLimits
-from composer.serve.jobs import CANCELLED, COMPLETED, FINISHED, QUEUED, STATES, Job, new_job_id
+from composer.serve.jobs import CANCELLED, COMPLETED, FINISHED, IN_PROGRESS, QUEUED, STATES, Job, new_job_id
 from composer.serve.requests import RequestProblem, check_body
 from composer.serve.worker import QueueFull
 
@@ -159,6 +159,9 @@ class StreamSession:
         self.max_buffered = 0
         self.chunks = 0  # chunks handed to the socket
         self.frames = 0  # their frames
+        self.source: Any = None  # the generator's VideoStream (its stats.fps), set by the worker
+        self._began: float | None = None  # when the worker started the stream (time.perf_counter)
+        self._last: float | None = None  # when its latest chunk was made
         self.closed = threading.Event()  # the socket is gone: nothing more to post
         prompts.announce = self.post_message
 
@@ -174,7 +177,20 @@ class StreamSession:
     def post_message(self, message: dict) -> None:
         self._post(("message", message))
 
+    @property
+    def fps(self) -> float | None:
+        """The frame rate the stream reached (its stats' `fps`: frames made per second from its first read to its
+        latest chunk; None before the first chunk)."""
+        stats = getattr(self.source, "stats", None)
+        fps = getattr(stats, "fps", None)
+        if isinstance(fps, (int, float)):
+            return float(fps)
+        if self.frames and self._began is not None and self._last is not None and self._last > self._began:
+            return self.frames / (self._last - self._began)  # a source without stats: the same count, made here
+        return None
+
     def started(self, job: Job) -> None:
+        self._began = time.perf_counter()
         req = job.request
         message = {"type": "started", "id": job.id, "seed": req.get("seed"), "fps": req.get("fps"),
                    "height": req.get("height"), "width": req.get("width"), "num_blocks": self.num_blocks}
@@ -184,6 +200,7 @@ class StreamSession:
 
     def chunk(self, chunk: Any, token: CancelToken) -> None:
         """Encode a decoded chunk and queue it for the socket, waiting for a free slot (cancellable)."""
+        self._last = time.perf_counter()
         jpegs = [encode_jpeg(frame) for frame in np.asarray(chunk.frames)]
         waited = time.perf_counter()
         while not self._slots.acquire(timeout=0.05):
@@ -194,9 +211,11 @@ class StreamSession:
             index, self.chunks = self.chunks, self.chunks + 1
             self.buffered += 1
             self.max_buffered = max(self.max_buffered, self.buffered)
-            header = {"type": "chunk", "index": index, "block": chunk.block_index, "frames": len(jpegs),
-                      "first_frame": chunk.start_frame, "prompt": chunk.prompt}
             self.frames += len(jpegs)
+            fps = self.fps
+            header = {"type": "chunk", "index": index, "block": chunk.block_index, "frames": len(jpegs),
+                      "first_frame": chunk.start_frame, "prompt": chunk.prompt,
+                      "fps": None if fps is None else round(fps, 2)}
         self._post(("chunk", header, jpegs))
 
     def finished(self, job: Job) -> None:
@@ -232,7 +251,9 @@ class StreamRoutes:
         self.max_buffered = 0  # the most chunks any stream had made and not yet sent
 
     def metric_lines(self) -> list[str]:
-        """Prometheus lines: streams by state, open streams, chunks buffered, time to first chunk."""
+        """Prometheus lines: streams by state, open streams, chunks buffered, time to first chunk, and each running
+        stream's frame rate (and target), labelled by its id: series only for the streams running now, so at most
+        --max-concurrent of them at a time."""
         counts = dict.fromkeys(STATES, 0)
         for job in self.state.store.all():
             if job.kind == STREAM:
@@ -249,6 +270,15 @@ class StreamRoutes:
                   "# TYPE composer_stream_first_chunk_seconds summary",
                   f"composer_stream_first_chunk_seconds_sum {self.first_chunk_sum:.6f}",
                   f"composer_stream_first_chunk_seconds_count {self.first_chunk_count}"]
+        running = [(s.job.id, s.fps, s.job.request.get("target_fps")) for s in sessions
+                   if s.job.status == IN_PROGRESS]
+        lines += ["# HELP composer_stream_fps frames per second a running stream reached (from its first read to its "
+                  "latest chunk), by stream id; only streams running now", "# TYPE composer_stream_fps gauge"]
+        lines += [f'composer_stream_fps{{stream="{sid}"}} {fps:.3f}' for sid, fps, _ in running if fps is not None]
+        lines += ["# HELP composer_stream_target_fps the frame rate a running stream asked for (target_fps), by "
+                  "stream id", "# TYPE composer_stream_target_fps gauge"]
+        lines += [f'composer_stream_target_fps{{stream="{sid}"}} {target:g}' for sid, _, target in running
+                  if target is not None]
         return lines
 
 

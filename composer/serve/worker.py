@@ -111,6 +111,9 @@ class Worker:
         self._local = threading.local()  # the job this worker thread runs
         self.step_seconds_sum = 0.0
         self.steps = 0
+        self._queued_at: dict[str, float] = {}  # job id -> when it was queued (time.monotonic)
+        self.queue_wait_sum = 0.0  # seconds the started jobs waited in the queue
+        self.queue_waits = 0
         self._engines = list(getattr(getattr(generator, "pipeline", None), "engines", []))
         self._hook = ProgressHook(self)
         for engine in self._engines:
@@ -133,15 +136,27 @@ class Worker:
         with self._cv:
             return len(self._runs)
 
-    def scheduler_stats(self) -> tuple[int, int, int]:
+    def scheduler_stats(self) -> tuple[int, int, int, int]:
         """Over the generator's step schedulers: transformer calls, units (a request's step), units that shared
-        a call with another request's."""
-        calls = units = batched = 0
+        a call with another request's, and the most units one call ran."""
+        calls = units = batched = largest = 0
         for engine in self._engines:
             stats = getattr(getattr(engine, "scheduler", None), "stats", None)
             if stats is not None:
                 calls, units, batched = calls + stats.calls, units + stats.units, batched + stats.batched_units
-        return calls, units, batched
+                largest = max(largest, stats.largest_batch)
+        return calls, units, batched, largest
+
+    def kv_pool_stats(self) -> Any:
+        """The causal model's KV page pool (KVPoolStats), or None when the model has none."""
+        stage = getattr(getattr(self.generator, "pipeline", None), "stage", None)
+        if not callable(stage):
+            return None
+        try:
+            pool = getattr(stage("CausalDenoisingStage"), "kv_pool", None)
+        except KeyError:  # not a causal model
+            return None
+        return pool.stats() if pool is not None else None
 
     def submit(self, job: Job, stream: Any = None) -> None:
         """Queue `job` (QueueFull when the queue is full); `stream`: a live stream's StreamSession."""
@@ -153,6 +168,7 @@ class Worker:
                 self._streams[job.id] = stream
             self._arrival[job.id] = self._arrivals
             self._arrivals += 1
+            self._queued_at[job.id] = time.monotonic()
             self._waiting.append(job)
             self._cv.notify_all()
 
@@ -221,6 +237,7 @@ class Worker:
     def _forget(self, job: Job) -> None:
         self._tokens.pop(job.id, None)
         self._arrival.pop(job.id, None)
+        self._queued_at.pop(job.id, None)
 
     def _runnable(self) -> Job | None:
         """The next job in line, if it may start now: the model has its adapters, or nothing runs (it switches)."""
@@ -241,6 +258,10 @@ class Worker:
                     break
                 self._cv.wait()
             self._waiting.remove(job)
+            queued = self._queued_at.pop(job.id, None)
+            if queued is not None:
+                self.queue_wait_sum += time.monotonic() - queued
+                self.queue_waits += 1
             switch = job.lora != self._lora
             self._switching = switch  # the others wait for it: no job may start on the old adapters
             run = _Run(job, self._tokens[job.id])
@@ -303,8 +324,10 @@ class Worker:
         """A live stream: its chunks to the session (which waits while the client is behind) and to the file."""
         job, token = run.job, run.token
         request = {k: v for k, v in job.request.items() if k != "prompt"}  # the session's prompts name them
-        chunks = iter(self.generator.stream_video(session.prompts, keep_video=False, cancel=token,
-                                                  priority=job.priority, **request))
+        stream = self.generator.stream_video(session.prompts, keep_video=False, cancel=token, priority=job.priority,
+                                             **request)
+        session.source = stream  # its stats (the frame rate reached) for /metrics and the chunk messages
+        chunks = iter(stream)
         session.started(job)
         total = max(session.num_blocks, 1)
         run.span = (0.0, 1 / total)
@@ -316,9 +339,10 @@ class Worker:
                     self.store.update(job, persist=False, progress=min(done / total, 0.99))
                     run.span = (done / total, 1 / total)
         finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:  # the pipeline's stream lets go of the request at once
-                close()
+            for source in (chunks, stream):  # the pipeline's stream lets go of the request (and its KV cache) at once
+                close = getattr(source, "close", None)
+                if close is not None:
+                    close()
 
     def _end_stream(self, job: Job) -> None:
         """Tell a live stream's session that its job is over (its last message to the client)."""

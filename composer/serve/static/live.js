@@ -1,5 +1,7 @@
 // The live view of a causal model: one WebSocket to /v1/streams per stream (docs/serving.md has the protocol).
-// LiveStream speaks the protocol and paces the JPEG frames at the stream's fps; setup() wires it to the page.
+// LiveStream speaks the protocol and paces the JPEG frames at the stream's fps; LiveTile shows one stream in its
+// own tile (frame, status, frame rates, next prompt, stop); setup() wires the start form to new tiles, so any
+// number of streams run side by side.
 "use strict";
 
 class LiveStream {
@@ -95,36 +97,71 @@ function streamUrl() {
   return `${scheme}//${location.host}/v1/streams`;
 }
 
-const live = {stream: null, LiveStream, streamUrl, log: [], frameTimes: []};  // log, frameTimes: the last stream's
+// One stream's tile: made from #live-tile-template, it owns its LiveStream. `log` and `frameTimes` are its
+// messages and the times its frames were shown (for the browser test and the curious).
+class LiveTile {
+  constructor(container, request, model, onChange, LiveStreamImpl = LiveStream) {
+    this.request = request;
+    this.onChange = onChange;
+    this.log = [];
+    this.frameTimes = [];
+    this.serverFps = null;   // the rate the stream reached, as the server measures it (chunk messages' fps)
+    this.targetFps = request.target_fps || null;
+    this.running = true;
+    const node = document.getElementById("live-tile-template").content.firstElementChild.cloneNode(true);
+    this.node = node;
+    this.part = (name) => node.querySelector(`.tile-${name}`);
+    this.part("prompt").textContent = request.prompt;
+    this.part("prompt").title = request.prompt;
+    const img = this.part("frame");
+    img.width = model.defaults.width || 256;
+    img.height = model.defaults.height || 256;
+    this.part("stop").addEventListener("click", () => this.stop());
+    this.part("close").addEventListener("click", () => this.remove());
+    this.part("next").addEventListener("submit", (event) => {
+      event.preventDefault();
+      const input = this.part("next-prompt");
+      const next = input.value.trim();
+      if (this.running && next) {
+        this.stream.sendPrompt(next);
+        input.value = "";
+      }
+    });
+    container.prepend(node);  // the newest first
+    this.stream = new LiveStreamImpl(streamUrl(), request, {
+      onEvent: (message) => this.event(message),
+      onFrame: (blob, info) => this.frame(blob, info),
+      onClose: (info) => this.close(info),
+    });
+  }
 
-live.setup = function (model) {
-  const $ = (id) => document.getElementById(id);
-  $("live").hidden = false;
-  const status = $("live-status"), img = $("live-frame"), errorBox = $("live-error");
-  img.width = model.defaults.width || 256;
-  img.height = model.defaults.height || 256;
+  setState(state) {
+    this.node.dataset.state = state;
+  }
 
-  const setRunning = (running) => {
-    $("live-start").disabled = running;
-    $("live-stop").disabled = !running;
-    $("live-next-prompt").disabled = !running;
-    $("live-send").disabled = !running;
-  };
-
-  const onEvent = (message) => {
-    live.log.push(message);
-    if (message.type === "queued") status.textContent = `queued (position ${message.position})`;
-    else if (message.type === "started") {
+  event(message) {
+    this.log.push(message);
+    const status = this.part("status");
+    if (message.type === "queued") {
+      status.textContent = `queued (position ${message.position})`;
+      this.setState("queued");
+    } else if (message.type === "started") {
+      this.node.dataset.id = message.id;
       status.textContent = `started: seed ${message.seed}, ${message.width}×${message.height} at ${message.fps} fps`
         + (message.num_blocks ? `, ${message.num_blocks} blocks` : "");
+      if (message.target_fps) this.targetFps = message.target_fps;
+      const img = this.part("frame");
       img.width = message.width;
       img.height = message.height;
+      this.setState("running");
     } else if (message.type === "chunk") {
       status.textContent = `block ${message.block}: "${message.prompt}"`;
+      if (typeof message.fps === "number") this.serverFps = message.fps;
+      this.showStats();
     } else if (message.type === "prompt") {
       status.textContent = `prompt "${message.prompt}" from block ${message.from_block}`;
     } else if (message.type === "done") {
-      const link = $("live-video");
+      const link = this.part("video");
       link.textContent = "";
       const a = document.createElement("a");
       a.href = message.video;
@@ -132,54 +169,93 @@ live.setup = function (model) {
       link.append("Done: ", a);
       link.hidden = false;
     } else if (message.type === "error") {
+      const box = this.part("error");
       const field = message.error && message.error.param ? `${message.error.param}: ` : "";
-      errorBox.textContent = field + (message.error ? message.error.message : "stream error");
-      errorBox.hidden = false;
+      box.textContent = field + (message.error ? message.error.message : "stream error");
+      box.hidden = false;
     }
-  };
+  }
 
-  const onFrame = (blob, info) => {
+  frame(blob, info) {
+    const img = this.part("frame");
     const url = URL.createObjectURL(blob);
     const previous = img.dataset.url;
     img.onload = () => { if (previous) URL.revokeObjectURL(previous); };
     img.dataset.url = url;
     img.dataset.shown = String(info.shown);
-    live.frameTimes.push(performance.now());
+    this.frameTimes.push(performance.now());
     img.src = url;
     img.hidden = false;
-  };
+    this.showStats();
+  }
 
-  const onClose = (info) => {
-    setRunning(false);
-    live.stream = null;
-    status.textContent = `${info.finished ? "finished" : "closed"}: ${info.shown} frames shown`;
+  // The frame rates: the server's (what the stream reached), and the frames shown here over the last seconds.
+  showStats() {
+    const made = this.serverFps === null ? "–" : this.serverFps.toFixed(1);
+    const target = this.targetFps ? ` (target ${this.targetFps})` : "";
+    this.part("fps").textContent = `${made} fps made${target}`;
+    const times = this.frameTimes.slice(-17);
+    const shown = times.length > 1 ? ((times.length - 1) * 1000 / (times[times.length - 1] - times[0])) : null;
+    this.part("shown").textContent = `${this.frameTimes.length} frames shown`
+      + (shown === null ? "" : ` at ${shown.toFixed(1)} fps`);
+    this.node.dataset.fps = this.serverFps === null ? "" : String(this.serverFps);
+  }
+
+  close(info) {
+    this.running = false;
+    this.part("stop").disabled = true;
+    this.part("send").disabled = true;
+    this.part("next-prompt").disabled = true;
+    this.part("close").hidden = false;
+    this.part("status").textContent = `${info.finished ? "finished" : "closed"}: ${info.shown} frames shown`;
+    this.setState("finished");
+    this.onChange();
+  }
+
+  stop() {
+    if (this.running) this.stream.stop();
+    this.part("stop").disabled = true;
+  }
+
+  remove() {
+    if (this.running) return;
+    const url = this.part("frame").dataset.url;
+    if (url) URL.revokeObjectURL(url);
+    this.node.remove();
+    this.onChange(this);
+  }
+}
+
+const live = {tiles: [], LiveStream, LiveTile, streamUrl};  // tiles: every stream started, the newest last
+
+live.running = function () {
+  return live.tiles.filter((tile) => tile.running);
+};
+
+live.setup = function (model) {
+  const $ = (id) => document.getElementById(id);
+  $("live").hidden = false;
+  const container = $("live-tiles");
+
+  const changed = (removed) => {
+    if (removed) live.tiles = live.tiles.filter((tile) => tile !== removed);
+    $("live-stop-all").disabled = live.running().length === 0;
+    $("live-empty").hidden = container.children.length > 0;
   };
 
   $("live-prompt").value = "";
   $("live-form").addEventListener("submit", (event) => {
     event.preventDefault();
-    if (live.stream) return;
-    errorBox.hidden = true;
-    $("live-video").hidden = true;
-    live.log = [];
-    live.frameTimes = [];
     const request = {prompt: $("live-prompt").value};
     const blocks = $("live-blocks").value.trim(), seed = $("live-seed").value.trim();
+    const target = $("live-target-fps").value.trim();
     if (blocks !== "") request.num_blocks = Number(blocks);
     if (seed !== "") request.seed = Number(seed);
-    status.textContent = "connecting";
-    setRunning(true);
-    live.stream = new LiveStream(streamUrl(), request, {onEvent, onFrame, onClose});
+    if (target !== "") request.target_fps = Number(target);
+    live.tiles.push(new LiveTile(container, request, model, changed));
+    changed();
   });
-  $("live-stop").addEventListener("click", () => { if (live.stream) live.stream.stop(); });
-  $("live-next").addEventListener("submit", (event) => {
-    event.preventDefault();
-    const next = $("live-next-prompt").value.trim();
-    if (live.stream && next) {
-      live.stream.sendPrompt(next);
-      $("live-next-prompt").value = "";
-    }
-  });
+  $("live-stop-all").addEventListener("click", () => live.running().forEach((tile) => tile.stop()));
 };
 
 window.ComposerLive = live;
