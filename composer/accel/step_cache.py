@@ -277,6 +277,12 @@ class PerRequestStepCache(EngineHook):
         self.stats = StepCacheStats()  # the last loop a request finished (what a single caller reads)
         self._states: dict[Any, tuple[EngineHook, Any]] = {}
         self._lock = threading.Lock()
+        self._settings = make()[0]  # what every request's hook is made with (threshold, coefficients, ...)
+
+    def __getattr__(self, name: str) -> Any:  # the settings: threshold, coefficients, warmup_steps, ...
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._settings, name)
 
     def _state(self, request: Any) -> tuple[EngineHook, Any]:
         key = None if request is None else id(request)

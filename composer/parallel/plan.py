@@ -29,7 +29,7 @@ def plan_channel(timeout_s: float) -> PlanChannel:
     """The process's channel (made on first use: every rank makes it at the same point, loading its models)."""
     global _channel
     with _made:
-        if _channel is None or _channel.world != dist.get_world_size():
+        if _channel is None or _channel.world_group is not dist.group.WORLD:  # a new process group: a new channel
             _channel = PlanChannel(timeout_s)
         return _channel
 
@@ -38,6 +38,7 @@ class PlanChannel:
     def __init__(self, timeout_s: float):
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self.world_group = dist.group.WORLD
         self.leader = self.rank == 0
         self.timeout_s = float(timeout_s)
         # its own group: plans never interleave with the model's collectives on the layout's groups
