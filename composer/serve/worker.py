@@ -78,8 +78,7 @@ def concurrency_for(generator: Any, asked: int | None) -> tuple[int, str | None]
                    "see the same calls in the same order")
     mode = getattr(getattr(generator, "pipeline", None), "concurrency", "serial")
     if mode == "serial":
-        why = ("jobs run one at a time: this pipeline runs requests serially (a step cache, parallel layouts or "
-               "model offload)")
+        why = "jobs run one at a time: this pipeline runs requests serially (model offload)"
         return 1, why if asked not in (None, 1) else None
     return (CONCURRENT_DEFAULT if asked is None else asked), None
 
