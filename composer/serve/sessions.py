@@ -310,6 +310,18 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
                                       "server's model makes whole videos, or runs on several ranks")
         return store, None
 
+    async def with_body(request: Request, optional: bool = False):
+        """(store, JSON object body, None), or (None, None, the error response)."""
+        store, refused = ready()
+        if refused:
+            return None, None, refused
+        if optional and not (await request.body()).strip():
+            return store, {}, None
+        body = await body_of(request)
+        if isinstance(body, JSONResponse):
+            return None, None, body
+        return store, body, None
+
     async def run(fn, *args, status: int = 200):
         try:
             result = await run_in_threadpool(fn, *args)
@@ -321,12 +333,9 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
 
     @app.post("/v1/sessions")
     async def open_session(request: Request):
-        store, refused = ready()
+        store, body, refused = await with_body(request)
         if refused:
             return refused
-        body = await body_of(request)
-        if isinstance(body, JSONResponse):
-            return body
         limits = state.config.limits if hasattr(state, "config") else ServerLimits()
         try:  # the stream/job field rules; a session has no prompt until its first extend
             checked = check_body({**body, "prompt": body.get("prompt") or "(session)"}, store.generator, limits)
@@ -350,12 +359,9 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
 
     @app.post("/v1/sessions/{session_id}/extend")
     async def extend(session_id: str, request: Request):
-        store, refused = ready()
+        store, body, refused = await with_body(request)
         if refused:
             return refused
-        body = await body_of(request)
-        if isinstance(body, JSONResponse):
-            return body
         unknown = [k for k in body if k not in ("prompt", "num_blocks")]
         if unknown:
             return problem(400, f"unknown field {unknown[0]!r}: an extend takes prompt and num_blocks", unknown[0])
@@ -379,25 +385,16 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
 
     @app.post("/v1/sessions/{session_id}/snapshot")
     async def snapshot(session_id: str, request: Request):
-        store, refused = ready()
+        store, body, refused = await with_body(request, optional=True)
         if refused:
             return refused
-        raw = await request.body()
-        body = {}
-        if raw.strip():
-            body = await body_of(request)
-            if isinstance(body, JSONResponse):
-                return body
         return await run(store.snapshot, session_id, body.get("name"))
 
     @app.post("/v1/sessions/resume")
     async def resume(request: Request):
-        store, refused = ready()
+        store, body, refused = await with_body(request)
         if refused:
             return refused
-        body = await body_of(request)
-        if isinstance(body, JSONResponse):
-            return body
         return await run(store.resume, body.get("snapshot"), status=201)
 
     @app.delete("/v1/sessions/{session_id}")
