@@ -639,3 +639,21 @@ def test_a_stream_whose_reader_holds_its_chunk_is_parked_and_no_call_waits_for_i
     assert gen.pipeline.gate.running == 1 and scheduler.active_requests() == 0
     session.close()
     assert gen.pipeline.gate.running == 0
+
+
+def test_a_due_realtime_stream_does_not_wait_for_the_gather_window():
+    """Gathering waits (up to gather_s) for the requests inside a loop to submit, so their steps share a call; a
+    realtime stream whose frames are due goes at once instead, with whatever is waiting."""
+    scheduler = StepScheduler(lambda u: [u.latents], lambda us: [[u.latents] for u in us], gather_s=10.0)
+    elsewhere = RequestContext()
+    with scheduler.denoising(elsewhere):  # a request in its loop, its next unit not here yet
+        batch_job = fake_unit(scheduler, "job")
+        batch_job.arrived = time.monotonic()
+        assert scheduler._wait_before_running() > 5.0  # gathering for `elsewhere`
+        later = fake_unit(scheduler, "stream", deadline=time.monotonic() + 60.0)
+        later.arrived = time.monotonic()
+        assert scheduler._wait_before_running() > 5.0  # a stream not yet due gathers too
+        due = fake_unit(scheduler, "late stream", deadline=time.monotonic() - 0.01)
+        due.arrived = time.monotonic()
+        assert scheduler._wait_before_running() == 0.0
+        assert picked(scheduler, now=time.monotonic())[0] == "late stream"

@@ -263,7 +263,10 @@ class StepScheduler:
         if self._running or not self._pending:
             return None
         waiting = {u.request.id for u in self._pending}
-        waited = time.monotonic() - min(u.arrived for u in self._pending)
+        now = time.monotonic()
+        waited = now - min(u.arrived for u in self._pending)
+        if any(u.request.due(now) for u in self._pending):
+            return 0.0  # a realtime stream is behind its frame rate: its call goes now, with whoever is here
         if all(rid in waiting for rid in self._in_loop):
             # Every request in a loop is here. Requests of the pipeline outside a loop (between a stream's blocks,
             # just done decoding) may be about to submit: give them `settle_s` to join this call.
