@@ -522,15 +522,21 @@ class CausalDenoisingStage(Stage):
         prefix = len(frames)
         texts = self._texts(batch, state)  # (a new segment's prompt is encoded here, outside prefill_seconds)
         start = time.perf_counter()
-        # The old cache goes back to the pool before the new one is taken: under a kv_cache_memory budget that
-        # holds one of them, taking the new one first would wait for ever for this stream's own pages. 'keep'
-        # copies the old keys/values out first.
-        kept = [c.export() if c is not None else None for c in _unique(carry.caches)] if carry is not None else None
+        # 'keep' under a rolling window: the old caches go on as they are (a window has room for any number of
+        # frames). Otherwise the old cache goes back to the pool before the new one is taken: under a
+        # kv_cache_memory budget that holds one of them, taking the new one first would wait for ever for this
+        # stream's own pages; 'keep' (global attention: a cache with room for the new blocks) copies the old
+        # keys/values out first.
+        reused = carry.caches if carry is not None and self.window[0] is not None else None
+        if reused is not None:
+            carry.caches = None  # they are the new rollout's now: closing the old rollout leaves them open
+        kept = ([c.export() if c is not None else None for c in _unique(carry.caches)]
+                if carry is not None and reused is None else None)
         if old is not None:
             state.close_rollout()
         prefill = time.perf_counter() - start
-        caches = None
-        if plan.use_kv_cache:
+        caches = reused
+        if plan.use_kv_cache and caches is None:
             caches = self._new_caches(bsz, branches, prefix + blocks * n, tpf)  # may wait for the pool's room
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in _unique(caches) if c))
         stats.rollouts += 1
