@@ -24,6 +24,8 @@ Parts (sizes as on the GPU; `--tiny` shrinks the models and videos, same code):
 - concurrency: N concurrent requests through the step scheduler against the same N one after another
   (benchmarks/concurrency.py): the 1.3B model at 240x416, 17 frames, 4 steps, and the shapes models' t2v and
   streams, medians of 3.
+- kv-pool: the paged KV pool's passes (one run of pages: a view; scattered: a gather) against the contiguous
+  KV cache at Self-Forcing 1.3B's cache shape, 480x832, bf16 (benchmarks/kv_pool.py).
 
 Speed does not depend on the weights' values: random weights give the same seconds as a real checkpoint. Quality
 figures (PSNR, differences) of approximate paths on random weights say little; docs/ quote them as such.
@@ -72,6 +74,7 @@ PARTS: dict[str, tuple[int, str]] = {
     "compile-1.3b": (150, "regional compile: cold start and steady DiT forward, 480p"),
     "sparse": (90, "sliding_window attention at the 480p token grid (21x30x52, 12 heads x 128)"),
     "concurrency": (180, "1, 2, 4, 8 concurrent requests through the step scheduler vs one after another"),
+    "kv-pool": (60, "the paged KV pool's passes vs the contiguous cache at Self-Forcing 1.3B's cache shape"),
 }
 
 
@@ -449,6 +452,15 @@ def part_concurrency(args) -> dict:
     return {"report": "\n".join(reports)}
 
 
+def part_kv_pool(args) -> dict:
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "kv_pool.py"), "--device", args.device, "--dtype", args.dtype,
+           "--repeats", str(args.repeats)] + (["--tiny"] if args.tiny else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS["kv-pool"][0] * args.budget_scale)
+    if res.returncode:
+        raise RuntimeError(f"kv_pool.py exited {res.returncode}: {(res.stderr or res.stdout)[-2000:]}")
+    return {"report": res.stdout[-3000:]}
+
+
 PART_FUNCS = {
     "dit-1.3b": lambda a: part_dit(a, "1.3b"),
     "dit-14b": lambda a: part_dit(a, "14b"),
@@ -458,6 +470,7 @@ PART_FUNCS = {
     "offload-1.3b": part_offload,
     "sparse": part_sparse,
     "concurrency": part_concurrency,
+    "kv-pool": part_kv_pool,
 }
 
 
@@ -540,7 +553,7 @@ def summary_rows(name: str, r: dict) -> list[str]:
                 f"{fmt(r.get('layerwise_allocated_gib', r.get('layerwise_peak_gib')), ' GiB')} vs "
                 f"{fmt(r.get('resident_allocated_gib', r.get('resident_peak_gib')), ' GiB')}; max abs diff "
                 f"{r['max_abs_diff']:.1e} |"]
-    if name in ("sparse", "concurrency"):
+    if name in ("sparse", "concurrency", "kv-pool"):
         return [f"| {name} | see its report below | - | - | - | |"]
     return [f"| {name} | {json.dumps(r)[:200]} | | | | |"]
 

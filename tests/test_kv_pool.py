@@ -669,3 +669,18 @@ def test_a_session_between_extends_lends_its_pages_to_a_higher_priority_stream(u
         list(session.extend(PROMPTS[1], 2))
         assert np.array_equal(session.frames, linear)
     assert pool.stats().used_bytes == 0 and pool.stats().swapped_bytes == 0
+
+
+def test_the_pool_benchmark_runs_and_finds_the_same_tensors(capsys):
+    """benchmarks/kv_pool.py --tiny (the GPU suite's kv-pool part at CPU size): contiguous, paged view and paged
+    gather give identical keys/values, and the table is printed."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kv_pool.py"
+    spec_ = importlib.util.spec_from_file_location("kv_pool_bench", path)
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    assert module.main(["--tiny", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| paged, scattered (gather) |" in out and "identical to the contiguous cache's: True" in out
