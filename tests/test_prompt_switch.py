@@ -116,7 +116,7 @@ def test_keep_carries_the_cache_and_its_positions(global_gen):
 
 # -- keep_video=False --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("rollout_blocks", [None, 2])
+@pytest.mark.parametrize("rollout_blocks", [None, pytest.param(2, marks=pytest.mark.slow)])
 def test_keep_video_off_streams_the_same_frames(gen, mode, rollout_blocks):
     segments = [(P0, 4), (P1, 3), (P0, 2)]
     kept, kept_chunks = stream(gen, segments, prompt_switch=mode, rollout_blocks=rollout_blocks)

@@ -103,6 +103,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two child processes per model; the in-process resume is in the quick tier
 @pytest.mark.parametrize("model", ["shapes", "windowed"])
 def test_a_snapshot_resumes_in_another_process_exactly(model, request, tmp_path):
     gen = request.getfixturevalue(model)
