@@ -387,7 +387,7 @@ class VideoGenerator:
         context = batch.get(RequestContext)
         context.target_fps = target_fps
         if isinstance(segments, list):  # the same on every rank (a lazy source is read as the stream goes)
-            context.key = request_key(sp, segments, priority)
+            context.key = request_key(sp, segments, priority) if self._planned else ""
         self.pipeline.prepare(batch, sp, segments, keep_video=keep_video)
         if callable(ends_segment):  # a live source: it may end the running segment before its last block
             from composer.stages.causal_denoising import CausalPlan
@@ -441,6 +441,11 @@ class VideoGenerator:
             if close is not None:
                 await asyncio.to_thread(close)
 
+    @property
+    def _planned(self) -> bool:
+        """Whether rank 0 plans this pipeline's calls (a parallel layout): requests then need their key."""
+        return any(getattr(e.scheduler, "planner", None) is not None for e in getattr(self.pipeline, "engines", []))
+
     def _new_batch(self, sp: SamplingParam, videos: VideoRequests | None = None,
                    cancel: CancelToken | None = None, priority: int = 0) -> ForwardBatch:
         self._warn_ignored_settings(sp)
@@ -465,7 +470,8 @@ class VideoGenerator:
             batch.generator = torch.Generator("cpu").manual_seed(seed)
         if cancel is not None:
             batch.attach(cancel)
-        batch.attach(RequestContext(priority=priority, cancel=cancel, key=request_key(sp, videos, priority)))
+        key = request_key(sp, videos, priority) if self._planned else ""  # (hashes images: only where it is used)
+        batch.attach(RequestContext(priority=priority, cancel=cancel, key=key))
         return batch
 
     def _warn_ignored_settings(self, sp: SamplingParam) -> None:
