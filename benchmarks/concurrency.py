@@ -171,6 +171,8 @@ def run_level(gen, counter, kind: str, n: int, args, workers: ThreadPoolExecutor
     return {
         "kind": kind, "n": n, "frames": frames,
         "sequential_s": seq_s, "concurrent_s": conc_s,
+        # every repeat's seconds: the medians hide a slow first run or a swing between runs
+        "sequential_runs_s": seq_times, "concurrent_runs_s": conc_times,
         "sequential_fps": frames / seq_s, "concurrent_fps": frames / conc_s, "speedup": seq_s / conc_s,
         "sequential_calls": seq_calls, "concurrent_calls": conc_calls,
         "shared_call_share": (batched1 - batched0) / max(units1 - units0, 1),
@@ -246,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                       + (f", KV pool peak {mib(row['kv_pool_peak_bytes'])} (contiguous caches "
                          f"{mib(row['kv_contiguous_bytes'])})" if row["kv_pool_peak_bytes"] is not None else ""),
                       flush=True)
+                if len(row["sequential_runs_s"]) > 1:
+                    print("       runs (s): one after another " + ", ".join(f"{t:.3f}" for t in row["sequential_runs_s"])
+                          + "; at once " + ", ".join(f"{t:.3f}" for t in row["concurrent_runs_s"]), flush=True)
             pool.shutdown()
             if kind == "stream" and kv_pool(gen) is not None and max(levels) > 1:
                 forks = fork_memory(gen, max(levels))
