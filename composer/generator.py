@@ -12,8 +12,10 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +26,7 @@ import torch
 from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
+from composer.engine.loop import Blocking, RequestLoop, drive
 from composer.engine.scheduler import RequestContext
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.images import refuse_image_knobs
@@ -127,6 +130,9 @@ def _with_folder_quantization(runtime: RuntimeArgs, settings: FolderSettings) ->
     return dataclasses.replace(runtime, quantize=mode)
 
 
+_loop_guard = threading.Lock()
+
+
 class VideoGenerator:
     """A loaded pipeline plus its sampling defaults: the family's, with what the model folder states over them."""
 
@@ -135,6 +141,7 @@ class VideoGenerator:
         self.default_sampling = default_sampling
         self.model_path = model_path
         self.family = family
+        self._loop: RequestLoop | None = None  # submit_video's tasks (made on first use)
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike | None = None, **runtime_kwargs: Any) -> VideoGenerator:
@@ -242,13 +249,74 @@ class VideoGenerator:
         scheduled together, compatible steps sharing one transformer call (docs/scheduling.md); each video equals
         the one a lone call makes. `priority` (an int, higher first) orders the waiting steps.
         """
+        sp, videos, priority = self._checked(prompt, sampling_param, segments, overrides, priority)
+        return drive(self._generate_task(sp, videos, segments, cancel, priority))
+
+    def _checked(self, prompt: Any, sampling_param: SamplingParam | None, segments: Any, overrides: dict[str, Any],
+                 priority: Any) -> tuple[SamplingParam, VideoRequests | None, int]:
+        """A request's checks, before any work: its SamplingParam, its videos and its priority."""
         priority = _checked_priority(priority)
         sp, videos = self._request(prompt, sampling_param, segments, overrides)
         checked = sp if videos is None else dataclasses.replace(sp, prompt=videos.prompts)
-        check_request(checked, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
+        check_request(checked, ModelLimits.from_pipeline(self.pipeline), segments)
+        return sp, videos, priority
+
+    def submit_video(
+        self,
+        prompt: str | list[str] | None = None,
+        *,
+        sampling_param: SamplingParam | None = None,
+        segments: Iterable[tuple[str, int]] | None = None,
+        cancel: CancelToken | None = None,
+        priority: int = 0,
+        **overrides: Any,
+    ) -> Future:
+        """Start `generate_video(prompt, ...)` and return at once: a `concurrent.futures.Future` of its result.
+        Bad input raises here, before anything starts.
+
+        On a whole-video pipeline that requests share (`pipeline.runs_tasks`) the request is a task on the
+        generator's request loop (composer/engine/loop.py): no thread waits for it between its steps, its steps are
+        batched with every other request's, and its stages other than denoising run on the loop's stage threads
+        (`RuntimeArgs.stage_threads`) only while they work. Elsewhere (a causal model, model offload, several
+        ranks) it runs on a thread of its own. The future's result is `generate_video`'s; a `Cancelled` (its
+        `cancel` token) or any error of the request is the future's exception."""
+        sp, videos, priority = self._checked(prompt, sampling_param, segments, overrides, priority)
+        if not self.pipeline.runs_tasks:
+            future: Future = Future()
+            future.set_running_or_notify_cancel()
+
+            def run() -> None:
+                try:
+                    future.set_result(self.generate_video(prompt, sampling_param=sampling_param, segments=segments,
+                                                          cancel=cancel, priority=priority, **overrides))
+                except BaseException as exc:  # noqa: BLE001 - the caller's, through the future
+                    future.set_exception(exc)
+
+            threading.Thread(target=run, name="composer-request", daemon=True).start()
+            return future
+        context = RequestContext(priority=priority, cancel=cancel, background=True)
+        return self.request_loop.submit(self._generate_task(sp, videos, segments, cancel, priority, context),
+                                        context)
+
+    @property
+    def request_loop(self) -> RequestLoop:
+        """The loop that runs this generator's tasks (`submit_video`): made on first use."""
+        with _loop_guard:
+            if self._loop is None:
+                pipeline = self.pipeline
+                self._loop = RequestLoop(
+                    lambda: [e.scheduler for e in pipeline.engines if e.scheduler is not None],
+                    stage_threads=pipeline.runtime.stage_threads, name="composer-loop")
+            return self._loop
+
+    def _generate_task(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any,
+                       cancel: CancelToken | None, priority: int, context: RequestContext | None = None):
+        """`generate_video`'s work (after its checks) as a task: each batch through `pipeline.forward_task`, its
+        results made (and files written) as blocking work. `context`: a task's RequestContext, shared by its
+        batches (None: each batch gets its own, as a call on a thread does)."""
         limit = self.pipeline.runtime.max_batch_size
         if videos is None or not limit or videos.count <= limit:
-            results = self._generate_batch(sp, videos, segments, cancel, priority=priority)
+            results = yield from self._batch_task(sp, videos, segments, cancel, priority, context)
             return results if videos is not None and not videos.single else results[0]
         # More videos than one batch may hold: consecutive batches, each row keeping its seed and number.
         seed = sp.seed if sp.seed is not None else parallel_state.random_seed()
@@ -257,25 +325,27 @@ class VideoGenerator:
             rows = slice(first, first + limit)
             part = dataclasses.replace(videos, prompts=videos.prompts[rows], single=False,
                                        negative_prompts=videos.negative_prompts[rows] if videos.negative_prompts else None)
-            results += self._generate_batch(sp.updated(seed=seed + first), part, segments, cancel, row_offset=first,
-                                            several=True, priority=priority)
+            results += yield from self._batch_task(sp.updated(seed=seed + first), part, segments, cancel, priority,
+                                                   context, row_offset=first, several=True)
         return results
 
-    def _generate_batch(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any,
-                        cancel: CancelToken | None, row_offset: int = 0, several: bool | None = None,
-                        priority: int = 0) -> list[GenerationResult]:
-        """One batch through the pipeline; a result per row (rows numbered from `row_offset`)."""
+    def _batch_task(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any,
+                    cancel: CancelToken | None, priority: int, context: RequestContext | None,
+                    row_offset: int = 0, several: bool | None = None):
+        """One batch through the pipeline, as a task; a result per row (rows numbered from `row_offset`)."""
         batch = self._new_batch(sp, videos, cancel, priority)
+        if context is not None:
+            batch.attach(context)  # the task's: what its units and cancel checks name
         start = time.perf_counter()
         self.pipeline.prepare(batch, sp, list(segments) if segments is not None else None)
-        batch = self.pipeline.forward(batch)
+        batch = yield from self.pipeline.forward_task(batch)
         timings = dict(batch.timings)
         timings["total"] = time.perf_counter() - start
         stats = batch.stats
         if stats is not None:
             stats.total_seconds, stats.frames = timings["total"], int(batch.frames.shape[1])
             stats.time_to_first_frame = timings["total"]  # nothing is shown before the whole video is decoded
-        return self._results(batch, sp, videos, timings, stats, row_offset, several)
+        return (yield Blocking(lambda: self._results(batch, sp, videos, timings, stats, row_offset, several)))
 
     def _request(
         self, prompt: Any, sampling_param: SamplingParam | None, segments: Any, overrides: dict[str, Any]
@@ -420,11 +490,12 @@ class VideoGenerator:
 
     async def agenerate_video(self, prompt: str | list[str] | None = None, **kwargs: Any
                               ) -> GenerationResult | list[GenerationResult]:
-        """`generate_video` for asyncio code (a server's handlers): runs on a worker thread, so the event loop stays
-        free and concurrent awaits are scheduled together like concurrent threads."""
+        """`generate_video` for asyncio code (a server's handlers): awaits `submit_video`'s future, so the event loop
+        stays free, no thread waits for the request between its steps, and concurrent awaits are scheduled
+        together like concurrent calls."""
         import asyncio
 
-        return await asyncio.to_thread(self.generate_video, prompt, **kwargs)
+        return await asyncio.wrap_future(self.submit_video(prompt, **kwargs))
 
     async def astream_video(self, prompts: str | Iterable[tuple[str, int]] | None = None, **kwargs: Any):
         """`stream_video` for asyncio code: an async iterator of VideoChunk, each block made on a worker thread."""

@@ -127,6 +127,12 @@ class RuntimeArgs:
                           "tokens per row after patchify; a CFG pair is two rows); a step larger than this alone "
                           "still runs, alone; default: no limit"},
     )
+    stage_threads: int = field(
+        default=4,
+        metadata={"help": "threads that run the stages other than denoising (text encoding, VAE decode, writing the "
+                          "file) of requests made with submit_video / agenerate_video (composer serve's jobs): a "
+                          "request holds one only while such a stage runs, none between its denoising steps"},
+    )
     cfg_mode: str = field(
         default="batched",
         metadata={"help": "classifier-free guidance: 'batched' (prompt and negative prompt as one batch-2 model call) "
@@ -301,6 +307,8 @@ class RuntimeArgs:
                 errors.append(f"kv_cache_memory = {self.kv_cache_memory!r}: expected {problem}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             errors.append(f"max_batch_size = {self.max_batch_size}: expected a positive integer (or unset: no limit)")
+        if not isinstance(self.stage_threads, int) or self.stage_threads < 1:
+            errors.append(f"stage_threads = {self.stage_threads!r}: expected a positive integer")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             errors.append(f"max_batch_tokens = {self.max_batch_tokens}: expected a positive integer (or unset: no "
                           "limit)")

@@ -101,3 +101,20 @@ class Scripted:
                     raise Cancelled("request cancelled")
             return self._generator.generate_video(prompt, cancel=cancel, **{**kwargs, **self.gated_overrides})
         return self._generator.generate_video(prompt, cancel=cancel, **kwargs)
+
+    def submit_video(self, prompt=None, *, cancel=None, **kwargs):
+        """The real generator's tasks, except for the scripted prompts (run as `generate_video` on a thread)."""
+        if not (prompt.startswith("boom") or prompt.startswith("gate")):
+            return self._generator.submit_video(prompt, cancel=cancel, **kwargs)
+        from concurrent.futures import Future
+
+        future = Future()
+
+        def run():
+            try:
+                future.set_result(self.generate_video(prompt, cancel=cancel, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - through the future
+                future.set_exception(exc)
+
+        threading.Thread(target=run, daemon=True).start()
+        return future

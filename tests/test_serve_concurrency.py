@@ -138,6 +138,43 @@ def test_jobs_released_together_share_transformer_calls_and_give_their_solo_fram
         srv.stop()
 
 
+def test_text_to_video_jobs_run_as_tasks_with_no_thread_each(t2v, tmp_path):
+    """Six jobs at once (--max-concurrent 6) on a model whose requests are tasks: no job gets a thread of its own
+    (only the dispatcher, the request loop and its stage threads, the finishers), their steps share calls, each job
+    reports its steps' progress, and each video is generate_video's."""
+    srv = start(t2v, tmp_path, max_concurrent=6)
+    fields = {"num_inference_steps": 6, "num_frames": 5}
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.update(t.name for t in threading.enumerate())
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, name="watcher")
+    try:
+        before = srv.request("GET", "/metrics").body.decode()
+        watcher.start()
+        jobs = [submit(srv, f"a red circle moving {d}", seed=i, **fields)["id"]
+                for i, d in enumerate(["left", "right", "up", "down", "left", "right"])]
+        done = [srv.wait(job, timeout=120) for job in jobs]
+        stop.set()
+        watcher.join()
+        assert [d["status"] for d in done] == ["completed"] * 6 and all(d["progress"] == 1.0 for d in done)
+        assert not [n for n in seen if n.startswith("composer-serve-job")], seen
+        after = srv.request("GET", "/metrics").body.decode()
+        steps = metric(after, "composer_step_seconds_count") - metric(before, "composer_step_seconds_count")
+        assert steps == 6 * 6
+        assert metric(after, "composer_batched_units_total") > metric(before, "composer_batched_units_total")
+        served = served_frames(srv, jobs[1], tmp_path / "served.mp4")
+        solo = direct_frames(t2v, tmp_path / "solo.mp4", "a red circle moving right", seed=1, **fields)
+        assert served.shape == solo.shape and psnr(served, solo) > 40
+    finally:
+        stop.set()
+        srv.stop()
+
+
 def test_with_one_slot_a_higher_priority_job_queued_later_starts_first(gated, tmp_path):
     srv = start(gated, tmp_path, max_concurrent=1)
     try:
@@ -201,6 +238,21 @@ class Bulky:
                 pieces.close()
 
 
+def holding_stream_threads() -> list[str]:
+    """Threads inside the worker's stream code now (making a block, or waiting for a client)."""
+    import sys
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    holding = []
+    for ident, frame in sys._current_frames().items():
+        while frame is not None:
+            if frame.f_code.co_name in ("_stream_blocks", "_run_stream"):
+                holding.append(names.get(ident, str(ident)))
+                break
+            frame = frame.f_back
+    return holding
+
+
 def test_a_stalled_stream_holds_only_itself_the_other_stream_and_a_job_go_on_unwaited(tmp_path):
     """Two streams and a job at once; one stream's client reads nothing. Its stream pauses (its buffer full, its
     progress still) while the other stream and the job run to the end, and no call of theirs waits for the stalled
@@ -239,6 +291,11 @@ def test_a_stalled_stream_holds_only_itself_the_other_stream_and_a_job_go_on_unw
                 assert time.time() < deadline, f"never stalled and parked: {gate.counts()} (running, busy)"
                 time.sleep(0.05)
             stalled = srv.request("GET", f"/v1/videos/{started['id']}").json
+            # while its client is behind, the stream holds no thread: its latest chunk waits with the session
+            deadline = time.time() + 30
+            while holding_stream_threads():
+                assert time.time() < deadline, "a thread still holds the stalled stream"
+                time.sleep(0.02)
             scheduler.active_requests = asked
             other: dict = {}
 

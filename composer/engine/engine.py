@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from composer.engine.guidance import ClassifierFreeGuidance
 from composer.engine.inputs import ModelInputs
+from composer.engine.loop import ModelStep, drive
 from composer.engine.scheduler import (
     RequestContext,
     StepScheduler,
@@ -250,7 +252,23 @@ class DenoisingEngine:
         run: int = 0,
         progress: bool = False,
     ) -> torch.Tensor:
-        """Every step of `steps` from `latents`; returns the final latents."""
+        """Every step of `steps` from `latents`; returns the final latents. The calling thread waits through each
+        step (`run_task` is the same loop as a task, for a RequestLoop)."""
+        return drive(self.run_task(latents, steps, cond, uncond, guidance, run=run, progress=progress))
+
+    def run_task(
+        self,
+        latents: torch.Tensor,
+        steps: StepRule,
+        cond: ModelInputs,
+        uncond: ModelInputs | None = None,
+        guidance: ClassifierFreeGuidance | None = None,
+        *,
+        run: int = 0,
+        progress: bool = False,
+    ) -> Generator[Any, Any, torch.Tensor]:
+        """`run` as a task (composer/engine/loop.py): yields a ModelStep for each step's prediction and gets the
+        branches' outputs back; returns the final latents."""
         if guidance is not None and uncond is None:
             raise ValueError("guidance needs the negative branch (uncond)")
         merged = ModelInputs.batched([cond, uncond]) if guidance is not None and self.batched_cfg else None
@@ -258,9 +276,9 @@ class DenoisingEngine:
         with (nullcontext() if request is not None else running_request(RequestContext())) as made:
             request = request or made
             with self.scheduler.denoising(request) if self.scheduler is not None else nullcontext():
-                return self._run_steps(latents, steps, cond, uncond, guidance, merged, run, progress)
+                return (yield from self._steps_task(latents, steps, cond, uncond, guidance, merged, run, progress))
 
-    def _run_steps(self, latents, steps, cond, uncond, guidance, merged, run, progress) -> torch.Tensor:
+    def _steps_task(self, latents, steps, cond, uncond, guidance, merged, run, progress):
         timesteps = steps.timesteps
         num_steps = len(timesteps)
         schedule = tuple(float(t) for t in timesteps)
@@ -271,11 +289,13 @@ class DenoisingEngine:
                 for hook in self.hooks:
                     if hasattr(hook, "before_step"):
                         hook.before_step(info)
-                self._step = info
-                try:
-                    pred = self.predict(latents, steps.model_timestep(t, latents), cond, uncond, guidance, merged)
-                finally:
-                    self._step = None
+                model_timestep = steps.model_timestep(t, latents)
+                if guidance is None:
+                    pred = (yield ModelStep(self, latents, model_timestep, [cond], None, "step", info))[0]
+                else:
+                    pred_cond, pred_uncond = yield ModelStep(self, latents, model_timestep, [cond, uncond], merged,
+                                                             "step", info)
+                    pred = guidance.combine(pred_cond, pred_uncond)
                 latents = steps.step(index, t, pred, latents)
                 info.latents = latents
                 for hook in self.hooks:

@@ -43,6 +43,9 @@ from typing import Any
 import torch
 
 from composer.engine.inputs import ModelInputs
+from composer.logging import get_logger
+
+logger = get_logger(__name__)
 
 # -- the request a thread is running -------------------------------------------------------------------------
 
@@ -61,6 +64,8 @@ class RequestContext:
     # next frames are due: once a deadline has come, its units go before the waiting units of its priority.
     target_fps: float | None = None
     deadline: float | None = None
+    # a task on a RequestLoop (submit_video, a server's job): no per-step progress bar on the console
+    background: bool = False
 
     def due(self, now: float) -> bool:
         """Whether this request is a realtime stream whose next frames are due (or late) at `now`."""
@@ -170,6 +175,9 @@ class Unit:
     result: list[torch.Tensor] | None = None
     error: BaseException | None = None
     done: bool = False
+    # called (lock held: quick, no scheduler calls) once the unit is done, for a request that waits for it
+    # without a thread (a task of composer/engine/loop.py); None: a thread waits in `submit`
+    on_done: Callable[[Unit], None] | None = None
 
     @property
     def videos(self) -> int:
@@ -218,6 +226,8 @@ class StepScheduler:
         self._running = False
         self._settling: float | None = None  # since when the ready call waits for requests outside a loop
         self._seq = itertools.count()
+        # called (lock held: quick) after every call: a RequestLoop waiting to run the next iteration wakes up
+        self.listeners: list[Callable[[], None]] = []
 
     # -- which requests are denoising -------------------------------------------------------------------
     @contextmanager
@@ -257,6 +267,31 @@ class StepScheduler:
             raise unit.error
         assert unit.result is not None
         return unit.result
+
+    def enqueue(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
+                merged: ModelInputs | None, kind: str, request: RequestContext, step: Any,
+                on_done: Callable[[Unit], None]) -> Unit:
+        """Queue a unit without waiting for it: `on_done(unit)` is called once it has run (its `result` or
+        `error` set), from whichever thread ran it. The caller (a RequestLoop) runs iterations with `poll`."""
+        key = batch_key(latents, timestep, branches, kind) if self.batching else None
+        unit = Unit(latents, timestep, branches, merged, kind, request, key, next(self._seq), time.monotonic(), step,
+                    tokens=token_count(latents, len(branches), self.patch_size), on_done=on_done)
+        with self._cv:
+            self._pending.append(unit)
+            self._cv.notify_all()
+        return unit
+
+    def poll(self) -> float | None:
+        """For a thread that runs iterations without a unit of its own waiting in `submit` (a RequestLoop): run one
+        iteration if one is due now (0.0), else say how long until one may be (None: nothing to run, or another
+        thread runs a call now: a unit's `on_done` will tell)."""
+        if self.planner is not None:
+            raise RuntimeError("a planned (parallel) scheduler's iterations are run by the threads of its requests")
+        with self._cv:
+            wait = self._wait_before_running()
+            if wait == 0.0:
+                self._run_one_iteration()
+            return wait
 
     def _wait_before_running(self) -> float | None:
         """0: this thread should run an iteration now; else how long to wait (None: until notified)."""
@@ -362,12 +397,19 @@ class StepScheduler:
         """(Lock held) Count the call, mark its units done, wake their threads."""
         for unit in units:
             unit.done = True
+            if unit.on_done is not None:
+                try:
+                    unit.on_done(unit)
+                except Exception:  # noqa: BLE001 - a waiter's callback must not break the call's other units
+                    logger.exception("a unit's completion callback failed")
         self.stats.calls += 1
         self.stats.units += len(units)
         if len(units) > 1:
             self.stats.batched_units += len(units)
         self.stats.largest_batch = max(self.stats.largest_batch, len(units))
         self._cv.notify_all()
+        for listener in self.listeners:
+            listener()
 
     # -- another rank than 0 of a parallel layout: rank 0's plans decide every call -------------------------
     def _follow(self, unit: Unit) -> None:

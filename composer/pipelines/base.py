@@ -19,6 +19,7 @@ from composer.cancel import CancelToken
 from composer.configs.base import PipelineConfig
 from composer.engine import DenoisingEngine
 from composer.engine.batcher import module_lock
+from composer.engine.loop import Blocking, drive
 from composer.engine.scheduler import RequestContext, calling_requests, current_request, running_request
 from composer.errors import UnsupportedError
 from composer.loader.components import ComponentLoader
@@ -261,15 +262,42 @@ class ComposedPipeline:
             yield
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
-        """Run every stage over the whole video."""
-        with self.gate.request(), self._running(batch):
+        """Run every stage over the whole video, on this thread."""
+        return drive(self.forward_task(batch))
+
+    @property
+    def runs_tasks(self) -> bool:
+        """Whether this pipeline's requests can run as tasks on a RequestLoop (composer/engine/loop.py), holding no
+        thread between their transformer units: a whole-video pipeline whose requests share it (batch or interleave
+        mode) on one process. A causal pipeline's requests, a serial pipeline's and a parallel layout's (rank 0
+        plans the calls; every rank's threads follow) run on a thread each instead."""
+        return (self.concurrency in ("batch", "interleave") and not self.gate.serial and not self.can_stream
+                and all(e.scheduler is not None and e.scheduler.planner is None for e in self.engines))
+
+    def forward_task(self, batch: ForwardBatch):
+        """`forward` as a task: the denoising stages yield their transformer units (each step's), every other
+        stage runs as one Blocking piece of work (on a RequestLoop: a stage thread, held only while it runs; driven
+        on a thread: inline). The request holds its place at the gate throughout: a task (a background request)
+        under its own key, a request driven on a thread under the thread's."""
+        context = self.request_context(batch)
+        key = ("task", id(batch)) if context.background else None
+        with ExitStack() as slot, running_request(context):
+            # a place at the gate may wait (an adapter switch): as blocking work, never on a loop's thread
+            yield Blocking(lambda: slot.enter_context(self.gate.request(key)))
             for stage in self.stages:
                 self.check_cancelled()
                 if stage.skips(batch):  # nothing to do for this request: its modules need not visit the device
                     continue
-                with self._stage_lock(stage), self._scope(stage):
-                    batch = stage(batch)
+                if stage.forward_task is not None and stage.concurrent:
+                    with self._scope(stage):
+                        batch = yield from stage.call_task(batch)
+                else:
+                    batch = yield Blocking(lambda stage=stage, batch=batch: self._run_stage(stage, batch))
         return batch
+
+    def _run_stage(self, stage: Stage, batch: ForwardBatch) -> ForwardBatch:
+        with self._stage_lock(stage), self._scope(stage):
+            return stage(batch)
 
     def stream(self, batch: ForwardBatch) -> Iterator[Any]:
         """The same stages, lazily: the stages before the first streaming stage run when iteration starts,
@@ -329,8 +357,9 @@ class RequestGate:
         self._exclusive = False
 
     @contextmanager
-    def request(self) -> Iterator[None]:
-        me = threading.get_ident()
+    def request(self, key: Any = None) -> Iterator[None]:
+        """Hold a place for a request: this thread's (or `key`'s: a task, which no thread holds)."""
+        me = threading.get_ident() if key is None else key
         with self._cv:
             if self.refuse_overlap and self._active and me not in self._active:
                 raise UnsupportedError(

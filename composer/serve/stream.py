@@ -163,6 +163,7 @@ class StreamSession:
         self._began: float | None = None  # when the worker started the stream (time.perf_counter)
         self._last: float | None = None  # when its latest chunk was made
         self.closed = threading.Event()  # the socket is gone: nothing more to post
+        self._waiter: tuple | None = None  # (chunk, jpegs, on_room, since): a chunk `offer` kept for a slot
         prompts.announce = self.post_message
 
     # -- the worker's side --------------------------------------------------------------------------
@@ -199,7 +200,8 @@ class StreamSession:
         self.post_message(message)
 
     def chunk(self, chunk: Any, token: CancelToken) -> None:
-        """Encode a decoded chunk and queue it for the socket, waiting for a free slot (cancellable)."""
+        """Encode a decoded chunk and queue it for the socket, waiting for a free slot (cancellable). For a worker
+        that runs the stream on a thread of its own (several ranks); see `offer` for the waiting without one."""
         self._last = time.perf_counter()
         jpegs = [encode_jpeg(frame) for frame in np.asarray(chunk.frames)]
         waited = time.perf_counter()
@@ -208,14 +210,44 @@ class StreamSession:
             if self.stall_timeout is not None and time.perf_counter() - waited > self.stall_timeout:
                 raise StreamStalled(f"the client read nothing for {self.stall_timeout:g} s; the stream was stopped")
         with self._lock:
-            index, self.chunks = self.chunks, self.chunks + 1
-            self.buffered += 1
-            self.max_buffered = max(self.max_buffered, self.buffered)
-            self.frames += len(jpegs)
-            fps = self.fps
-            header = {"type": "chunk", "index": index, "block": chunk.block_index, "frames": len(jpegs),
-                      "first_frame": chunk.start_frame, "prompt": chunk.prompt,
-                      "fps": None if fps is None else round(fps, 2)}
+            self._queue_locked(chunk, jpegs)
+
+    def offer(self, chunk: Any, on_room: Callable[[BaseException | None], None]) -> bool:
+        """Encode a decoded chunk and queue it if a slot is free (True). Otherwise keep it and return False at once:
+        no thread waits. When the client frees a slot (`sent`), the chunk is queued and `on_room(None)` is called;
+        `abandon(error)` (a cancel, a stall: the worker's watchdog) calls `on_room(error)` instead."""
+        self._last = time.perf_counter()
+        jpegs = [encode_jpeg(frame) for frame in np.asarray(chunk.frames)]
+        with self._lock:
+            if self._slots.acquire(blocking=False):
+                self._queue_locked(chunk, jpegs)
+                return True
+            self._waiter = (chunk, jpegs, on_room, time.perf_counter())
+            return False
+
+    def waited(self, now: float) -> float | None:
+        """Seconds a chunk kept by `offer` has waited for a slot (None: none waits)."""
+        with self._lock:
+            return None if self._waiter is None else now - self._waiter[3]
+
+    def abandon(self, error: BaseException) -> bool:
+        """Drop the chunk waiting for a slot and call its `on_room(error)`; False when none waits (any more)."""
+        with self._lock:
+            waiter, self._waiter = self._waiter, None
+        if waiter is None:
+            return False
+        waiter[2](error)
+        return True
+
+    def _queue_locked(self, chunk: Any, jpegs: list[bytes]) -> None:
+        index, self.chunks = self.chunks, self.chunks + 1
+        self.buffered += 1
+        self.max_buffered = max(self.max_buffered, self.buffered)
+        self.frames += len(jpegs)
+        fps = self.fps
+        header = {"type": "chunk", "index": index, "block": chunk.block_index, "frames": len(jpegs),
+                  "first_frame": chunk.start_frame, "prompt": chunk.prompt,
+                  "fps": None if fps is None else round(fps, 2)}
         self._post(("chunk", header, jpegs))
 
     def finished(self, job: Job) -> None:
@@ -231,10 +263,16 @@ class StreamSession:
 
     # -- the socket's side --------------------------------------------------------------------------
     def sent(self) -> None:
-        """A chunk went out: its slot is free again."""
+        """A chunk went out: its slot is free again, or passes straight to the chunk `offer` kept."""
         with self._lock:
             self.buffered -= 1
-        self._slots.release()
+            waiter, self._waiter = self._waiter, None
+            if waiter is not None:
+                self._queue_locked(waiter[0], waiter[1])
+        if waiter is None:
+            self._slots.release()
+        else:
+            waiter[2](None)
 
 
 class StreamRoutes:

@@ -1,8 +1,11 @@
-"""The worker: N threads taking jobs from a bounded priority queue and running them on the generator at once.
+"""The worker: jobs from a bounded priority queue run on the generator, up to `max_concurrent` at once.
 
-The HTTP loop only queues and reads records; it never waits on generation. Each worker thread runs one job at a
-time; the generator's step scheduler (composer/engine/scheduler.py) batches the denoising steps of the jobs that
-run together. The queue is ordered by `priority` (higher first), then by arrival. A job's CancelToken stops it at
+The HTTP loop only queues and reads records; it never waits on generation. One dispatcher thread starts the jobs.
+A text-to-video job on a generator whose requests run as tasks (`pipeline.runs_tasks`: a whole-video model on one
+process) is submitted with `submit_video`: no thread waits for it between its denoising steps, and a finishing
+thread writes its file when it ends. Other jobs (a live stream, a job that must switch the LoRA adapters first, a
+causal or serial or multi-rank generator) run on a thread of their own. The generator's step scheduler
+(composer/engine/scheduler.py) batches the denoising steps of the jobs that run together. The queue is ordered by `priority` (higher first), then by arrival. A job's CancelToken stops it at
 the next transformer block (DELETE, or the request timeout); any exception fails that job alone and its thread
 goes on with the next. A live stream (serve/stream.py) is a job too, submitted with its StreamSession: a worker
 thread runs it with stream_video, handing each chunk to the session (which waits while its client is behind:
@@ -18,11 +21,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from composer.cancel import CancelToken
 from composer.engine.engine import EngineHook, StepInfo
+from composer.engine.scheduler import current_request
 from composer.errors import Cancelled
 from composer.logging import get_logger
 from composer.serve.jobs import CANCELLED, COMPLETED, FAILED, IN_PROGRESS, QUEUED, Job, JobStore
@@ -48,9 +53,39 @@ class _Run:
     last_step: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(eq=False)
+class _Streaming:
+    """A live stream between its blocks, as the worker keeps it (no thread holds it): the generator's stream, its
+    chunk iterator and the file being written."""
+
+    run: _Run
+    session: Any
+    stream: Any = None
+    chunks: Any = None
+    writer: Any = None
+    timer: threading.Timer | None = None
+    total: int = 1
+    done: int = 0
+
+    def close(self, error: BaseException | None) -> None:
+        """Let go of the generator's stream (and its KV cache) at once; finish the file, or drop it on `error`."""
+        try:
+            for source in (self.chunks, self.stream):
+                close = getattr(source, "close", None)
+                if close is not None:
+                    close()
+        finally:
+            if self.writer is not None:
+                if error is None:
+                    self.writer.close()
+                else:
+                    self.writer.abort()
+
+
 class ProgressHook(EngineHook):
-    """Engine hook: after each denoising step, its job's progress and the seconds the step took. Steps run on
-    their request's thread, so the job is the one the calling worker thread runs (none: someone else's call)."""
+    """Engine hook: after each denoising step, its job's progress and the seconds the step took. The job is the one
+    the calling thread runs (a job's own thread), or the one whose cancel token the current request holds (a task,
+    whose steps run on the request loop's thread); none: someone else's call."""
 
     def __init__(self, worker: Worker):
         self.worker = worker
@@ -117,10 +152,28 @@ class Worker:
         self._hook = ProgressHook(self)
         for engine in self._engines:
             engine.add_hook(self._hook)
-        self._threads = [threading.Thread(target=self._loop, name=f"composer-serve-worker-{i}", daemon=True)
-                         for i in range(self.max_concurrent)]
-        for thread in self._threads:
-            thread.start()
+        self._by_token: dict[int, _Run] = {}  # id(cancel token) -> the running job (a task's steps find it so)
+        self._finisher = ThreadPoolExecutor(2, thread_name_prefix="composer-serve-finish")
+        self._threads: list[threading.Thread] = []  # the dispatcher and the job threads (ended ones pruned)
+        # live streams (one process): a thread makes each block, none waits for the client (`_stream_blocks`)
+        self._stream_pool = ThreadPoolExecutor(max(1, self.max_concurrent), thread_name_prefix="composer-serve-stream")
+        self._stream_waits: set[_Streaming] = set()  # streams whose latest chunk waits for the client
+        self._watchdog: threading.Thread | None = None
+        self._dispatcher = threading.Thread(target=self._dispatch, name="composer-serve-dispatch", daemon=True)
+        self._dispatcher.start()
+
+    @property
+    def streams_unthreaded(self) -> bool:
+        """Whether live streams hold a thread only while a block is made (one process); on several ranks each
+        stream runs on a thread of its own (the ranks' protocol)."""
+        ranks = getattr(self.generator, "world_size", 1)
+        return (not isinstance(ranks, int) or ranks <= 1) and getattr(self.generator, "pipeline", None) is not None
+
+    @property
+    def runs_tasks(self) -> bool:
+        """Whether text-to-video jobs run as tasks on the generator's request loop (no thread each)."""
+        pipeline = getattr(self.generator, "pipeline", None)
+        return bool(getattr(pipeline, "runs_tasks", False)) and callable(getattr(self.generator, "submit_video", None))
 
     # -- what the HTTP side asks -----------------------------------------------------------------------
     @property
@@ -204,8 +257,15 @@ class Worker:
 
     # -- what the engine hook reports ----------------------------------------------------------------
     def current(self) -> _Run | None:
-        """The job this thread runs (None on any other thread)."""
-        return getattr(self._local, "run", None)
+        """The job this thread runs, or the job of the request this thread runs a step of (None: neither)."""
+        run = getattr(self._local, "run", None)
+        if run is None:
+            request = current_request()
+            token = getattr(request, "cancel", None)
+            if token is not None:
+                with self._cv:
+                    run = self._by_token.get(id(token))
+        return run
 
     def step_done(self, run: _Run, seconds: float, progress: float) -> None:
         with self._cv:
@@ -223,8 +283,13 @@ class Worker:
                 run.token.cancel("the server stopped")
             self._cv.notify_all()
         deadline = time.monotonic() + 30
-        for thread in self._threads:
+        for thread in [self._dispatcher, *self._threads]:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._cv:  # the jobs running as tasks end at their next step
+            while self._runs and time.monotonic() < deadline:
+                self._cv.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self._finisher.shutdown(wait=False)
+        self._stream_pool.shutdown(wait=False)
         for engine in self._engines:
             if self._hook in engine.hooks:
                 engine.hooks.remove(self._hook)
@@ -239,15 +304,16 @@ class Worker:
         self._queued_at.pop(job.id, None)
 
     def _runnable(self) -> Job | None:
-        """The next job in line, if it may start now: the model has its adapters, or nothing runs (it switches)."""
-        if self._switching or not self._waiting:
+        """The next job in line, if it may start now: a slot is free, and the model has its adapters or nothing
+        runs (it switches)."""
+        if self._switching or not self._waiting or len(self._runs) >= self.max_concurrent:
             return None
         head = min(self._waiting, key=self._order)
         return head if head.lora == self._lora or not self._runs else None
 
     def _take(self) -> tuple[_Run, bool] | None:
-        """Wait for a job this thread may start; (its run, whether it must switch the adapters first), or None
-        once the server stops."""
+        """Wait for a job that may start; (its run, whether it must switch the adapters first), or None once the
+        server stops."""
         with self._cv:
             while True:
                 if self._stopping.is_set():
@@ -265,43 +331,111 @@ class Worker:
             self._switching = switch  # the others wait for it: no job may start on the old adapters
             run = _Run(job, self._tokens[job.id])
             self._runs[job.id] = run
+            self._by_token[id(run.token)] = run
             self.store.update(job, status=IN_PROGRESS, started_at=time.time())
             return run, switch
 
-    def _loop(self) -> None:
+    def _dispatch(self) -> None:
+        """The dispatcher thread: start each job as soon as it may start."""
         while True:
             taken = self._take()
             if taken is None:
                 return
             run, switch = taken
-            self._local.run = run
-            try:
-                self._run(run, switch)
-            finally:
-                self._local.run = None
-                with self._cv:
-                    self._runs.pop(run.job.id, None)
-                    self._forget(run.job)
-                    self._cv.notify_all()
+            if not switch and run.job.id not in self._streams and self.runs_tasks:
+                self._start_task(run)
+                continue
+            if not switch and run.job.id in self._streams and self.streams_unthreaded:
+                self._stream_pool.submit(self._start_stream, run)
+                continue
+            thread = threading.Thread(target=self._thread_job, args=(run, switch), daemon=True,
+                                      name=f"composer-serve-job-{run.job.id[:12]}")
+            with self._cv:
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def _release(self, run: _Run) -> None:
+        """The job is over: its slot is free."""
+        with self._cv:
+            self._runs.pop(run.job.id, None)
+            self._by_token.pop(id(run.token), None)
+            self._forget(run.job)
+            self._cv.notify_all()
+
+    def _start_timer(self, run: _Run) -> threading.Timer | None:
+        if not self.request_timeout:
+            return None
+        timer = threading.Timer(self.request_timeout, run.token.cancel, args=("timeout",))
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _thread_job(self, run: _Run, switch: bool) -> None:
+        """A job on a thread of its own (a stream, an adapter switch, a generator without tasks)."""
+        self._local.run = run
+        try:
+            self._run(run, switch)
+        finally:
+            self._local.run = None
+            self._release(run)
 
     def _run(self, run: _Run, switch: bool) -> None:
         job, token = run.job, run.token
-        timer = None
-        if self.request_timeout:
-            timer = threading.Timer(self.request_timeout, token.cancel, args=("timeout",))
-            timer.daemon = True
-            timer.start()
+        timer = self._start_timer(run)
         stream = self._streams.get(job.id)
         try:
-            if switch:
-                self._switch_lora(job.lora)
-            if stream is not None:
-                self._run_stream(run, stream)
+            try:
+                if switch:
+                    self._switch_lora(job.lora)
+                if stream is not None:
+                    self._run_stream(run, stream)
+                else:
+                    result = self.generator.generate_video(cancel=token, priority=job.priority, **job.request,
+                                                           **job.inputs)
+                    save_video(result.frames, self.store.video_path(job.id), fps=job.request.get("fps", 16))
+            except Exception as exc:  # noqa: BLE001 - one failing job must not stop the server
+                self._conclude(job, token, exc)
             else:
-                result = self.generator.generate_video(cancel=token, priority=job.priority, **job.request,
-                                                       **job.inputs)
+                self._conclude(job, token, None)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._end_stream(job)
+
+    def _start_task(self, run: _Run) -> None:
+        """(The dispatcher) Submit a text-to-video job as a task; a finishing thread ends it."""
+        job, token = run.job, run.token
+        timer = self._start_timer(run)
+        try:
+            future = self.generator.submit_video(cancel=token, priority=job.priority, **job.request, **job.inputs)
+        except Exception as exc:  # noqa: BLE001 - refused at once (bad input): this job fails, the server goes on
+            self._conclude(job, token, exc)
+            if timer is not None:
+                timer.cancel()
+            self._release(run)
+            return
+        future.add_done_callback(lambda f: self._finisher.submit(self._finish_task, run, f, timer))
+
+    def _finish_task(self, run: _Run, future: Any, timer: threading.Timer | None) -> None:
+        job, token = run.job, run.token
+        try:
+            try:
+                result = future.result()
                 save_video(result.frames, self.store.video_path(job.id), fps=job.request.get("fps", 16))
-        except Cancelled:
+            except Exception as exc:  # noqa: BLE001 - one failing job must not stop the server
+                self._conclude(job, token, exc)
+            else:
+                self._conclude(job, token, None)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._release(run)
+
+    def _conclude(self, job: Job, token: CancelToken, error: BaseException | None) -> None:
+        """Record how the job ended: `error` None (completed), Cancelled (by whom), or the error it failed with."""
+        if error is None:
+            self._finish(job, COMPLETED, None, progress=1.0)
+        elif isinstance(error, Cancelled):
             if token.reason == "timeout":
                 self._finish(job, FAILED, f"the job ran past the request timeout ({self.request_timeout:g} s) and "
                              "was cancelled")
@@ -309,15 +443,9 @@ class Worker:
                 self._finish(job, FAILED, "the server stopped while the job ran")
             else:
                 self._finish(job, CANCELLED, None)
-        except Exception as exc:  # noqa: BLE001 - one failing job must not stop the server
-            logger.warning("job %s failed: %s: %s", job.id, type(exc).__name__, exc)
-            self._finish(job, FAILED, f"{type(exc).__name__}: {exc}")
         else:
-            self._finish(job, COMPLETED, None, progress=1.0)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._end_stream(job)
+            logger.warning("job %s failed: %s: %s", job.id, type(error).__name__, error)
+            self._finish(job, FAILED, f"{type(error).__name__}: {error}")
 
     def _run_stream(self, run: _Run, session: Any) -> None:
         """A live stream: its chunks to the session (which waits while the client is behind) and to the file."""
@@ -342,6 +470,111 @@ class Worker:
                 close = getattr(source, "close", None)
                 if close is not None:
                     close()
+
+    # -- live streams that hold no thread between blocks --------------------------------------------------
+    def _start_stream(self, run: _Run) -> None:
+        """(A stream thread) Open the generator's stream and make blocks until the client is behind."""
+        job, token = run.job, run.token
+        state = _Streaming(run, self._streams.get(job.id), timer=self._start_timer(run))
+        try:
+            request = {k: v for k, v in job.request.items() if k != "prompt"}  # the session's prompts name them
+            state.stream = self.generator.stream_video(state.session.prompts, keep_video=False, cancel=token,
+                                                       priority=job.priority, **request)
+            state.session.source = state.stream  # its stats (the frame rate reached) for /metrics and the chunks
+            state.chunks = iter(state.stream)
+            state.writer = VideoWriter(self.store.video_path(job.id), fps=job.request.get("fps", 16))
+            state.session.started(job)
+            state.total = max(state.session.num_blocks, 1)
+            run.span = (0.0, 1 / state.total)
+        except Exception as exc:  # noqa: BLE001 - this stream fails, the server goes on
+            self._end_streaming(state, exc)
+            return
+        self._stream_blocks(state)
+
+    def _stream_blocks(self, state: _Streaming, error: BaseException | None = None) -> None:
+        """(A stream thread) Make the stream's next blocks while the client keeps up; when it is behind, return:
+        `sent` on its socket (or the watchdog, on a cancel or a stall) brings the stream back to a thread."""
+        if error is not None:
+            self._end_streaming(state, error)
+            return
+        run, token = state.run, state.run.token
+        self._local.run = run
+        try:
+            while True:
+                token.check()
+                chunk = next(state.chunks, None)
+                if chunk is None:
+                    break
+                state.writer.append(chunk.frames)
+                state.done += 1
+                self.store.update(run.job, persist=False, progress=min(state.done / state.total, 0.99))
+                run.span = (state.done / state.total, 1 / state.total)
+                with self._cv:
+                    self._stream_waits.add(state)
+                if not state.session.offer(chunk, lambda err: self._stream_pool.submit(self._resume_stream, state,
+                                                                                       err)):
+                    self._watch()
+                    return  # the thread is free; the client's next read resumes the stream
+                with self._cv:
+                    self._stream_waits.discard(state)
+        except Exception as exc:  # noqa: BLE001 - this stream fails, the server goes on
+            self._end_streaming(state, exc)
+            return
+        finally:
+            self._local.run = None
+        self._end_streaming(state, None)
+
+    def _resume_stream(self, state: _Streaming, error: BaseException | None) -> None:
+        with self._cv:
+            self._stream_waits.discard(state)
+        self._stream_blocks(state, error)
+
+    def _watch(self) -> None:
+        """Start the watchdog once: one thread that fails the waiting streams whose job was cancelled (DELETE, the
+        request timeout, the server stopping) or whose client read nothing for the stall timeout."""
+        with self._cv:
+            if self._watchdog is not None:
+                return
+            self._watchdog = threading.Thread(target=self._watchdog_loop, name="composer-serve-watchdog",
+                                              daemon=True)
+        self._watchdog.start()
+
+    def _watchdog_loop(self) -> None:
+        from composer.serve.stream import StreamStalled
+
+        while True:
+            with self._cv:
+                waiting = list(self._stream_waits)
+                if self._stopping.is_set() and not waiting:
+                    return
+            now = time.perf_counter()
+            for state in waiting:
+                session, token = state.session, state.run.token
+                waited = session.waited(now)
+                if waited is None:
+                    continue
+                if token.cancelled:
+                    session.abandon(Cancelled(f"request cancelled ({token.reason})"))
+                elif session.stall_timeout is not None and waited > session.stall_timeout:
+                    session.abandon(StreamStalled(f"the client read nothing for {session.stall_timeout:g} s; the "
+                                                  "stream was stopped"))
+            time.sleep(0.05)
+
+    def _end_streaming(self, state: _Streaming, error: BaseException | None) -> None:
+        run = state.run
+        with self._cv:
+            self._stream_waits.discard(state)
+        try:
+            try:
+                state.close(error)
+            except Exception as exc:  # noqa: BLE001 - the file could not be finished: the stream fails
+                error = error or exc
+            self._conclude(run.job, run.token, error)
+        finally:
+            if state.timer is not None:
+                state.timer.cancel()
+            self._end_stream(run.job)
+            self._release(run)
 
     def _end_stream(self, job: Job) -> None:
         """Tell a live stream's session that its job is over (its last message to the client)."""

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from composer.batch import ForwardBatch
+from composer.engine.loop import drive
 from composer.errors import StageVerificationError
 from composer.logging import get_logger
 from composer.stages.validators import VerificationResult
@@ -101,10 +102,22 @@ class Stage:
             exc.add_note(f"{_NOTE}{self.name})")
 
     def __call__(self, batch: ForwardBatch) -> ForwardBatch:
+        return drive(self.call_task(batch))
+
+    # A stage whose work is transformer units defines `forward_task(batch)`: `forward` as a task
+    # (composer/engine/loop.py) that yields its units; a RequestLoop then runs it with no thread held between them.
+    forward_task = None
+
+    def call_task(self, batch: ForwardBatch):
+        """The stage's run as a task: the input checks, `forward_task` (or `forward`, which waits for nothing), its
+        time in `batch.timings`, the output checks. `__call__` drives it on the calling thread."""
         self.check(batch, "input")
         start = time.perf_counter()
         try:
-            batch = self.forward(batch)
+            if self.forward_task is not None:
+                batch = yield from self.forward_task(batch)
+            else:
+                batch = self.forward(batch)
         except Exception as exc:
             self._note(exc)
             raise

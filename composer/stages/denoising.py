@@ -8,6 +8,8 @@ import torch
 
 from composer.batch import ForwardBatch, PromptExtras
 from composer.engine import ClassifierFreeGuidance, DenoisingEngine, ModelInputs, SchedulerSteps, StepRule
+from composer.engine.loop import drive
+from composer.engine.scheduler import current_request
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
@@ -67,6 +69,11 @@ class DenoisingStage(Stage):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        return drive(self.forward_task(batch))
+
+    @torch.inference_mode()  # torch enters it around each resumption of the generator
+    def forward_task(self, batch: ForwardBatch):
+        """`forward` as a task: yields each step's transformer unit (composer/engine/loop.py)."""
         steps = self.steps(batch)
         if len(steps.timesteps) == 0:  # a stage with none of the request's timesteps (one expert of two)
             return batch
@@ -77,5 +84,8 @@ class DenoisingStage(Stage):
             uncond = self._with_extra(self.branch_inputs(batch, batch.negative_prompt_embeds.to(dtype)), batch,
                                       negative=True)
             guidance = ClassifierFreeGuidance(self.guidance_scale(batch))
-        batch.latents = self.engine.run(batch.latents, steps, cond, uncond, guidance, progress=self.progress)
+        request = current_request()
+        progress = self.progress and not (request is not None and request.background)
+        batch.latents = yield from self.engine.run_task(batch.latents, steps, cond, uncond, guidance,
+                                                        progress=progress)
         return batch

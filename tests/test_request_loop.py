@@ -1,0 +1,248 @@
+"""Requests as tasks (composer/engine/loop.py): `submit_video` / `agenerate_video` run text-to-video requests on the
+generator's request loop. No thread waits for a request between its steps; their steps share transformer calls with
+each other's and with threads' `generate_video` calls; each video equals its solo run; a cancelled or failing request
+ends alone; priorities order the steps; pipelines whose requests cannot be tasks run each on a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from composer import VideoGenerator
+from composer.cancel import CancelToken
+from composer.engine.loop import Blocking, ModelStep, RequestLoop, drive
+from composer.engine.scheduler import RequestContext
+from composer.errors import Cancelled, InvalidInputError
+
+KW = dict(num_inference_steps=3, num_frames=9, height=64, width=64)
+STEPS = KW["num_inference_steps"]
+
+
+class CallCounter:
+    def __init__(self, module: torch.nn.Module):
+        self.calls = 0
+        module.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        self.calls += 1
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_wan_dir, one_thread):
+    # one stage thread: requests outnumber the threads the loop has
+    generator = VideoGenerator.from_pretrained(tiny_wan_dir, progress=False, stage_threads=1)
+    return generator, CallCounter(generator.pipeline.modules["transformer"])
+
+
+@pytest.fixture(scope="module")
+def solo(gen):
+    generator, _ = gen
+    return {i: generator.generate_video(f"prompt {i}", seed=i, **KW) for i in range(6)}
+
+
+def assert_same(got, want):
+    assert got.frames.shape == want.frames.shape
+    assert np.abs(got.frames.astype(np.int16) - want.frames.astype(np.int16)).max() <= 1
+    assert (got.latents - want.latents).abs().max().item() <= 1e-5
+
+
+def test_submitted_requests_equal_their_solo_runs_and_share_calls(gen, solo):
+    generator, counter = gen
+    assert generator.pipeline.runs_tasks
+    counter.calls = 0
+    futures = {i: generator.submit_video(f"prompt {i}", seed=i, **KW) for i in range(6)}
+    results = {i: f.result(timeout=300) for i, f in futures.items()}
+    for i, result in results.items():
+        assert_same(result, solo[i])
+        assert result.seed == i
+    assert counter.calls < 6 * STEPS  # steps of different requests shared calls
+
+
+def test_requests_waiting_between_steps_hold_no_thread(gen, solo):
+    """Six requests on a loop with one stage thread: besides the caller, only the loop's thread and its one stage
+    thread exist while they run, yet their steps still batch (they were all waiting at once, on no thread)."""
+    generator, counter = gen
+    before = {t.ident for t in threading.enumerate()}
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.update(t.name for t in threading.enumerate() if t.ident not in before)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, name="watcher")
+    watcher.start()
+    counter.calls = 0
+    try:
+        futures = [generator.submit_video(f"prompt {i}", seed=i, **KW) for i in range(6)]
+        results = [f.result(timeout=300) for f in futures]
+    finally:
+        stop.set()
+        watcher.join()
+    for i, result in enumerate(results):
+        assert_same(result, solo[i])
+    assert counter.calls < 6 * STEPS
+    assert seen - {"watcher"} <= {"composer-loop", "composer-loop-stage_0"}, seen
+
+
+def test_tasks_and_threads_share_calls_and_stay_exact(gen, solo):
+    generator, counter = gen
+    counter.calls = 0
+    futures = [generator.submit_video(f"prompt {i}", seed=i, **KW) for i in (0, 1)]
+    got = {}
+    thread = threading.Thread(target=lambda: got.setdefault(2, generator.generate_video("prompt 2", seed=2, **KW)))
+    thread.start()
+    thread.join(timeout=300)
+    results = [f.result(timeout=300) for f in futures]
+    assert_same(results[0], solo[0])
+    assert_same(results[1], solo[1])
+    assert_same(got[2], solo[2])
+    assert counter.calls < 3 * STEPS
+
+
+def test_agenerate_video_awaits_together(gen, solo):
+    generator, counter = gen
+    counter.calls = 0
+
+    async def main():
+        return await asyncio.gather(*(generator.agenerate_video(f"prompt {i}", seed=i, **KW) for i in range(3)))
+
+    results = asyncio.run(main())
+    for i, result in enumerate(results):
+        assert_same(result, solo[i])
+    assert counter.calls < 3 * STEPS
+
+
+def test_bad_input_raises_at_submit(gen):
+    generator, _ = gen
+    with pytest.raises(InvalidInputError):
+        generator.submit_video("a cat", num_frames=0)
+    with pytest.raises(InvalidInputError):
+        generator.submit_video("a cat", priority="high")
+
+
+def test_a_cancelled_request_ends_alone(gen, solo):
+    generator, _ = gen
+    token = CancelToken()
+    engine = generator.pipeline.engines[0]
+
+    class CancelAtStep1:
+        def after_step(self, info):
+            from composer.engine.scheduler import current_request
+
+            request = current_request()
+            if request is not None and request.cancel is token and info.index == 0:
+                token.cancel("test")
+
+    hook = CancelAtStep1()
+    engine.add_hook(hook)
+    try:
+        futures = [generator.submit_video(f"prompt {i}", seed=i, **KW) for i in (0, 1)]
+        doomed = generator.submit_video("prompt 5", seed=5, cancel=token, **KW)
+        with pytest.raises(Cancelled):
+            doomed.result(timeout=300)
+        results = [f.result(timeout=300) for f in futures]
+    finally:
+        engine.hooks.remove(hook)
+    assert_same(results[0], solo[0])
+    assert_same(results[1], solo[1])
+    # the generator goes on
+    assert_same(generator.submit_video("prompt 5", seed=5, **KW).result(timeout=300), solo[5])
+
+
+def test_a_failing_request_fails_alone(gen, solo, monkeypatch):
+    generator, _ = gen
+    stage = generator.pipeline.stage("DecodingStage")
+    forward = stage.forward
+
+    def failing(batch):
+        if batch.prompt == ["boom"]:
+            raise RuntimeError("decode failed for this request")
+        return forward(batch)
+
+    monkeypatch.setattr(stage, "forward", failing)
+    futures = [generator.submit_video(f"prompt {i}", seed=i, **KW) for i in (0, 1)]
+    bad = generator.submit_video("boom", seed=3, **KW)
+    with pytest.raises(RuntimeError, match="decode failed"):
+        bad.result(timeout=300)
+    for i, future in zip((0, 1), futures):
+        assert_same(future.result(timeout=300), solo[i])
+
+
+def test_higher_priority_request_finishes_first(gen):
+    """Two requests that cannot share a call (different sizes): the later, higher-priority one gets each call
+    first and so ends first; the low-priority one is still exact."""
+    generator, _ = gen
+    slow = dict(num_inference_steps=60, num_frames=9, height=64, width=64)
+    alone = generator.generate_video("slow", seed=7, **slow)
+    order: list[str] = []
+    low = generator.submit_video("slow", seed=7, **slow)
+    low.add_done_callback(lambda f: order.append("low"))
+    high = generator.submit_video("fast", seed=8, num_inference_steps=3, num_frames=9, height=96, width=96,
+                                  priority=5)
+    high.add_done_callback(lambda f: order.append("high"))
+    high.result(timeout=300)
+    assert_same(low.result(timeout=300), alone)
+    assert order == ["high", "low"]
+
+
+def test_prompt_lists_and_output_files(gen, solo, tmp_path):
+    generator, _ = gen
+    results = generator.submit_video(["prompt 0", "prompt 1"], seed=0, output_path=str(tmp_path / "clip.mp4"),
+                                     **KW).result(timeout=300)
+    assert [r.seed for r in results] == [0, 1]
+    assert_same(results[0], solo[0])
+    assert_same(results[1], solo[1])
+    assert all(r.output_path and r.output_path.exists() for r in results)
+
+
+def test_causal_pipeline_requests_run_on_a_thread(tiny_causal_dir, one_thread):
+    generator = VideoGenerator.from_pretrained(tiny_causal_dir, progress=False)
+    assert not generator.pipeline.runs_tasks
+    want = generator.generate_video("a cat", seed=3, num_frames=13, height=64, width=64)
+    got = generator.submit_video("a cat", seed=3, num_frames=13, height=64, width=64).result(timeout=300)
+    assert np.array_equal(got.frames, want.frames)
+
+
+def test_drive_throws_errors_into_the_task():
+    log = []
+
+    def task():
+        try:
+            yield Blocking(lambda: 1 / 0)
+        except ZeroDivisionError:
+            log.append("caught")
+        value = yield Blocking(lambda: 41)
+        return value + 1
+
+    assert drive(task()) == 42
+    assert log == ["caught"]
+
+
+def test_a_loop_refuses_what_it_cannot_wait_for():
+    loop = RequestLoop(lambda: [], stage_threads=1)
+
+    def task():
+        yield "nothing"
+
+    future = loop.submit(task(), RequestContext())
+    with pytest.raises(TypeError, match="expected ModelStep or Blocking"):
+        future.result(timeout=30)
+
+    class NoScheduler:
+        scheduler = None
+
+    def model_task():
+        yield ModelStep(NoScheduler(), torch.zeros(1), torch.zeros(1), [], None, "step", None)
+
+    with pytest.raises(RuntimeError, match="step scheduler"):
+        loop.submit(model_task(), RequestContext()).result(timeout=30)
+    loop.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.submit(task(), RequestContext())
