@@ -1,4 +1,4 @@
-"""`composer serve` on several ranks (composer/serve/ranks.py): 2 gloo CPU ranks on 127.0.0.1.
+"""`composer serve` on several ranks (composer/parallel/ranks.py): 2 gloo CPU ranks on 127.0.0.1.
 
 - the protocol in-process (composer.testing.distributed.spawn) over a scripted generator whose "steps" run the
   engine hooks as a pipeline does: results, a failure on rank 1 alone, the same failure on every rank, a request
@@ -108,20 +108,24 @@ IDLE_S = 2.5
 def _protocol(rank: int, world_size: int, out_dir: str) -> None:
     from composer.cancel import CancelToken
     from composer.errors import Cancelled, WorkerError
-    from composer.serve.ranks import ControlChannel, RankLeader, follow
+    from composer.parallel.ranks import ControlChannel, RankLeader, follow
 
     generator = ScriptedGenerator(rank)
     # a short timeout: the waits below (a slow segment source, an idle leader) outlast it, so only the
     # keep-alives keep the followers from failing
     channel = ControlChannel(timeout_s=IDLE_S - 0.5)
     if rank != 0:
-        from composer.serve.rank_protocol import Runner
+        from composer.parallel.rank_protocol import Runner
 
         checks = Runner.preflight
 
         def preflight(self, method, args, kwargs):  # a request this rank alone cannot take
             if args and str(args[0]).startswith("undecodable"):
                 raise ValueError("cannot decode the image here")
+            if method == "set_lora" and "only-on-rank0" in str(args[0]):  # a file rank 1's machine lacks
+                from composer.errors import ModelNotFoundError
+
+                raise ModelNotFoundError(f"LoRA file {args[0][0]} does not exist")
             checks(self, method, args, kwargs)
 
         Runner.preflight = preflight
@@ -149,9 +153,15 @@ def _protocol(rank: int, world_size: int, out_dir: str) -> None:
         leader.generate_video("cancel", steps=50, cancel=token)
     generator.on_step = None
 
+    from composer.errors import ModelNotFoundError
+
     missing = Path(out_dir) / "missing.safetensors"
-    with pytest.raises(WorkerError, match=r"not run on any of the 2 ranks: rank 0 could not take it.*missing"):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):  # what one process raises, no rank asked
         leader.set_lora([str(missing)])
+    only_here = Path(out_dir) / "only-on-rank0.safetensors"
+    only_here.write_bytes(b"")
+    with pytest.raises(WorkerError, match=r"not run on any of the 2 ranks: rank 1 could not take it.*does not exist"):
+        leader.set_lora([str(only_here)])
     broken = Path(out_dir) / "broken-on-rank1.safetensors"
     broken.write_bytes(b"")
     with pytest.raises(WorkerError, match=r"rank 1: ValueError: not a LoRA file.*adapters were then removed"):
@@ -219,7 +229,7 @@ def _causal_stream(rank: int, world_size: int, out_dir: str) -> None:
     from composer.cancel import CancelToken
     from composer.errors import Cancelled
     from composer.generator import VideoGenerator
-    from composer.serve.ranks import RankLeader, follow, load_on_every_rank
+    from composer.parallel.ranks import RankLeader, follow, load_on_every_rank
 
     generator, channel = load_on_every_rank(
         lambda: VideoGenerator.from_pretrained("shapes-causal", progress=False, ulysses_degree=2), 60)

@@ -104,7 +104,8 @@ def _listing(names: list[str], limit: int = 6) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _find_file(path: str | Path) -> Path:
+def find_lora_file(path: str | Path) -> Path:
+    """The .safetensors file a LoRA path names (the file, or the one file in a folder); the errors set_lora raises."""
     path = Path(path)
     if path.is_dir():  # diffusers' save_lora_weights writes a folder with one pytorch_lora_weights.safetensors
         files = sorted(path.glob("*.safetensors"))
@@ -318,7 +319,7 @@ def _module(path: Path, layer: nn.Linear, parts: dict[str, tuple[str, torch.Tens
 def read_lora(path: str | Path, model: nn.Module) -> LoraFile:
     """Read and check a LoRA file against `model`: per adapted Linear (in the model's module names) its down
     [r, in] and up [out, r] matrices, alpha and bias delta. Nothing in the model changes."""
-    path = _find_file(path)
+    path = find_lora_file(path)
     tensors, metadata = _read(path)
     groups: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     unknown = []

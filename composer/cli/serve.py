@@ -181,7 +181,7 @@ class _Leader:
         self.generator = None
 
     def load(self):
-        from composer.serve.ranks import RankLeader, load_on_every_rank
+        from composer.parallel.ranks import RankLeader, load_on_every_rank
 
         try:
             generator, channel = load_on_every_rank(self._load, self._timeout_s)
@@ -208,7 +208,7 @@ class _Leader:
 
 def _follow(load, timeout_s: float) -> int:
     """A rank other than 0 under torchrun: load with the others, then run what rank 0 sends until it stops."""
-    from composer.serve.ranks import follow, load_on_every_rank
+    from composer.parallel.ranks import follow, load_on_every_rank
 
     def signalled(sig, frame) -> None:
         # torchrun passes a stop on to every rank; rank 0 stops the others in step (the running job cancelled

@@ -4,16 +4,22 @@
         result = gen.generate_video("a cat", seed=0, output_path="cat.mp4")
 
 The calling process starts one worker per rank (torch.multiprocessing, spawn) with torchrun's environment
-variables; each worker loads the model through `VideoGenerator.from_pretrained`, which joins the process group,
-and then runs every call it is sent. Every request goes to every rank; rank 0's result comes back. The calling
-process never joins the process group.
+variables; each worker loads the model through `VideoGenerator.from_pretrained`, which joins the process group.
+From then on the ranks follow the one rank protocol of composer (composer/parallel/ranks.py, the same as
+`composer serve` under torchrun): rank 0 holds a `RankLeader` and the others `follow` it. The calling process
+sends each call to rank 0 over a pipe; rank 0 broadcasts it on the control group, every rank runs it (sync points
+before each denoising step, a report at the end), and rank 0's result comes back. The calling process never joins
+the process group; it watches every worker process.
 
 What a failure does ("a rank never hangs its peers; bad input loses nothing"):
-- an error raised the same way on every rank (same type and message: bad input, a bad setting) is raised
-  here as it was there, and the workers stay ready for the next request;
-- an error on some ranks only, or a worker that dies, leaves its peers waiting in a collective: the others get
-  `failure_grace_s` to fail too, then every worker is stopped and a WorkerError names the rank and the cause;
-  the generator is closed afterwards;
+- an error raised the same way on every rank (bad input, a bad setting) is raised here as it was there, and the
+  workers stay ready for the next request;
+- an error on some ranks only, outside a compute collective (before or between steps, in decoding), makes every
+  rank leave the call at the same sync point: a WorkerError names the failing ranks and their errors, and the
+  workers stay ready;
+- a collective that fails or times out (`dist_timeout`) leaves the process groups unreliable: the WorkerError says
+  so, every worker is stopped and the generator is closed;
+- a worker that dies: every worker is stopped at once and a WorkerError names the rank and how it exited;
 - a load failure on any rank stops every worker and raises that rank's error from `start`.
 
 Not across processes: `stream_video` (UnsupportedError: launch with torchrun to stream on several GPUs), a
@@ -67,17 +73,29 @@ def _serve(rank: int, world_size: int, port: int, model_path: Any, runtime_kwarg
     get_logger(__name__)  # configures the composer logger; then quiet it below rank 0, as init_parallel will
     if rank != 0:
         logging.getLogger("composer").setLevel(logging.WARNING)
-    try:
+    from composer.parallel.ranks import RankLeader, follow, load_on_every_rank
+
+    def load() -> Any:
         if worker_setup is not None:
             worker_setup(rank, world_size)
         from composer.generator import VideoGenerator
 
-        generator = VideoGenerator.from_pretrained(model_path, **runtime_kwargs)
+        return VideoGenerator.from_pretrained(model_path, **runtime_kwargs)
+
+    try:
+        generator, channel = load_on_every_rank(load, _dist_timeout(runtime_kwargs))
     except BaseException as exc:  # noqa: BLE001 - every load failure is reported, then this worker ends
         _reply(conn, LOAD, "error", _pack_error(exc))
         return
     _reply(conn, LOAD, "ok", (generator.default_sampling, generator.family, generator.model_path)
            if rank == 0 else None)
+    from composer.parallel import state as parallel_state
+
+    if rank != 0:  # the rank protocol: every call rank 0 broadcasts, until it says stop
+        follow(generator, channel)
+        parallel_state.shutdown()
+        return
+    leader = RankLeader(generator, channel)
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -87,14 +105,20 @@ def _serve(rank: int, world_size: int, port: int, model_path: Any, runtime_kwarg
             break
         request_id, method, args, kwargs = message
         try:
-            out = getattr(generator, method)(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - sent back; the caller decides whether the workers go on
-            _reply(conn, request_id, "error", _pack_error(exc))
+            out = getattr(leader, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - sent back; "broken": the ranks cannot go on together
+            _reply(conn, request_id, "broken" if leader.unhealthy else "error", _pack_error(exc))
         else:
-            _reply(conn, request_id, "ok", out if rank == 0 else None)  # rank 0's result is the answer
-    from composer.parallel import state as parallel_state
-
+            _reply(conn, request_id, "ok", out)
+    leader.stop(timeout_s=5.0)
     parallel_state.shutdown()
+
+
+def _dist_timeout(runtime_kwargs: dict[str, Any]) -> float:
+    from composer.runtime import RuntimeArgs
+
+    timeout = runtime_kwargs.get("dist_timeout")
+    return float(timeout) if timeout is not None else RuntimeArgs.__dataclass_fields__["dist_timeout"].default
 
 
 def _reply(conn: Connection, request_id: int, status: str, payload: Any) -> None:
@@ -156,12 +180,26 @@ class _WorkerPool:
         self.closed_reason: str | None = None
 
     def send(self, request_id: int, method: str, args: tuple, kwargs: dict) -> None:
-        data = pickle.dumps((request_id, method, args, kwargs))
-        for conn in self.conns:
-            try:
-                conn.send_bytes(data)
-            except OSError:  # a dead worker: gather reports it
-                pass
+        """The call to rank 0, which runs it on every rank (a dead rank 0: `answer` reports it)."""
+        try:
+            self.conns[0].send_bytes(pickle.dumps((request_id, method, args, kwargs)))
+        except OSError:
+            pass
+
+    def answer(self, request_id: int) -> tuple[str, Any] | _Failure:
+        """Rank 0's reply to `request_id` ((status, payload)), or the first worker that exited meanwhile."""
+        while True:
+            handles = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+            handles[self.conns[0]] = 0
+            for handle in sorted(wait(list(handles)), key=lambda h: isinstance(h, Connection)):
+                rank = handles[handle]
+                if isinstance(handle, Connection):
+                    reply = self._read(0, request_id)
+                    if reply is not None:
+                        return reply
+                    if self.processes[0].is_alive():
+                        continue  # a stale reply to an earlier call was dropped
+                return _Failure(rank, f"its process exited ({self._exit_status(rank)})")
 
     def gather(self, request_id: int, grace_s: float) -> tuple[dict[int, Any], list[_Failure], set[int]]:
         """Each rank's reply to `request_id`. After the first failure (an error reply, a process that exited)
@@ -328,7 +366,9 @@ class WorkerVideoGenerator:
             if attempt < PORT_ATTEMPTS and any("EADDRINUSE" in f"{f.cause} {f.error}" for f in failures):
                 logger.warning("port %d was taken before rank 0 could listen on it; starting the workers again", port)
                 continue
-            first = next((f for f in failures if f.error is not None), failures[0]) if failures else None
+            # a rank's own error before the WorkerError its peers raise about it
+            first = (next((f for f in failures if f.error is not None and not isinstance(f.error, WorkerError)),
+                          next((f for f in failures if f.error is not None), failures[0])) if failures else None)
             if first is None:
                 raise WorkerError(f"the workers did not finish loading: ranks {sorted(stuck)} hung", rank=min(stuck))
             if first.error is not None:
@@ -419,27 +459,25 @@ class WorkerVideoGenerator:
             self._next_id += 1
             try:
                 self._pool.send(self._next_id, method, args, kwargs)
-                replies, failures, stuck = self._pool.gather(self._next_id, self.failure_grace_s)
+                reply = self._pool.answer(self._next_id)
             except BaseException:  # Ctrl-C while waiting: the ranks cannot be stopped together, so stop them all
                 self._stop_now(f"{method} was interrupted")
                 raise
-            if not failures and not stuck:
-                return replies[0]
-            errors = [f.error for f in failures]
-            same = {(type(e), str(e)) for e in errors if e is not None}
-            if len(failures) == self.num_workers and None not in errors and len(same) == 1:
-                raise failures[0].error  # the same on every rank (bad input): nothing is broken
-            first = failures[0]
-            others = [f"rank {f.rank}: {f.cause}" for f in failures[1:]]
-            if stuck:
-                others.append(f"rank(s) {sorted(stuck)} still waiting after {self.failure_grace_s:g} s")
-            self._stop_now(f"rank {first.rank} failed during {method}")
-            raise WorkerError(
-                f"rank {first.rank} of {self.num_workers} failed during {method}: {first.cause}"
-                + (f" ({'; '.join(others)})" if others else "")
-                + ". Its peers could not go on without it, so every worker was stopped; load the model again "
-                  "with VideoGenerator.from_pretrained", rank=first.rank,
-            ) from first.error
+            if isinstance(reply, _Failure):
+                self._stop_now(f"rank {reply.rank} died during {method}")
+                raise WorkerError(
+                    f"rank {reply.rank} of {self.num_workers} failed during {method}: {reply.cause}. Its peers "
+                    "could not go on without it, so every worker was stopped; load the model again with "
+                    "VideoGenerator.from_pretrained", rank=reply.rank)
+            status, payload = reply
+            if status == "ok":
+                return payload
+            error = _unpack_error(payload, 0)  # rank 0's: its own error, or a WorkerError naming the ranks
+            if status == "broken":
+                self._stop_now(f"the ranks lost contact during {method}")
+                raise WorkerError(f"{_first_line(error)}. Every worker was stopped; load the model again with "
+                                  "VideoGenerator.from_pretrained", rank=getattr(error, "rank", None)) from error
+            raise error
 
     def _stop_now(self, reason: str) -> None:
         self._finalizer.detach()

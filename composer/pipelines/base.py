@@ -288,7 +288,7 @@ class ComposedPipeline:
                 self.check_cancelled()
                 if stage.skips(batch):  # nothing to do for this request: its modules need not visit the device
                     continue
-                if stage.forward_task is not None and stage.concurrent:
+                if stage.has_task and stage.concurrent:
                     with self._scope(stage):
                         batch = yield from stage.call_task(batch)
                 else:

@@ -128,7 +128,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
         if state.generator is None:
             why = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"
             return error(503, why, headers={"Retry-After": "5"})
-        unhealthy = getattr(state.generator, "unhealthy", None)  # set by a multi-rank generator (serve/ranks.py)
+        unhealthy = getattr(state.generator, "unhealthy", None)  # set by a multi-rank generator (parallel/ranks.py)
         if isinstance(unhealthy, str):
             return error(503, unhealthy)
         return None

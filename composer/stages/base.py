@@ -23,6 +23,12 @@ logger = get_logger(__name__)
 _NOTE = "(raised in pipeline stage "
 
 
+def drives_task(forward):
+    """Mark a stage's `forward` as `drive(self.forward_task(batch))` (see `Stage.has_task`)."""
+    forward.drives_task = True
+    return forward
+
+
 class Stage:
     """`forward(batch) -> batch`, with optional `verify_input` / `verify_output` built from validators.
 
@@ -106,7 +112,14 @@ class Stage:
 
     # A stage whose work is transformer units defines `forward_task(batch)`: `forward` as a task
     # (composer/engine/loop.py) that yields its units; a RequestLoop then runs it with no thread held between them.
+    # Its `forward` is then `drive(self.forward_task(batch))`, marked with `@drives_task`.
     forward_task = None
+
+    @property
+    def has_task(self) -> bool:
+        """Whether the stage runs as a task: it has `forward_task` and its `forward` is still the one that drives
+        it (a `forward` replaced in a subclass, or patched, is run as it is)."""
+        return self.forward_task is not None and getattr(self.forward, "drives_task", False)
 
     def call_task(self, batch: ForwardBatch):
         """The stage's run as a task: the input checks, `forward_task` (or `forward`, which waits for nothing), its
@@ -114,7 +127,7 @@ class Stage:
         self.check(batch, "input")
         start = time.perf_counter()
         try:
-            if self.forward_task is not None:
+            if self.has_task:
                 batch = yield from self.forward_task(batch)
             else:
                 batch = self.forward(batch)

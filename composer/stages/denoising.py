@@ -10,7 +10,7 @@ from composer.batch import ForwardBatch, PromptExtras
 from composer.engine import ClassifierFreeGuidance, DenoisingEngine, ModelInputs, SchedulerSteps, StepRule
 from composer.engine.loop import drive
 from composer.engine.scheduler import current_request
-from composer.stages.base import Stage
+from composer.stages.base import Stage, drives_task
 from composer.stages.validators import V, VerificationResult
 
 
@@ -67,6 +67,7 @@ class DenoisingStage(Stage):
             extra["guidance"] = torch.full((batch.batch_size,), float(batch.embedded_guidance), device=device)
         return dataclasses.replace(inputs, **extra) if extra else inputs
 
+    @drives_task
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         return drive(self.forward_task(batch))

@@ -29,6 +29,7 @@ torchrun, the launcher stops the other ranks).
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from composer.errors import WorkerError
 from composer.logging import get_logger
-from composer.serve.rank_protocol import (
+from composer.parallel.rank_protocol import (
     CALL,
     DONE,
     FAILED,
@@ -70,6 +71,8 @@ def join_ranks(load_error: BaseException | None, timeout_s: float) -> ControlCha
     channel = ControlChannel(timeout_s)
     errors = channel.gather_objects(describe(load_error) if load_error else None)
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed and load_error is not None and len(failed) == len(errors) and len(set(errors)) == 1:
+        raise load_error  # every rank failed alike (a bad setting): its own error, as one process raises it
     if failed:
         raise WorkerError(f"loading failed on {len(failed)} of {channel.world_size} ranks "
                           f"({'; '.join(failed)})", rank=next(r for r, e in enumerate(errors) if e))
@@ -121,7 +124,12 @@ class RankLeader:
 
     def set_lora(self, paths: Any, scales: Any = None) -> str:
         """As VideoGenerator.set_lora, on every rank. Where it ran but failed on some ranks only, the adapters
-        are then removed on every rank (no rank runs with adapters its peers lack) and the error says so."""
+        are then removed on every rank (no rank runs with adapters its peers lack) and the error says so. A path
+        rank 0 cannot read raises what one process raises, before any rank is asked."""
+        from composer.accel.lora_names import find_lora_file
+
+        for path in [paths] if isinstance(paths, (str, os.PathLike)) else list(paths or []):
+            find_lora_file(path)
         try:
             return self._call("set_lora", (paths, scales), {})
         except WorkerError as exc:

@@ -1,4 +1,4 @@
-"""The protocol the ranks of a multi-rank server follow on their control group (composer/serve/ranks.py).
+"""The protocol the ranks of a multi-rank server follow on their control group (composer/parallel/ranks.py).
 
 `ControlChannel` is the gloo group. `Runner` is one rank's side of a call: the pre-flight, the sync points
 (an engine hook before each denoising step, and each lazily read stream segment), and the report. A status
@@ -13,7 +13,6 @@ import pickle
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -157,9 +156,10 @@ class Runner:
         if method == "set_lora":
             paths = args[0] if args else kwargs.get("paths")
             paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths or [])
-            missing = [str(p) for p in paths if not Path(p).is_file()]
-            if missing:
-                raise FileNotFoundError(f"LoRA file(s) missing on this rank: {', '.join(missing)}")
+            from composer.accel.lora_names import find_lora_file
+
+            for path in paths:  # what set_lora itself reads first: a file, or a folder holding one
+                find_lora_file(path)
 
     def start(self, method: str, args: tuple, kwargs: dict, cancel: Any, segments: Any) -> Any:
         """Begin the call on this rank's generator (a stream is returned unread)."""
