@@ -78,8 +78,11 @@ def scheduler_units(gen) -> tuple[int, int]:
 def one_t2v(gen, i: int, args) -> dict:
     start = time.perf_counter()
     size = {k: v for k, v in (("height", args.height), ("width", args.width)) if v}
-    result = gen.generate_video(PROMPTS[i % len(PROMPTS)], seed=i, num_inference_steps=args.steps,
-                                num_frames=args.num_frames, **size)
+    call = gen.generate_video
+    if getattr(args, "api", "threads") == "tasks":  # a task on the request loop; this thread only waits
+        call = lambda *a, **k: gen.submit_video(*a, **k).result()  # noqa: E731
+    result = call(PROMPTS[i % len(PROMPTS)], seed=i, num_inference_steps=args.steps, num_frames=args.num_frames,
+                  **size)
     return {"frames": result.frames, "seconds": time.perf_counter() - start, "blocks": []}
 
 
@@ -207,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--height", type=int, default=None, help="t2v video height (default: the model's)")
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--stream-frames", type=int, default=33)
+    p.add_argument("--api", choices=["threads", "tasks"], default="threads",
+                   help="text-to-video requests as generate_video calls on threads, or as submit_video tasks on the "
+                        "generator's request loop (the sequential side is the same either way)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -233,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             counter = Counter(gen)
             pool = ThreadPoolExecutor(max_workers=max(levels))
             warm_pool(pool, max(levels), gen, one_t2v if kind == "t2v" else one_stream, args)
-            print(f"{kind}: {path} ({gen.pipeline.concurrency} mode), torch threads {torch.get_num_threads()}",
+            api = f", {args.api} API" if kind == "t2v" else ""
+            print(f"{kind}: {path} ({gen.pipeline.concurrency} mode{api}), torch threads {torch.get_num_threads()}",
                   flush=True)
             for n in levels:
                 row = run_level(gen, counter, kind, n, args, pool)

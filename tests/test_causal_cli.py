@@ -55,6 +55,7 @@ def test_segments_switch_prompts_and_set_the_length(causal_dir, tmp_path):
     assert "2 rollouts" in run.stdout
 
 
+@pytest.mark.slow  # moved to the full tier: the quick tier must stay under 5 minutes
 def test_interactive_reads_prompts_from_stdin(causal_dir, tmp_path):
     out = tmp_path / "interactive.mp4"
     run = cli("generate", "--model-path", causal_dir, "--prompt", "a red circle", *SIZE, "--interactive",

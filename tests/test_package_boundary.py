@@ -48,6 +48,7 @@ def test_no_engine_module_imports_the_demo_package():
     assert not offenders, "the engine must not import the checkout's demo/:\n" + "\n".join(offenders)
 
 
+@pytest.mark.slow  # moved to the full tier: the quick tier must stay under 5 minutes
 def test_engine_works_when_the_demo_package_cannot_be_imported(tmp_path):
     """Import every composer module, build the CLI and resolve the embedded models by name with `demo` made
     unimportable, as it is for a user of the installed wheel: the engine needs nothing from it at run time."""

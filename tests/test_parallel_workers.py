@@ -246,6 +246,7 @@ def test_bad_degrees_fail_before_any_process(wan4_dir):
     assert multiprocessing.active_children() == before
 
 
+@pytest.mark.slow  # moved to the full tier: the quick tier must stay under 5 minutes
 def test_context_manager_and_close_leave_no_process(wan4_dir):
     with VideoGenerator.from_pretrained(wan4_dir, num_gpus=2, **RUNTIME) as gen:
         pids = gen.worker_pids

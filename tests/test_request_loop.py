@@ -246,3 +246,13 @@ def test_a_loop_refuses_what_it_cannot_wait_for():
     loop.close()
     with pytest.raises(RuntimeError, match="closed"):
         loop.submit(task(), RequestContext())
+
+
+def test_stage_threads_must_be_a_positive_integer():
+    from composer.errors import ConfigError
+    from composer.runtime import RuntimeArgs
+
+    for bad in (0, -2):
+        with pytest.raises(ConfigError, match="stage_threads"):
+            RuntimeArgs.from_kwargs(stage_threads=bad)
+    assert RuntimeArgs.from_kwargs(stage_threads=2).stage_threads == 2

@@ -77,6 +77,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
 
 
+@pytest.mark.slow  # moved to the full tier: the quick tier must stay under 5 minutes
 def test_a_short_job_submitted_after_a_long_one_finishes_first_with_its_solo_frames(t2v, tmp_path):
     srv = start(t2v, tmp_path)
     try:

@@ -46,6 +46,7 @@ def reference(base: VideoGenerator, paths, scales, path) -> np.ndarray:
     return read_frames(path)
 
 
+@pytest.mark.slow  # moved to the full tier: the quick tier must stay under 5 minutes
 def test_each_request_runs_with_the_adapters_and_scales_it_asks_for(lora_files, tmp_path):
     base, one, two = lora_files
     cases = [  # (request fields, expected "lora" of the record, adapters and scales of the reference)
