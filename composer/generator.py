@@ -26,7 +26,7 @@ import torch
 from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
-from composer.engine.loop import Blocking, RequestLoop, drive
+from composer.engine.loop import Blocking, RequestLoop, drive, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.images import refuse_image_knobs
@@ -345,7 +345,8 @@ class VideoGenerator:
         if stats is not None:
             stats.total_seconds, stats.frames = timings["total"], int(batch.frames.shape[1])
             stats.time_to_first_frame = timings["total"]  # nothing is shown before the whole video is decoded
-        return (yield Blocking(lambda: self._results(batch, sp, videos, timings, stats, row_offset, several)))
+        return (yield from wait_for(Blocking(lambda: self._results(batch, sp, videos, timings, stats, row_offset,
+                                                                   several))))
 
     def _request(
         self, prompt: Any, sampling_param: SamplingParam | None, segments: Any, overrides: dict[str, Any]
@@ -498,10 +499,20 @@ class VideoGenerator:
         return await asyncio.wrap_future(self.submit_video(prompt, **kwargs))
 
     async def astream_video(self, prompts: str | Iterable[tuple[str, int]] | None = None, **kwargs: Any):
-        """`stream_video` for asyncio code: an async iterator of VideoChunk, each block made on a worker thread."""
+        """`stream_video` for asyncio code: an async iterator of VideoChunk. Where the pipeline allows
+        (`pipeline.streams_as_tasks`) each chunk is a task on the request loop, so no thread waits for the stream,
+        between its blocks or between its passes; elsewhere each block is made on a worker thread."""
         import asyncio
 
         stream = await asyncio.to_thread(self.stream_video, prompts, **kwargs)
+        if self.pipeline.streams_as_tasks:
+            try:
+                while (chunk := await asyncio.wrap_future(
+                        self.request_loop.submit(stream.next_task(), stream.context))) is not None:
+                    yield chunk
+            finally:
+                stream.close()
+            return
         chunks = iter(stream)
         done = object()
         try:
@@ -678,13 +689,13 @@ class VideoStream:
         self.keep_video = keep_video
         self.chunks: list = []  # every chunk so far (empty when keep_video is off)
         self.pace = StreamPace(batch.get(RequestContext, None))
+        self._frames = 0
 
     @property
     def seed(self) -> int:
         return self._batch.seed
 
     def __iter__(self) -> Iterator[VideoChunk]:
-        frames = 0
         pace = self.pace
         try:
             while True:
@@ -693,19 +704,43 @@ class VideoStream:
                     chunk = next(self._chunks)
                 except StopIteration:
                     return
-                frames += len(chunk.frames)
-                pace.delivered(len(chunk.frames))
-                stats = self._batch.stats
-                if stats is not None:
-                    if stats.time_to_first_frame is None:
-                        stats.time_to_first_frame = chunk.since_start
-                    stats.frames, stats.total_seconds = frames, time.perf_counter() - self._batch.started
-                    stats.fps, stats.target_fps = pace.fps, pace.target_fps
-                if self.keep_video:
-                    self.chunks.append(chunk)
+                self._delivered(chunk)
                 yield chunk
         finally:
             pace.pause()  # ended, failed or closed: no frames are due any more
+
+    def next_task(self):
+        """The next chunk as a task for the generator's RequestLoop (`gen.request_loop.submit(stream.next_task(),
+        stream.context)`): no thread waits for it between its passes. Returns the chunk, or None at the end (the
+        stream is then over, as at the end of iteration)."""
+        self.pace.reading()
+        try:
+            chunk = yield from self._chunks.next_task()
+        except BaseException:
+            self.pace.pause()
+            raise
+        if chunk is None:
+            self.pace.pause()
+            return None
+        self._delivered(chunk)
+        return chunk
+
+    @property
+    def context(self) -> RequestContext:
+        """The stream's request (priority, cancel token, frame-rate deadline) as the scheduler sees it."""
+        return self._chunks.context
+
+    def _delivered(self, chunk: VideoChunk) -> None:
+        self._frames += len(chunk.frames)
+        self.pace.delivered(len(chunk.frames))
+        stats = self._batch.stats
+        if stats is not None:
+            if stats.time_to_first_frame is None:
+                stats.time_to_first_frame = chunk.since_start
+            stats.frames, stats.total_seconds = self._frames, time.perf_counter() - self._batch.started
+            stats.fps, stats.target_fps = self.pace.fps, self.pace.target_fps
+        if self.keep_video:
+            self.chunks.append(chunk)
 
     def close(self) -> None:
         """End the stream now (read to its end or not): the pipeline lets go of the request, its place and its KV

@@ -63,13 +63,66 @@ class Session:
         """Continue the video with `num_blocks` blocks of `prompt`, yielding each block's frames as it is decoded
         (the start frames first, on the first call of a session with a start image or video). Read it to the end
         before the next `extend`."""
+        self._queue_segment(prompt, num_blocks)
+        return self._blocks(num_blocks)
+
+    def extend_task(self, prompt: str, num_blocks: int):
+        """`extend` as a task for the generator's request loop (composer/engine/loop.py): every chunk made with no
+        thread waiting between the passes; returns the list of chunks. Checks raise at once, before the task.
+
+            chunks = gen.request_loop.submit(session.extend_task("a cat", 2), session.context).result()"""
+        self._queue_segment(prompt, num_blocks)
+        return self._chunks_task(num_blocks)
+
+    @property
+    def context(self) -> Any:
+        """The session's request (its priority) as the scheduler sees it: what a task of it runs as."""
+        self._ensure_stream()
+        return self._stream.context
+
+    def _queue_segment(self, prompt: str, num_blocks: int) -> None:
         self._check_usable()
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidInputError(f"prompt = {prompt!r}: expected a non-empty string")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise InvalidInputError(f"num_blocks = {num_blocks!r}: expected an integer >= 1")
         self._feed.waiting.append((prompt, num_blocks))
-        return self._blocks(num_blocks)
+
+    def _ensure_stream(self) -> None:
+        if self._stream is None:
+            self._stream = self._generator.stream_video(self._feed, **self._sampling)
+            if self._restore is not None:  # a fork or a resumed snapshot: the stream goes on from its state
+                for state in self._restore:
+                    self._stream._batch.attach(state)
+                self._restore = None
+
+    def _chunks_task(self, num_blocks: int):
+        self._reading = True
+        try:
+            self._ensure_stream()
+            chunks, made = [], 0
+            while made < num_blocks:
+                chunk = yield from self._stream.next_task()
+                if chunk is None:
+                    self.close()
+                    raise InvalidInputError("the session's stream ended early")
+                made += self._took(chunk)
+                chunks.append(chunk)
+            self._stream.pace.pause()  # the time until the next extend is not the stream's
+            return chunks
+        finally:
+            self._reading = False
+            if self._feed.waiting:
+                self._feed.waiting.clear()
+
+    def _took(self, chunk: VideoChunk) -> int:
+        """Count a chunk the session made; 1 for a block's chunk (0 for the start frames)."""
+        if self._sampling.get("keep_video", True):
+            self.chunks.append(chunk)
+        if chunk.block_index is None:
+            return 0
+        self.blocks += 1
+        return 1
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -80,12 +133,8 @@ class Session:
     def _blocks(self, num_blocks: int) -> Iterator[VideoChunk]:
         self._reading = True
         try:
-            if self._stream is None:
-                self._stream = self._generator.stream_video(self._feed, **self._sampling)
-                if self._restore is not None:  # a fork or a resumed snapshot: the stream goes on from its state
-                    for state in self._restore:
-                        self._stream._batch.attach(state)
-                    self._restore = None
+            self._ensure_stream()
+            if self._chunks is None:
                 self._chunks = iter(self._stream)
             made = 0
             while made < num_blocks:
@@ -94,11 +143,7 @@ class Session:
                 except StopIteration:
                     self.close()
                     raise InvalidInputError("the session's stream ended early") from None
-                if chunk.block_index is not None:
-                    made += 1
-                    self.blocks += 1
-                if self._sampling.get("keep_video", True):
-                    self.chunks.append(chunk)
+                made += self._took(chunk)
                 yield chunk
             self._stream.pace.pause()  # the time until the next extend is not the stream's: its frame rate skips it
         finally:

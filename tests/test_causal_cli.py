@@ -46,6 +46,7 @@ def test_stream_writes_the_video_block_by_block(causal_dir, tmp_path):
     assert iio.imread(out, plugin="pyav").shape == (29, 32, 48, 3)
 
 
+@pytest.mark.slow  # moved to the full tier: the quick tier must stay under 5 minutes
 def test_segments_switch_prompts_and_set_the_length(causal_dir, tmp_path):
     out = tmp_path / "segments.mp4"
     run = cli("generate", "--model-path", causal_dir, "--segment", "a red circle::2", "--segment", "a cat::1",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from multiprocessing.pool import ThreadPool
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from composer import VideoGenerator
 from composer.cancel import CancelToken
-from composer.engine.loop import Blocking, ModelStep, RequestLoop, drive
+from composer.engine.loop import Blocking, ModelStep, RequestLoop, drive, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.errors import Cancelled, InvalidInputError
 
@@ -210,19 +211,25 @@ def test_causal_pipeline_requests_run_on_a_thread(tiny_causal_dir, one_thread):
     assert np.array_equal(got.frames, want.frames)
 
 
-def test_drive_throws_errors_into_the_task():
+def test_a_wait_raises_its_error_where_the_task_reads_it():
     log = []
 
     def task():
+        work = Blocking(lambda: 1 / 0)
+        yield work
         try:
-            yield Blocking(lambda: 1 / 0)
+            work.outcome()
         except ZeroDivisionError:
             log.append("caught")
-        value = yield Blocking(lambda: 41)
+        value = yield from wait_for(Blocking(lambda: 41))
         return value + 1
 
     assert drive(task()) == 42
     assert log == ["caught"]
+    loop = RequestLoop(lambda: [], stage_threads=1)
+    assert loop.submit(task(), RequestContext()).result(timeout=30) == 42
+    assert log == ["caught", "caught"]
+    loop.close()
 
 
 def test_a_loop_refuses_what_it_cannot_wait_for():
@@ -256,3 +263,89 @@ def test_stage_threads_must_be_a_positive_integer():
         with pytest.raises(ConfigError, match="stage_threads"):
             RuntimeArgs.from_kwargs(stage_threads=bad)
     assert RuntimeArgs.from_kwargs(stage_threads=2).stage_threads == 2
+
+
+# -- causal streams as tasks: each chunk made on the loop, no thread held between the passes of a block ----------
+
+STREAM = dict(num_frames=13, height=64, width=64)
+
+
+@pytest.fixture(scope="module")
+def causal(tiny_causal_dir, one_thread):
+    generator = VideoGenerator.from_pretrained(tiny_causal_dir, progress=False, stage_threads=1)
+    return generator, CallCounter(generator.pipeline.modules["transformer"])
+
+
+@pytest.fixture(scope="module")
+def solo_streams(causal):
+    generator, _ = causal
+    return {i: np.concatenate([c.frames for c in generator.stream_video(f"prompt {i}", seed=i, **STREAM)])
+            for i in range(3)}
+
+
+def read_as_tasks(generator, stream) -> np.ndarray:
+    chunks = []
+    while (chunk := generator.request_loop.submit(stream.next_task(), stream.context).result(timeout=300)) is not None:
+        chunks.append(chunk.frames)
+    return np.concatenate(chunks)
+
+
+def test_streams_read_as_tasks_equal_their_solo_streams_with_shared_calls(causal, solo_streams):
+    generator, counter = causal
+    assert generator.pipeline.streams_as_tasks
+    counter.calls = 0
+    list(generator.stream_video("prompt 0", seed=0, **STREAM))
+    one_stream = counter.calls  # one stream's transformer calls
+    streams = [generator.stream_video(f"prompt {i}", seed=i, **STREAM) for i in range(3)]
+    counter.calls = 0
+    with ThreadPool(3) as pool:  # three readers, each waiting on its futures; the chunks are made on the loop
+        frames = pool.map(lambda s: read_as_tasks(generator, s), streams)
+    for i, got in enumerate(frames):
+        want = solo_streams[i]
+        assert got.shape == want.shape
+        assert np.abs(got.astype(np.int16) - want.astype(np.int16)).max() <= 1
+    assert counter.calls < 3 * one_stream  # the streams' passes shared calls
+    assert all(s.stats.frames == STREAM["num_frames"] for s in streams)
+
+
+def test_astream_video_runs_its_chunks_on_the_loop(causal, solo_streams):
+    generator, _ = causal
+
+    async def read(i):
+        return np.concatenate([c.frames async for c in generator.astream_video(f"prompt {i}", seed=i, **STREAM)])
+
+    async def main():
+        return await asyncio.gather(*(read(i) for i in range(2)))
+
+    for i, got in enumerate(asyncio.run(main())):
+        assert np.abs(got.astype(np.int16) - solo_streams[i].astype(np.int16)).max() <= 1
+
+
+def test_a_cancelled_stream_task_ends_alone(causal, solo_streams):
+    generator, _ = causal
+    token = CancelToken()
+    doomed = generator.stream_video("prompt 2", seed=2, cancel=token, **STREAM)
+    other = generator.stream_video("prompt 1", seed=1, **STREAM)
+    first = generator.request_loop.submit(doomed.next_task(), doomed.context).result(timeout=300)
+    assert first is not None
+    token.cancel("test")
+    with pytest.raises(Cancelled):
+        while generator.request_loop.submit(doomed.next_task(), doomed.context).result(timeout=300) is not None:
+            pass
+    got = read_as_tasks(generator, other)
+    assert np.abs(got.astype(np.int16) - solo_streams[1].astype(np.int16)).max() <= 1
+
+
+def test_session_extends_as_tasks_continue_as_the_linear_stream(causal):
+    generator, _ = causal
+    want = np.concatenate([c.frames for c in generator.stream_video([("a cat", 2), ("a dog", 1)], seed=4,
+                                                                     height=64, width=64)])
+    session = generator.open_session(seed=4, height=64, width=64)
+    first = generator.request_loop.submit(session.extend_task("a cat", 2), session.context).result(timeout=300)
+    second = list(session.extend("a dog", 1))  # a blocking extend after a task's: the same stream goes on
+    got = np.concatenate([c.frames for c in first + second])
+    assert session.blocks == 3
+    assert np.abs(got.astype(np.int16) - want.astype(np.int16)).max() <= 1
+    with pytest.raises(InvalidInputError):
+        session.extend_task("", 1)
+    session.close()

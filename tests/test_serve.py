@@ -273,6 +273,7 @@ def test_cli_refuses_a_port_out_of_range_or_in_use_before_loading(monkeypatch, c
     assert loads == []
 
 
+@pytest.mark.slow  # moved to the full tier: the quick tier must stay under 5 minutes
 def test_cli_serves_on_the_socket_it_bound(tmp_path):
     """The real command: the port bound before loading is the one uvicorn answers on; SIGINT stops it (130, as a
     Ctrl-C does in every composer command)."""

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from composer.engine.guidance import ClassifierFreeGuidance
 from composer.engine.inputs import ModelInputs
-from composer.engine.loop import ModelStep, drive
+from composer.engine.loop import ModelStep, drive, wait_for
 from composer.engine.scheduler import (
     RequestContext,
     StepScheduler,
@@ -291,10 +291,11 @@ class DenoisingEngine:
                         hook.before_step(info)
                 model_timestep = steps.model_timestep(t, latents)
                 if guidance is None:
-                    pred = (yield ModelStep(self, latents, model_timestep, [cond], None, "step", info))[0]
+                    pred = (yield from wait_for(ModelStep(self, latents, model_timestep, [cond], None, "step",
+                                                          info)))[0]
                 else:
-                    pred_cond, pred_uncond = yield ModelStep(self, latents, model_timestep, [cond, uncond], merged,
-                                                             "step", info)
+                    pred_cond, pred_uncond = yield from wait_for(ModelStep(
+                        self, latents, model_timestep, [cond, uncond], merged, "step", info))
                     pred = guidance.combine(pred_cond, pred_uncond)
                 latents = steps.step(index, t, pred, latents)
                 info.latents = latents

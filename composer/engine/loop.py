@@ -1,9 +1,15 @@
 """Requests as tasks: a request's state is a suspended Python generator, advanced one unit at a time by one loop.
 
-A *task* is a generator function's generator that yields what it waits for and gets the answer back:
+A *task* is a generator that yields what it waits for, and reads the answer from that object once resumed:
 
-    pred = yield ModelStep(engine, latents, timestep, branches, merged, kind, step)   # a transformer unit
-    value = yield Blocking(fn)                                                       # other work (a stage)
+    step = ModelStep(engine, latents, timestep, branches, merged, kind, step_info)
+    yield step; pred = step.outcome()                 # a transformer unit (or: pred = yield from wait_for(step))
+    work = Blocking(fn)
+    yield work; value = work.outcome()                # other work (a stage, a decode, a file)
+
+The answer travels on the object (`result`, or `error`, which `outcome()` raises where the task waits), so a
+wait can pass unchanged through generators that only relay it: a causal stream's blocks go through the decoding
+stage's `for block in upstream` loop, which yields the waits it meets as they are.
 
 `drive(task)` runs a task on the calling thread: each ModelStep goes to its engine at once (through the step
 scheduler when there is one, waiting in `StepScheduler.submit` as a thread-per-request caller does), each Blocking
@@ -13,19 +19,20 @@ runs inline. This is how `generate_video` runs: the code of a task *is* the code
 - a ModelStep is queued on its engine's scheduler (`StepScheduler.enqueue`) and the loop runs the scheduler's
   iterations (`StepScheduler.poll`): compatible units of every task (and of any thread calling `generate_video`
   meanwhile) share transformer calls exactly as threads' units do, so each output is the one a lone call makes;
-- a Blocking (text encoding, the VAE decode, writing a file) runs on a pool of `stage_threads` threads, which a
-  task holds only while that work runs;
+- a Blocking (text encoding, the VAE decode, waiting for KV pages, writing a file) runs on a pool of
+  `stage_threads` threads, which a task holds only while that work runs;
 - each resumption runs with the task's RequestContext as the thread's request (its cancel token, its priority) and
   under `torch.inference_mode`.
 
-`VideoGenerator.submit_video` / `agenerate_video` and `composer serve`'s jobs run text-to-video requests this way.
+`VideoGenerator.submit_video` / `agenerate_video`, `VideoStream.next_task` and `composer serve`'s jobs and streams
+run this way.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +47,40 @@ logger = get_logger(__name__)
 Task = Generator[Any, Any, Any]
 
 
+class Wait:
+    """What a task waits for; whoever does it sets `result` or `error`, then the task reads `outcome()`."""
+
+    result: Any = None
+    error: BaseException | None = None
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def run_here(self, request: RequestContext) -> None:
+        """Do it on this thread, now; the answer (or the error) on the object."""
+        try:
+            self.result = self._run(request)
+        except BaseException as exc:  # noqa: BLE001 - the task's, raised where it waits
+            self.error = exc
+
+    def _run(self, request: RequestContext) -> Any:
+        raise NotImplementedError
+
+
+def wait_for(item: Wait):
+    """In a task: `value = yield from wait_for(item)`."""
+    yield item
+    return item.outcome()
+
+
+def is_wait(item: Any) -> bool:
+    return isinstance(item, Wait)
+
+
 @dataclass(eq=False)
-class ModelStep:
+class ModelStep(Wait):
     """A task waits for its engine's transformer to predict its guidance branches (one output per branch)."""
 
     engine: Any  # composer.engine.engine.DenoisingEngine
@@ -53,7 +92,7 @@ class ModelStep:
     step: Any
 
     @torch.inference_mode()
-    def run(self, request: RequestContext) -> list[torch.Tensor]:
+    def _run(self, request: RequestContext) -> list[torch.Tensor]:
         """On the calling thread (a task driven by `drive`): what a thread-per-request loop does (under inference
         mode, as every transformer call is)."""
         engine = self.engine
@@ -68,34 +107,40 @@ class ModelStep:
 
 
 @dataclass(eq=False)
-class Blocking:
+class Blocking(Wait):
     """A task waits for `fn()` (work that is not a transformer unit: a stage, a file write)."""
 
     fn: Callable[[], Any]
 
+    def _run(self, request: RequestContext) -> Any:
+        return self.fn()
+
 
 def drive(task: Task, request: RequestContext | None = None) -> Any:
-    """Run `task` to its end on this thread (each thing it waits for is done here, now); its return value. An error
-    raised by a wait is thrown into the task (its `finally` blocks run, it may handle it)."""
+    """Run `task` to its end on this thread (each thing it waits for is done here, now); its return value."""
     from composer.engine.scheduler import current_request
 
-    value: Any = None
-    error: BaseException | None = None
     while True:
         try:
-            item = task.throw(error) if error is not None else task.send(value)
+            item = next(task)
         except StopIteration as stop:
             return stop.value
-        value, error = None, None
-        try:
-            if isinstance(item, ModelStep):
-                value = item.run(request or current_request() or RequestContext())
-            elif isinstance(item, Blocking):
-                value = item.fn()
-            else:
-                raise TypeError(f"a task yielded {type(item).__name__}; expected ModelStep or Blocking")
-        except BaseException as exc:  # noqa: BLE001 - the task decides (its finally blocks run)
-            error = exc
+        if not isinstance(item, Wait):
+            task.close()
+            raise TypeError(f"a task yielded {type(item).__name__}; expected ModelStep or Blocking")
+        item.run_here(request or current_request() or RequestContext())
+
+
+def pieces_here(pieces: Iterator[Any], request: RequestContext | None = None) -> Iterator[Any]:
+    """The pieces of a stream whose generators also yield waits (a causal stage's blocks), with each wait done on
+    this thread as it comes: what a caller that iterates on its own thread sees."""
+    from composer.engine.scheduler import current_request
+
+    for piece in pieces:
+        if isinstance(piece, Wait):
+            piece.run_here(request or current_request() or RequestContext())
+            continue
+        yield piece
 
 
 @dataclass(eq=False)
@@ -118,7 +163,7 @@ class RequestLoop:
         self.name = name
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._ready: deque[tuple[_Task, Any, BaseException | None]] = deque()
+        self._ready: deque[_Task] = deque()
         self._tasks: set[_Task] = set()
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -138,7 +183,7 @@ class RequestLoop:
                 self._pool = ThreadPoolExecutor(self.stage_threads, thread_name_prefix=f"{self.name}-stage")
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-        self._resume(entry, None, None)
+        self._resume(entry)
         return future
 
     @property
@@ -159,10 +204,10 @@ class RequestLoop:
             pool.shutdown(wait=False)
 
     # -- the loop thread ---------------------------------------------------------------------------------
-    def _resume(self, entry: _Task, value: Any, error: BaseException | None) -> None:
-        """(Any thread) `entry`'s wait is over: the loop resumes it with `value` (or throws `error` into it)."""
+    def _resume(self, entry: _Task) -> None:
+        """(Any thread) `entry`'s wait is over (its answer is on the object it yielded): the loop resumes it."""
         with self._lock:
-            self._ready.append((entry, value, error))
+            self._ready.append(entry)
         self._wake.set()
 
     def _run(self) -> None:
@@ -183,8 +228,8 @@ class RequestLoop:
         with self._lock:
             ready = list(self._ready)
             self._ready.clear()
-        for entry, value, error in ready:
-            self._advance(entry, value, error)
+        for entry in ready:
+            self._advance(entry)
         return bool(ready)
 
     def _run_iterations(self) -> tuple[bool, float | None]:
@@ -204,11 +249,11 @@ class RequestLoop:
                 wait = left if wait is None else min(wait, left)
         return ran, wait
 
-    def _advance(self, entry: _Task, value: Any, error: BaseException | None) -> None:
+    def _advance(self, entry: _Task) -> None:
         """Run `entry` up to its next wait and start that wait (or finish it)."""
         try:
             with running_request(entry.context):
-                item = entry.gen.throw(error) if error is not None else entry.gen.send(value)
+                item = next(entry.gen)
         except StopIteration as stop:
             self._finish(entry, result=stop.value)
             return
@@ -220,16 +265,23 @@ class RequestLoop:
                 scheduler = item.engine.scheduler
                 if scheduler is None or scheduler.planner is not None:
                     raise RuntimeError("a task's transformer unit needs its engine's step scheduler (not planned)")
+
+                def done(unit, item=item) -> None:
+                    item.result, item.error = unit.result, unit.error
+                    self._resume(entry)
+
                 scheduler.enqueue(item.latents, item.timestep, item.branches, item.merged, item.kind, entry.context,
-                                  item.step, on_done=lambda unit: self._resume(entry, unit.result, unit.error))
+                                  item.step, on_done=done)
             elif isinstance(item, Blocking):
                 assert self._pool is not None
-                work = self._pool.submit(_blocking, item.fn, entry.context)
-                work.add_done_callback(lambda f: self._resume(entry, *_outcome(f)))
+                work = self._pool.submit(_blocking, item, entry.context)
+                work.add_done_callback(lambda _: self._resume(entry))
             else:
                 raise TypeError(f"a task yielded {type(item).__name__}; expected ModelStep or Blocking")
-        except BaseException as exc:  # noqa: BLE001 - the wait could not start: the task gets the error
-            self._resume(entry, None, exc)
+        except BaseException as exc:  # noqa: BLE001 - the wait could not start: the task ends with the error
+            with running_request(entry.context):
+                entry.gen.close()
+            self._finish(entry, error=exc)
 
     def _finish(self, entry: _Task, result: Any = None, error: BaseException | None = None) -> None:
         with self._lock:
@@ -240,11 +292,6 @@ class RequestLoop:
             entry.future.set_result(result)
 
 
-def _blocking(fn: Callable[[], Any], context: RequestContext) -> Any:
+def _blocking(item: Blocking, context: RequestContext) -> None:
     with running_request(context), torch.inference_mode():
-        return fn()
-
-
-def _outcome(future: Future) -> tuple[Any, BaseException | None]:
-    error = future.exception()
-    return (None, error) if error is not None else (future.result(), None)
+        item.run_here(context)

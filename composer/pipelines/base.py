@@ -19,7 +19,7 @@ from composer.cancel import CancelToken
 from composer.configs.base import PipelineConfig
 from composer.engine import DenoisingEngine
 from composer.engine.batcher import module_lock
-from composer.engine.loop import Blocking, drive
+from composer.engine.loop import Blocking, drive, is_wait, wait_for
 from composer.engine.scheduler import RequestContext, calling_requests, current_request, running_request
 from composer.errors import UnsupportedError
 from composer.loader.components import ComponentLoader
@@ -274,6 +274,13 @@ class ComposedPipeline:
         return (self.concurrency in ("batch", "interleave") and not self.gate.serial and not self.can_stream
                 and all(e.scheduler is not None and e.scheduler.planner is None for e in self.engines))
 
+    @property
+    def streams_as_tasks(self) -> bool:
+        """Whether this pipeline's streams can be read as tasks (`VideoStream.next_task` on a RequestLoop): a causal
+        pipeline whose requests share it, on one process."""
+        return (self.can_stream and self.concurrency in ("batch", "interleave") and not self.gate.serial
+                and all(e.scheduler is not None and e.scheduler.planner is None for e in self.engines))
+
     def forward_task(self, batch: ForwardBatch):
         """`forward` as a task: the denoising stages yield their transformer units (each step's), every other
         stage runs as one Blocking piece of work (on a RequestLoop: a stage thread, held only while it runs; driven
@@ -283,7 +290,7 @@ class ComposedPipeline:
         key = ("task", id(batch)) if context.background else None
         with ExitStack() as slot, running_request(context):
             # a place at the gate may wait (an adapter switch): as blocking work, never on a loop's thread
-            yield Blocking(lambda: slot.enter_context(self.gate.request(key)))
+            yield from wait_for(Blocking(lambda: slot.enter_context(self.gate.request(key))))
             for stage in self.stages:
                 self.check_cancelled()
                 if stage.skips(batch):  # nothing to do for this request: its modules need not visit the device
@@ -292,7 +299,7 @@ class ComposedPipeline:
                     with self._scope(stage):
                         batch = yield from stage.call_task(batch)
                 else:
-                    batch = yield Blocking(lambda stage=stage, batch=batch: self._run_stage(stage, batch))
+                    batch = yield from wait_for(Blocking(lambda stage=stage, batch=batch: self._run_stage(stage, batch)))
         return batch
 
     def _run_stage(self, stage: Stage, batch: ForwardBatch) -> ForwardBatch:
@@ -320,13 +327,13 @@ class ComposedPipeline:
             elif pieces is None:
                 if stage.skips(batch):
                     continue
-                with self._stage_lock(stage), self._scope(stage):
-                    batch = stage(batch)
+                batch = yield from wait_for(Blocking(lambda stage=stage, batch=batch: self._run_stage(stage, batch)))
             else:
                 raise UnsupportedError(f"{stage.name} comes after a streaming stage but cannot take its pieces")
-        for piece in pieces:
+        for piece in pieces:  # chunks, and the waits of the stages that make them (composer/engine/loop.py)
             yield piece
-            self.check_cancelled()  # a cancel while the consumer held the piece stops before the next
+            if not is_wait(piece):
+                self.check_cancelled()  # a cancel while the consumer held the piece stops before the next
 
     def _stream_stage(self, stage: Stage, batch: ForwardBatch, upstream: Iterator[Any] | None) -> Iterator[Any]:
         with self._scope(stage):
@@ -428,6 +435,9 @@ class RequestGate:
             self._parked.pop(key, None)
 
 
+_END = object()
+
+
 class _RequestIterator:
     """A stream's pieces, each made with its request as this thread's (its cancel token and priority), whichever
     thread reads it; the request holds its place at the gate from the first piece until the stream ends or is
@@ -452,11 +462,41 @@ class _RequestIterator:
         self._gate.unpark(id(self))
         try:
             with running_request(self._context):
-                piece = next(self._pieces)
+                while is_wait(piece := next(self._pieces)):
+                    piece.run_here(self._context)  # a pass's unit, a decode: done here, on the reader's thread
         except BaseException:
             self.close()
             raise
         self._gate.park(id(self))  # until the reader asks again: a reader that stalls holds nobody else's calls
+        return piece
+
+    @property
+    def context(self) -> RequestContext:
+        return self._context
+
+    def next_task(self):
+        """The next piece as a task (composer/engine/loop.py): yields what making it waits for, so a RequestLoop
+        holds no thread for it between its passes; returns the piece, or None once the stream is done."""
+        if self._done:
+            return None
+        if self._slot is None:  # a place at the gate may wait (an adapter switch): blocking work
+            self._slot = ExitStack()
+            yield from wait_for(Blocking(lambda: self._slot.enter_context(self._gate.request(("stream", id(self))))))
+        self._gate.unpark(id(self))
+        try:
+            while True:
+                with running_request(self._context):
+                    piece = next(self._pieces, _END)
+                if not is_wait(piece):
+                    break
+                yield piece
+        except BaseException:
+            self.close()
+            raise
+        if piece is _END:
+            self.close()
+            return None
+        self._gate.park(id(self))
         return piece
 
     def close(self) -> None:

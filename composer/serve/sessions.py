@@ -20,6 +20,7 @@ at most `max_sessions` are open at once (429). Snapshot names are plain names in
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -208,6 +209,46 @@ class SessionStore:
         finally:
             self._idle(held)
 
+    @property
+    def runs_tasks(self) -> bool:
+        """Whether extends run as tasks on the generator's request loop (no thread waits for them)."""
+        return bool(getattr(getattr(self.generator, "pipeline", None), "streams_as_tasks", False))
+
+    def start_extend(self, session_id: str, prompt: Any, num_blocks: Any) -> tuple[Held, Any, float]:
+        """Begin an extend as a task: (the session, the future of its chunks, when it began). The session is busy
+        until `finish_extend` or `release`."""
+        held = self.get(session_id)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SessionProblem(400, f"prompt = {prompt!r}: expected a non-empty string", "prompt")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise SessionProblem(400, f"num_blocks = {num_blocks!r}: expected an integer >= 1", "num_blocks")
+        self._busy(held)
+        try:
+            task = held.session.extend_task(prompt, num_blocks)
+            future = self.generator.request_loop.submit(task, held.session.context)
+        except InvalidInputError as exc:
+            self._idle(held)
+            raise SessionProblem(400, str(exc)) from None
+        except BaseException:
+            self._idle(held)
+            raise
+        return held, future, time.perf_counter()
+
+    def finish_extend(self, held: Held, chunks: list, start: float) -> dict[str, Any]:
+        """(Blocking: a worker thread) Write the extend's segment and describe it; the session is free again."""
+        try:
+            held.segments += 1
+            path = self._write(held, chunks)
+            frames = sum(len(c.frames) for c in chunks)
+            return {"id": held.id, "object": "session.extend", "blocks": held.session.blocks, "new_frames": frames,
+                    "frames": int(len(held.session.frames)), "seconds": round(time.perf_counter() - start, 3),
+                    "video": None if path is None else path.name}
+        finally:
+            self._idle(held)
+
+    def release(self, held: Held) -> None:
+        self._idle(held)
+
     def _write(self, held: Held, chunks: list) -> Path | None:
         import numpy as np
 
@@ -365,7 +406,22 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
         unknown = [k for k in body if k not in ("prompt", "num_blocks")]
         if unknown:
             return problem(400, f"unknown field {unknown[0]!r}: an extend takes prompt and num_blocks", unknown[0])
-        return await run(store.extend, session_id, body.get("prompt"), body.get("num_blocks", 1))
+        if not store.runs_tasks:
+            return await run(store.extend, session_id, body.get("prompt"), body.get("num_blocks", 1))
+        try:  # a task on the generator's request loop: no thread waits for the blocks
+            held, future, start = await run_in_threadpool(store.start_extend, session_id, body.get("prompt"),
+                                                          body.get("num_blocks", 1))
+        except SessionProblem as exc:
+            return problem(exc.status, str(exc), exc.param)
+        try:
+            chunks = await asyncio.wrap_future(future)
+        except InvalidInputError as exc:
+            store.release(held)
+            return problem(400, str(exc))
+        except BaseException:
+            store.release(held)
+            raise
+        return await run(store.finish_extend, held, chunks, start)
 
     @app.get("/v1/sessions/{session_id}/video")
     async def video(session_id: str):

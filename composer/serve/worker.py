@@ -82,6 +82,11 @@ class _Streaming:
                     self.writer.abort()
 
 
+def _result(future: Any) -> tuple[Any, BaseException | None]:
+    error = future.exception()
+    return (None, error) if error is not None else (future.result(), None)
+
+
 class ProgressHook(EngineHook):
     """Engine hook: after each denoising step, its job's progress and the seconds the step took. The job is the one
     the calling thread runs (a job's own thread), or the one whose cancel token the current request holds (a task,
@@ -473,7 +478,7 @@ class Worker:
 
     # -- live streams that hold no thread between blocks --------------------------------------------------
     def _start_stream(self, run: _Run) -> None:
-        """(A stream thread) Open the generator's stream and make blocks until the client is behind."""
+        """(A stream thread) Open the generator's stream and start its first chunk."""
         job, token = run.job, run.token
         state = _Streaming(run, self._streams.get(job.id), timer=self._start_timer(run))
         try:
@@ -492,39 +497,60 @@ class Worker:
         self._stream_blocks(state)
 
     def _stream_blocks(self, state: _Streaming, error: BaseException | None = None) -> None:
-        """(A stream thread) Make the stream's next blocks while the client keeps up; when it is behind, return:
-        `sent` on its socket (or the watchdog, on a cancel or a stall) brings the stream back to a thread."""
+        """Start making the stream's next chunk: as a task on the generator's request loop where its pipeline
+        allows (no thread held while its passes wait), else on a stream thread. `_stream_chunk` takes it."""
         if error is not None:
             self._end_streaming(state, error)
             return
-        run, token = state.run, state.run.token
-        self._local.run = run
         try:
-            while True:
-                token.check()
-                chunk = next(state.chunks, None)
-                if chunk is None:
-                    break
-                state.writer.append(chunk.frames)
-                state.done += 1
-                self.store.update(run.job, persist=False, progress=min(state.done / state.total, 0.99))
-                run.span = (state.done / state.total, 1 / state.total)
-                with self._cv:
-                    self._stream_waits.add(state)
-                if not state.session.offer(chunk, lambda err: self._stream_pool.submit(self._resume_stream, state,
-                                                                                       err)):
-                    self._watch()
-                    return  # the thread is free; the client's next read resumes the stream
-                with self._cv:
-                    self._stream_waits.discard(state)
+            state.run.token.check()
+            pipeline = getattr(self.generator, "pipeline", None)
+            if getattr(pipeline, "streams_as_tasks", False) and callable(getattr(state.stream, "next_task", None)):
+                future = self.generator.request_loop.submit(state.stream.next_task(), state.stream.context)
+                future.add_done_callback(lambda f: self._stream_pool.submit(self._stream_chunk, state, *_result(f)))
+            else:
+                self._stream_pool.submit(self._stream_next_here, state)
         except Exception as exc:  # noqa: BLE001 - this stream fails, the server goes on
             self._end_streaming(state, exc)
+
+    def _stream_next_here(self, state: _Streaming) -> None:
+        """(A stream thread) Make the next chunk on this thread."""
+        self._local.run = state.run
+        try:
+            chunk = next(state.chunks, None)
+        except Exception as exc:  # noqa: BLE001 - this stream fails, the server goes on
+            self._stream_chunk(state, None, exc)
             return
         finally:
             self._local.run = None
-        self._end_streaming(state, None)
+        self._stream_chunk(state, chunk, None)
+
+    def _stream_chunk(self, state: _Streaming, chunk: Any, error: BaseException | None) -> None:
+        """(A stream thread) A chunk is made (None: the stream is over): write it and hand it to the socket; the
+        next one starts at once while the client keeps up, else once it has read (no thread waits meanwhile)."""
+        if error is not None or chunk is None:
+            self._end_streaming(state, error)
+            return
+        run = state.run
+        try:
+            state.writer.append(chunk.frames)
+            state.done += 1
+            self.store.update(run.job, persist=False, progress=min(state.done / state.total, 0.99))
+            run.span = (state.done / state.total, 1 / state.total)
+            with self._cv:
+                self._stream_waits.add(state)
+            if not state.session.offer(chunk, lambda err: self._stream_pool.submit(self._resume_stream, state, err)):
+                self._watch()
+                return  # the client's next read resumes the stream
+            with self._cv:
+                self._stream_waits.discard(state)
+        except Exception as exc:  # noqa: BLE001 - this stream fails, the server goes on
+            self._end_streaming(state, exc)
+            return
+        self._stream_blocks(state)
 
     def _resume_stream(self, state: _Streaming, error: BaseException | None) -> None:
+        """The client read (or the watchdog ended the wait with `error`): the stream goes on."""
         with self._cv:
             self._stream_waits.discard(state)
         self._stream_blocks(state, error)

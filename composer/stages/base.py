@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from composer.batch import ForwardBatch
-from composer.engine.loop import drive
+from composer.engine.loop import drive, is_wait
 from composer.errors import StageVerificationError
 from composer.logging import get_logger
 from composer.stages.validators import VerificationResult
@@ -159,6 +159,13 @@ class Stage:
             finally:
                 upstream_time = (timed_upstream.seconds - waited) if timed_upstream is not None else 0.0
                 batch.timings[self.name] += time.perf_counter() - start - upstream_time
+            if is_wait(piece):  # a wait (composer/engine/loop.py): its time is this stage's, unless relayed
+                relayed = timed_upstream is not None and piece is timed_upstream.last
+                began = time.perf_counter()
+                yield piece
+                if not relayed:
+                    batch.timings[self.name] += time.perf_counter() - began
+                continue
             yield piece
         self.check(batch, "stream_output")
 
@@ -169,6 +176,7 @@ class _TimedIterator:
     def __init__(self, items: Iterator[Any]):
         self._items = iter(items)
         self.seconds = 0.0
+        self.last: Any = None  # the latest item (a wait relayed from upstream is told apart by it)
 
     def __iter__(self) -> _TimedIterator:
         return self
@@ -176,6 +184,7 @@ class _TimedIterator:
     def __next__(self) -> Any:
         start = time.perf_counter()
         try:
-            return next(self._items)
+            self.last = next(self._items)
+            return self.last
         finally:
             self.seconds += time.perf_counter() - start

@@ -44,6 +44,7 @@ from composer.cache import KVCache, KVCacheSpec
 from composer.cache.kv_pool import KVPool, PagedKVCache
 from composer.configs.causal_wan import CausalWanConfig
 from composer.engine import ClassifierFreeGuidance, DenoisingEngine, FewStepFlow, ModelInputs
+from composer.engine.loop import Blocking, ModelStep, drive, pieces_here, wait_for
 from composer.engine.scheduler import current_request
 from composer.errors import InvalidInputError
 from composer.models.wan.causal import block_causal_mask
@@ -319,7 +320,7 @@ class CausalDenoisingStage(Stage):
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         # Streaming callers report each block themselves; the whole-video path gets a progress bar.
         with tqdm(desc="blocks", unit="block", disable=not self.progress, leave=False) as bar:
-            for _ in self.stream(batch, None):
+            for _ in pieces_here(self.stream(batch, None)):
                 bar.update()
         return batch
 
@@ -431,7 +432,10 @@ class CausalDenoisingStage(Stage):
         state.segments = checked_segments(plan.segments)
         batch.stats = CausalStats()
         try:
-            while (block := self._next_block(batch, plan, state)) is not None:
+            while True:  # (the waits of each block's passes are yielded too: composer/engine/loop.py)
+                block = yield from self._next_block_task(batch, plan, state)
+                if block is None:
+                    break
                 state.park(True)  # suspended between blocks: an idle stream's KV pages may go to host memory
                 yield block  # (a session between extends, a slow reader) for a higher-priority stream
                 state.park(False)
@@ -443,13 +447,17 @@ class CausalDenoisingStage(Stage):
 
     def _next_block(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState) -> LatentBlock | None:
         """Advance `state` by one block (reading segments and starting rollouts as needed); None when done."""
+        return drive(self._next_block_task(batch, plan, state))
+
+    def _next_block_task(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState):
+        """`_next_block` as a task: yields each pass's unit and each blocking piece (text encoding, KV pages)."""
         state.live = True
         try:
-            return self._advance(batch, plan, state)
+            return (yield from self._advance_task(batch, plan, state))
         finally:
             state.live = False
 
-    def _advance(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState) -> LatentBlock | None:
+    def _advance_task(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState):
         while True:
             rollout = state.rollout
             if rollout is not None and rollout.left > 0:
@@ -457,13 +465,13 @@ class CausalDenoisingStage(Stage):
                     rollout.left = 0  # the rest of this rollout's noise goes unused
                     state.remaining = 0
                     continue
-                return self._run_block(batch, plan, state)
+                return (yield from self._run_block_task(batch, plan, state))
             if state.remaining > 0 and self._cut(plan, state.segment_start, state.block_index):
                 state.remaining = 0  # a live source ends the segment where a rollout ended
             if rollout is not None and (state.remaining > 0 or plan.switch == "restart"):
                 state.close_rollout()  # a segment's next rollout, or a restart: this cache is done
             if state.remaining > 0:
-                self._start_rollout(batch, plan, state, switch=False)
+                yield from self._start_rollout_task(batch, plan, state, switch=False)
                 continue
             item = next(state.segments, None)
             if item is None:
@@ -476,24 +484,29 @@ class CausalDenoisingStage(Stage):
             state.segment_start = state.block_index
             state.remaining = num_blocks
             if switching and state.rollout is not None:  # 'keep' / 'recache': from the old rollout
-                self._start_rollout(batch, plan, state, switch=True)
+                yield from self._start_rollout_task(batch, plan, state, switch=True)
 
-    def _texts(self, batch: ForwardBatch, state: CausalState) -> list[ModelInputs]:
-        """The current segment's text inputs (cond, and uncond under guidance), encoded once per segment."""
+    def _texts_task(self, batch: ForwardBatch, state: CausalState):
+        """The current segment's text inputs (cond, and uncond under guidance), encoded once per segment (as
+        blocking work: the text encoder is shared)."""
         if state.texts is None:
             engine, model = self.engine, self.transformer
             bsz = batch.batch_size
-            texts = [engine.text_inputs(self.encode_prompts([state.prompt] * bsz).to(model.device, model.dtype))]
-            if batch.do_classifier_free_guidance:
-                texts.append(engine.text_inputs(batch.negative_prompt_embeds.to(model.device, model.dtype)))
-            state.texts = texts
+
+            def encode() -> list[ModelInputs]:
+                texts = [engine.text_inputs(self.encode_prompts([state.prompt] * bsz).to(model.device, model.dtype))]
+                if batch.do_classifier_free_guidance:
+                    texts.append(engine.text_inputs(batch.negative_prompt_embeds.to(model.device, model.dtype)))
+                return texts
+
+            state.texts = yield from wait_for(Blocking(encode))
         return state.texts
 
     def _geometry(self, batch: ForwardBatch) -> tuple[int, int, int, int]:
         h, w = batch.height // self.spatial_factor, batch.width // self.spatial_factor
         return self.transformer.config.in_channels, h, w, self.transformer.tokens_per_frame(h, w)
 
-    def _start_rollout(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState, switch: bool) -> None:
+    def _start_rollout_task(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState, switch: bool):
         """A new KV cache for the segment's next blocks, prefilled with the rollout's context: the start latents
         (first rollout) or the newest `overlap_frames`; at a 'recache' switch every frame the old cache attended
         to; at a 'keep' switch no prefill: the old cache's keys/values are carried over and positions go on."""
@@ -520,7 +533,7 @@ class CausalDenoisingStage(Stage):
         context = None if carry is not None or not frames else state.latent_frames(frames)
         state.first_rollout = False
         prefix = len(frames)
-        texts = self._texts(batch, state)  # (a new segment's prompt is encoded here, outside prefill_seconds)
+        texts = yield from self._texts_task(batch, state)  # (a new segment's prompt: outside prefill_seconds)
         start = time.perf_counter()
         # 'keep' under a rolling window: the old caches go on as they are (a window has room for any number of
         # frames). Otherwise the old cache goes back to the pool before the new one is taken: under a
@@ -537,7 +550,8 @@ class CausalDenoisingStage(Stage):
         prefill = time.perf_counter() - start
         caches = reused
         if plan.use_kv_cache and caches is None:
-            caches = self._new_caches(bsz, branches, prefix + blocks * n, tpf)  # may wait for the pool's room
+            caches = yield from wait_for(Blocking(  # may wait for the pool's room: blocking work
+                lambda: self._new_caches(bsz, branches, prefix + blocks * n, tpf)))
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in _unique(caches) if c))
         stats.rollouts += 1
         start = time.perf_counter()
@@ -547,10 +561,8 @@ class CausalDenoisingStage(Stage):
                     new.load(data)
         if caches is not None and context is not None:
             for s, e in self._chunks(0, prefix):
-                engine.forward_branches(
-                    context[:, :, s:e], self._timesteps(cfg.context_noise, bsz, e - s),
-                    _cached(texts, caches, s), kind="context",
-                )
+                yield from wait_for(ModelStep(engine, context[:, :, s:e], self._timesteps(cfg.context_noise, bsz, e - s),
+                                              _cached(texts, caches, s), None, "context", None))
         _sync(device)
         stats.prefill_seconds += prefill + time.perf_counter() - start
         noise = torch.randn((bsz, blocks * n, channels, h, w), generator=state.generator)
@@ -562,7 +574,7 @@ class CausalDenoisingStage(Stage):
         )
         state.remaining -= blocks
 
-    def _run_block(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState) -> LatentBlock:
+    def _run_block_task(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState):
         cfg, engine = self.config, self.engine
         rollout = state.rollout
         device = self.transformer.device
@@ -571,7 +583,7 @@ class CausalDenoisingStage(Stage):
         _, _, _, tpf = self._geometry(batch)
         guidance = (ClassifierFreeGuidance(float(batch.guidance_scale), fp32=True)
                     if batch.do_classifier_free_guidance else None)
-        texts = self._texts(batch, state)
+        texts = yield from self._texts_task(batch, state)
         start = time.perf_counter()
         b = rollout.blocks - rollout.left
         x = rollout.noise[:, :, b * n:(b + 1) * n]
@@ -581,9 +593,11 @@ class CausalDenoisingStage(Stage):
             inputs = self._recompute_inputs(texts, rollout.clean, rollout.prefix, n, tpf, device)
         steps = FewStepFlow(self.table, self.steps.tolist(), state.generator)
         with self._block_in_loop():  # concurrent streams wait for this block's passes, not its decode
-            x0 = engine.run(x, steps, inputs[0], inputs[1] if guidance else None, guidance, run=state.block_index)
+            x0 = yield from engine.run_task(x, steps, inputs[0], inputs[1] if guidance else None, guidance,
+                                            run=state.block_index)
             if rollout.caches is not None:  # the clean pass leaves the block's keys/values in the cache
-                engine.forward_branches(x0, self._timesteps(cfg.context_noise, bsz, n), inputs, kind="context")
+                yield from wait_for(ModelStep(engine, x0, self._timesteps(cfg.context_noise, bsz, n), inputs, None,
+                                              "context", None))
         x0 = x0.float()
         if rollout.caches is None:
             rollout.clean.append(x0)

@@ -13,6 +13,7 @@ import torch
 
 from composer.batch import ForwardBatch, LatentBlock, VideoChunk
 from composer.engine.batcher import CallBatcher, module_lock
+from composer.engine.loop import Blocking, is_wait, wait_for
 from composer.errors import InvalidInputError, StageVerificationError, UnsupportedError
 from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
@@ -119,9 +120,12 @@ class DecodingStage(Stage):
             return piece
 
         if batch.start_latents is not None and resumed is None:
-            yield chunk(batch.start_latents, None)
+            yield (yield from wait_for(Blocking(lambda: chunk(batch.start_latents, None))))
         for block in upstream:
-            yield chunk(block.latents, block)
+            if is_wait(block):  # the denoiser's: passed on to whoever runs the stream (composer/engine/loop.py)
+                yield block
+                continue
+            yield (yield from wait_for(Blocking(lambda block=block: chunk(block.latents, block))))
 
 
 @dataclass(eq=False)
