@@ -90,7 +90,15 @@ def one_stream(gen, i: int, args) -> dict:
     start = time.perf_counter()
     last, blocks, chunks = start, [], []
     stream = gen.stream_video(PROMPTS[i % len(PROMPTS)], seed=i, num_frames=args.stream_frames)
-    for chunk in stream:
+    if getattr(args, "api", "threads") == "tasks":  # each chunk a task on the request loop; this thread only waits
+        def tasks():
+            while (chunk := gen.request_loop.submit(stream.next_task(), stream.context).result()) is not None:
+                yield chunk
+
+        chunks_of = tasks()
+    else:
+        chunks_of = iter(stream)
+    for chunk in chunks_of:
         now = time.perf_counter()
         blocks.append(now - last)
         last = now
@@ -211,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--stream-frames", type=int, default=33)
     p.add_argument("--api", choices=["threads", "tasks"], default="threads",
-                   help="text-to-video requests as generate_video calls on threads, or as submit_video tasks on the "
-                        "generator's request loop (the sequential side is the same either way)")
+                   help="requests as blocking calls on threads (generate_video, stream_video's iterator), or as tasks "
+                        "on the generator's request loop (submit_video, VideoStream.next_task); both sides alike")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             counter = Counter(gen)
             pool = ThreadPoolExecutor(max_workers=max(levels))
             warm_pool(pool, max(levels), gen, one_t2v if kind == "t2v" else one_stream, args)
-            api = f", {args.api} API" if kind == "t2v" else ""
+            api = f", {args.api} API"
             print(f"{kind}: {path} ({gen.pipeline.concurrency} mode{api}), torch threads {torch.get_num_threads()}",
                   flush=True)
             for n in levels:

@@ -349,3 +349,21 @@ def test_session_extends_as_tasks_continue_as_the_linear_stream(causal):
     with pytest.raises(InvalidInputError):
         session.extend_task("", 1)
     session.close()
+
+
+def test_streams_waiting_for_kv_pages_never_hold_the_stage_threads(tiny_causal_dir, causal, solo_streams):
+    """A KV budget for one stream and one stage thread: three streams read as tasks. The two that wait for pages
+    wait off the stage thread (Blocking.waits), so the one holding the pages can still decode its chunks and
+    finish; each then runs exactly as alone."""
+    generator, _ = causal
+    need = generator.stream_video("prompt 0", seed=0, **STREAM)
+    list(need)
+    budget = need.stats.kv_cache_bytes
+    tight = VideoGenerator.from_pretrained(tiny_causal_dir, progress=False, stage_threads=1, kv_cache_memory=budget)
+    streams = [tight.stream_video(f"prompt {i}", seed=i, **STREAM) for i in range(3)]
+    with ThreadPool(3) as pool:
+        frames = pool.map(lambda s: read_as_tasks(tight, s), streams)
+    for i, got in enumerate(frames):
+        assert np.abs(got.astype(np.int16) - solo_streams[i].astype(np.int16)).max() <= 1
+    stats = tight.pipeline.stage("CausalDenoisingStage").kv_pool.stats()
+    assert stats.waits >= 1 and stats.peak_used_bytes == budget and stats.used_bytes == 0

@@ -45,6 +45,7 @@ from composer.logging import get_logger
 logger = get_logger(__name__)
 
 Task = Generator[Any, Any, Any]
+MAX_WAITERS = 1024  # threads for Blocking work that waits on other requests (made only while such work waits)
 
 
 class Wait:
@@ -108,9 +109,12 @@ class ModelStep(Wait):
 
 @dataclass(eq=False)
 class Blocking(Wait):
-    """A task waits for `fn()` (work that is not a transformer unit: a stage, a file write)."""
+    """A task waits for `fn()` (work that is not a transformer unit: a stage, a file write). `waits`: `fn` may wait
+    for other requests to make progress (a place at the gate during an adapter switch, KV pages under a memory
+    budget): a RequestLoop runs it off its stage threads, which those requests need to finish."""
 
     fn: Callable[[], Any]
+    waits: bool = False
 
     def _run(self, request: RequestContext) -> Any:
         return self.fn()
@@ -167,6 +171,7 @@ class RequestLoop:
         self._tasks: set[_Task] = set()
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._waiters: ThreadPoolExecutor | None = None
         self._closed = False
 
     # -- what callers use ------------------------------------------------------------------------------
@@ -181,6 +186,8 @@ class RequestLoop:
             self._tasks.add(entry)
             if self._thread is None:
                 self._pool = ThreadPoolExecutor(self.stage_threads, thread_name_prefix=f"{self.name}-stage")
+                # work that waits on other requests (Blocking.waits): never on the stage threads they need
+                self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"{self.name}-wait")
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
         self._resume(entry)
@@ -202,6 +209,8 @@ class RequestLoop:
             thread.join(timeout=timeout)
         if pool is not None:
             pool.shutdown(wait=False)
+        if self._waiters is not None:
+            self._waiters.shutdown(wait=False)
 
     # -- the loop thread ---------------------------------------------------------------------------------
     def _resume(self, entry: _Task) -> None:
@@ -211,6 +220,18 @@ class RequestLoop:
         self._wake.set()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - a bug here must fail the tasks, never leave them waiting
+            logger.exception("the request loop stopped")
+            with self._lock:
+                self._closed = True
+                tasks, self._tasks = list(self._tasks), set()
+            for entry in tasks:
+                if not entry.future.done():
+                    entry.future.set_exception(RuntimeError(f"the request loop stopped: {type(exc).__name__}: {exc}"))
+
+    def _loop(self) -> None:
         with torch.inference_mode():
             while True:
                 self._wake.clear()
@@ -273,8 +294,8 @@ class RequestLoop:
                 scheduler.enqueue(item.latents, item.timestep, item.branches, item.merged, item.kind, entry.context,
                                   item.step, on_done=done)
             elif isinstance(item, Blocking):
-                assert self._pool is not None
-                work = self._pool.submit(_blocking, item, entry.context)
+                assert self._pool is not None and self._waiters is not None
+                work = (self._waiters if item.waits else self._pool).submit(_blocking, item, entry.context)
                 work.add_done_callback(lambda _: self._resume(entry))
             else:
                 raise TypeError(f"a task yielded {type(item).__name__}; expected ModelStep or Blocking")

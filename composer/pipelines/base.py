@@ -290,7 +290,10 @@ class ComposedPipeline:
         key = ("task", id(batch)) if context.background else None
         with ExitStack() as slot, running_request(context):
             # a place at the gate may wait (an adapter switch): as blocking work, never on a loop's thread
-            yield from wait_for(Blocking(lambda: slot.enter_context(self.gate.request(key))))
+            if key is not None and self.gate.try_enter(key):  # a task's place, when it needs no waiting
+                slot.callback(self.gate.leave, key)
+            else:
+                yield from wait_for(Blocking(lambda: slot.enter_context(self.gate.request(key)), waits=True))
             for stage in self.stages:
                 self.check_cancelled()
                 if stage.skips(batch):  # nothing to do for this request: its modules need not visit the device
@@ -368,22 +371,40 @@ class RequestGate:
         """Hold a place for a request: this thread's (or `key`'s: a task, which no thread holds)."""
         me = threading.get_ident() if key is None else key
         with self._cv:
-            if self.refuse_overlap and self._active and me not in self._active:
-                raise UnsupportedError(
-                    "another request is running on this pipeline, and with a parallel layout (several ranks) requests "
-                    "must run one at a time in the same order on every rank: call generate_video / stream_video from "
-                    "one thread (composer serve does)")
-            while self._exclusive or (self.serial and self._active and me not in self._active):
+            self._refuse_overlap(me)
+            while self._must_wait(me):
                 self._cv.wait()
             self._active[me] = self._active.get(me, 0) + 1
         try:
             yield
         finally:
-            with self._cv:
-                self._active[me] -= 1
-                if not self._active[me]:
-                    del self._active[me]
-                self._cv.notify_all()
+            self.leave(me)
+
+    def try_enter(self, key: Any) -> bool:
+        """Take a place for `key` if that needs no waiting (True; `leave(key)` gives it back), else False."""
+        with self._cv:
+            self._refuse_overlap(key)
+            if self._must_wait(key):
+                return False
+            self._active[key] = self._active.get(key, 0) + 1
+            return True
+
+    def leave(self, key: Any) -> None:
+        with self._cv:
+            self._active[key] -= 1
+            if not self._active[key]:
+                del self._active[key]
+            self._cv.notify_all()
+
+    def _must_wait(self, me: Any) -> bool:
+        return self._exclusive or (self.serial and bool(self._active) and me not in self._active)
+
+    def _refuse_overlap(self, me: Any) -> None:
+        if self.refuse_overlap and self._active and me not in self._active:
+            raise UnsupportedError(
+                "another request is running on this pipeline, and with a parallel layout (several ranks) requests "
+                "must run one at a time in the same order on every rank: call generate_video / stream_video from "
+                "one thread (composer serve does)")
 
     @contextmanager
     def exclusive(self, what: str) -> Iterator[None]:
@@ -480,8 +501,11 @@ class _RequestIterator:
         if self._done:
             return None
         if self._slot is None:  # a place at the gate may wait (an adapter switch): blocking work
-            self._slot = ExitStack()
-            yield from wait_for(Blocking(lambda: self._slot.enter_context(self._gate.request(("stream", id(self))))))
+            self._slot, key = ExitStack(), ("stream", id(self))
+            if self._gate.try_enter(key):
+                self._slot.callback(self._gate.leave, key)
+            else:
+                yield from wait_for(Blocking(lambda: self._slot.enter_context(self._gate.request(key)), waits=True))
         self._gate.unpark(id(self))
         try:
             while True:

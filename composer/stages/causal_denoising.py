@@ -194,6 +194,12 @@ class CausalState:
                 else:
                     cache.resume()
 
+    @property
+    def swapped(self) -> bool:
+        """Whether a cache of the rollout went to host memory (going on then waits for the pool's room)."""
+        caches = _unique(self.rollout.caches or []) if self.rollout is not None else []
+        return any(getattr(c, "swapped", None) is not None for c in caches if c is not None)
+
     def close_rollout(self) -> None:
         if self.rollout is not None:
             self.rollout.close()
@@ -438,7 +444,10 @@ class CausalDenoisingStage(Stage):
                     break
                 state.park(True)  # suspended between blocks: an idle stream's KV pages may go to host memory
                 yield block  # (a session between extends, a slow reader) for a higher-priority stream
-                state.park(False)
+                if state.swapped:  # its pages come back, waiting for the pool's room: work that waits on others
+                    yield from wait_for(Blocking(lambda: state.park(False), waits=True))
+                else:
+                    state.park(False)
         finally:
             state.close_rollout()  # finished, failed or closed: the KV pages go back to the pool
         if state.block_index == 0 and batch.start_latents is None:
@@ -550,8 +559,8 @@ class CausalDenoisingStage(Stage):
         prefill = time.perf_counter() - start
         caches = reused
         if plan.use_kv_cache and caches is None:
-            caches = yield from wait_for(Blocking(  # may wait for the pool's room: blocking work
-                lambda: self._new_caches(bsz, branches, prefix + blocks * n, tpf)))
+            caches = yield from wait_for(Blocking(  # may wait until other streams free the pool's room
+                lambda: self._new_caches(bsz, branches, prefix + blocks * n, tpf), waits=True))
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in _unique(caches) if c))
         stats.rollouts += 1
         start = time.perf_counter()
