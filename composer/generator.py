@@ -274,11 +274,11 @@ class VideoGenerator:
         """Start `generate_video(prompt, ...)` and return at once: a `concurrent.futures.Future` of its result.
         Bad input raises here, before anything starts.
 
-        On a whole-video pipeline that requests share (`pipeline.runs_tasks`) the request is a task on the
+        On a pipeline that requests share, on one process (`pipeline.runs_tasks`), the request is a task on the
         generator's request loop (composer/engine/loop.py): no thread waits for it between its steps, its steps are
         batched with every other request's, and its stages other than denoising run on the loop's stage threads
-        (`RuntimeArgs.stage_threads`) only while they work. Elsewhere (a causal model, model offload, several
-        ranks) it runs on a thread of its own. The future's result is `generate_video`'s; a `Cancelled` (its
+        (`RuntimeArgs.stage_threads`) only while they work. Elsewhere (model offload, several ranks) it runs on a
+        thread of its own. The future's result is `generate_video`'s; a `Cancelled` (its
         `cancel` token) or any error of the request is the future's exception."""
         sp, videos, priority = self._checked(prompt, sampling_param, segments, overrides, priority)
         if not self.pipeline.runs_tasks:

@@ -203,11 +203,21 @@ def test_prompt_lists_and_output_files(gen, solo, tmp_path):
     assert all(r.output_path and r.output_path.exists() for r in results)
 
 
-def test_causal_pipeline_requests_run_on_a_thread(tiny_causal_dir, one_thread):
+def test_whole_videos_of_a_causal_model_run_as_tasks(tiny_causal_dir, one_thread):
     generator = VideoGenerator.from_pretrained(tiny_causal_dir, progress=False)
-    assert not generator.pipeline.runs_tasks
-    want = generator.generate_video("a cat", seed=3, num_frames=13, height=64, width=64)
-    got = generator.submit_video("a cat", seed=3, num_frames=13, height=64, width=64).result(timeout=300)
+    assert generator.pipeline.runs_tasks
+    want = {s: generator.generate_video("a cat", seed=s, num_frames=13, height=64, width=64) for s in (3, 4)}
+    futures = {s: generator.submit_video("a cat", seed=s, num_frames=13, height=64, width=64) for s in (3, 4)}
+    for s, future in futures.items():
+        got = future.result(timeout=300)
+        assert np.abs(got.frames.astype(np.int16) - want[s].frames.astype(np.int16)).max() <= 1
+
+
+def test_a_serial_pipelines_requests_run_on_a_thread(tiny_wan_dir, one_thread):
+    generator = VideoGenerator.from_pretrained(tiny_wan_dir, progress=False, offload="model")
+    assert generator.pipeline.concurrency == "serial" and not generator.pipeline.runs_tasks
+    want = generator.generate_video("a cat", seed=3, **KW)
+    got = generator.submit_video("a cat", seed=3, **KW).result(timeout=300)
     assert np.array_equal(got.frames, want.frames)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -133,18 +133,6 @@ def drive(task: Task, request: RequestContext | None = None) -> Any:
             task.close()
             raise TypeError(f"a task yielded {type(item).__name__}; expected ModelStep or Blocking")
         item.run_here(request or current_request() or RequestContext())
-
-
-def pieces_here(pieces: Iterator[Any], request: RequestContext | None = None) -> Iterator[Any]:
-    """The pieces of a stream whose generators also yield waits (a causal stage's blocks), with each wait done on
-    this thread as it comes: what a caller that iterates on its own thread sees."""
-    from composer.engine.scheduler import current_request
-
-    for piece in pieces:
-        if isinstance(piece, Wait):
-            piece.run_here(request or current_request() or RequestContext())
-            continue
-        yield piece
 
 
 @dataclass(eq=False)

@@ -268,10 +268,10 @@ class ComposedPipeline:
     @property
     def runs_tasks(self) -> bool:
         """Whether this pipeline's requests can run as tasks on a RequestLoop (composer/engine/loop.py), holding no
-        thread between their transformer units: a whole-video pipeline whose requests share it (batch or interleave
-        mode) on one process. A causal pipeline's requests, a serial pipeline's and a parallel layout's (rank 0
-        plans the calls; every rank's threads follow) run on a thread each instead."""
-        return (self.concurrency in ("batch", "interleave") and not self.gate.serial and not self.can_stream
+        thread between their transformer units: a pipeline whose requests share it (batch or interleave mode) on one
+        process. A serial pipeline's requests and a parallel layout's (rank 0 plans the calls; every rank's threads
+        follow) run on a thread each instead."""
+        return (self.concurrency in ("batch", "interleave") and not self.gate.serial
                 and all(e.scheduler is not None and e.scheduler.planner is None for e in self.engines))
 
     @property

@@ -1,8 +1,8 @@
 """The worker: jobs from a bounded priority queue run on the generator, up to `max_concurrent` at once.
 
 The HTTP loop only queues and reads records; it never waits on generation. One dispatcher thread starts the jobs.
-A text-to-video job on a generator whose requests run as tasks (`pipeline.runs_tasks`: a whole-video model on one
-process) is submitted with `submit_video`: no thread waits for it between its denoising steps, and a finishing
+A video job on a generator whose requests run as tasks (`pipeline.runs_tasks`: one process, requests sharing the
+model) is submitted with `submit_video`: no thread waits for it between its denoising steps, and a finishing
 thread writes its file when it ends. Other jobs (a live stream, a job that must switch the LoRA adapters first, a
 causal or serial or multi-rank generator) run on a thread of their own. The generator's step scheduler
 (composer/engine/scheduler.py) batches the denoising steps of the jobs that run together. The queue is ordered by `priority` (higher first), then by arrival. A job's CancelToken stops it at

@@ -44,12 +44,12 @@ from composer.cache import KVCache, KVCacheSpec
 from composer.cache.kv_pool import KVPool, PagedKVCache
 from composer.configs.causal_wan import CausalWanConfig
 from composer.engine import ClassifierFreeGuidance, DenoisingEngine, FewStepFlow, ModelInputs
-from composer.engine.loop import Blocking, ModelStep, drive, pieces_here, wait_for
+from composer.engine.loop import Blocking, ModelStep, drive, is_wait, wait_for
 from composer.engine.scheduler import current_request
 from composer.errors import InvalidInputError
 from composer.models.wan.causal import block_causal_mask
 from composer.schedulers import FlowMatchTable
-from composer.stages.base import Stage
+from composer.stages.base import Stage, drives_task
 from composer.stages.validators import V, VerificationResult
 
 
@@ -323,10 +323,20 @@ class CausalDenoisingStage(Stage):
         if batch.do_classifier_free_guidance:
             result.add_check("negative_prompt_embeds", batch.negative_prompt_embeds, V.ndim(3))
 
+    @drives_task
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        return drive(self.forward_task(batch))
+
+    def forward_task(self, batch: ForwardBatch):
+        """The whole video as a task: every block, each wait of its passes yielded (composer/engine/loop.py)."""
         # Streaming callers report each block themselves; the whole-video path gets a progress bar.
-        with tqdm(desc="blocks", unit="block", disable=not self.progress, leave=False) as bar:
-            for _ in pieces_here(self.stream(batch, None)):
+        request = current_request()
+        quiet = not self.progress or (request is not None and request.background)
+        with tqdm(desc="blocks", unit="block", disable=quiet, leave=False) as bar:
+            for piece in self.stream(batch, None):
+                if is_wait(piece):
+                    yield piece
+                    continue
                 bar.update()
         return batch
 
