@@ -73,7 +73,8 @@ PARTS: dict[str, tuple[int, str]] = {
     "quant-1.3b": (90, "weight-only int8 / fp8 DiT forward vs the runtime dtype, 480p"),
     "compile-1.3b": (150, "regional compile: cold start and steady DiT forward, 480p"),
     "sparse": (90, "sliding_window attention at the 480p token grid (21x30x52, 12 heads x 128)"),
-    "concurrency": (180, "1, 2, 4, 8 concurrent requests through the step scheduler vs one after another"),
+    "concurrency": (300, "1, 2, 4, 8 concurrent requests through the step scheduler vs one after another, on threads "
+                         "and as tasks"),
     "kv-pool": (60, "the paged KV pool's passes vs the contiguous cache at Self-Forcing 1.3B's cache shape"),
 }
 
@@ -442,6 +443,8 @@ def part_concurrency(args) -> dict:
         runs.append(["--t2v-model", "wan1.3b", "--kinds", "t2v", "--levels", "1,4", "--steps", "4",
                      "--height", "240", "--width", "416", "--num-frames", "17", "--repeats", "3"])
         runs.append(["--kinds", "t2v,stream", "--levels", "1,2,4,8", "--repeats", "3"])  # launch-bound tiny steps
+        # the same requests as tasks on the request loop (submit_video, VideoStream.next_task): what a server runs
+        runs.append(["--kinds", "t2v,stream", "--levels", "1,4,8", "--repeats", "3", "--api", "tasks"])
     reports = []
     for extra in runs:
         cmd = [sys.executable, script, "--device", args.device, "--dtype", args.dtype, *extra]
