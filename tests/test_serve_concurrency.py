@@ -165,6 +165,7 @@ def test_text_to_video_jobs_run_as_tasks_with_no_thread_each(t2v, tmp_path):
         assert [d["status"] for d in done] == ["completed"] * 6 and all(d["progress"] == 1.0 for d in done)
         assert not [n for n in seen if n.startswith("composer-serve-job")], seen
         after = srv.request("GET", "/metrics").body.decode()
+        assert "# TYPE composer_tasks_running gauge" in after and metric(after, "composer_tasks_running") == 0
         steps = metric(after, "composer_step_seconds_count") - metric(before, "composer_step_seconds_count")
         assert steps == 6 * 6
         assert metric(after, "composer_batched_units_total") > metric(before, "composer_batched_units_total")

@@ -221,6 +221,10 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
         lines += [f'composer_jobs{{state="{s}"}} {counts[s]}' for s in STATES]
         lines += ["# HELP composer_jobs_running jobs running now", "# TYPE composer_jobs_running gauge",
                   f"composer_jobs_running {worker.running if worker else 0}",
+                  "# HELP composer_tasks_running requests running as tasks on the request loop now (jobs, stream "
+                  "chunks, session extends): no thread waits for them between their steps",
+                  "# TYPE composer_tasks_running gauge",
+                  f"composer_tasks_running {worker.tasks_running() if worker else 0}",
                   "# HELP composer_max_concurrent jobs that may run at once (--max-concurrent)",
                   "# TYPE composer_max_concurrent gauge",
                   f"composer_max_concurrent {worker.max_concurrent if worker else 0}"]

@@ -204,6 +204,11 @@ class Worker:
                 largest = max(largest, stats.largest_batch)
         return calls, units, batched, largest
 
+    def tasks_running(self) -> int:
+        """Requests running as tasks on the generator's request loop now (jobs, stream chunks, session extends)."""
+        loop = getattr(self.generator, "_loop", None)
+        return int(getattr(loop, "active", 0) or 0)
+
     def kv_pool_stats(self) -> Any:
         """The causal model's KV page pool (KVPoolStats), or None when the model has none."""
         stage = getattr(getattr(self.generator, "pipeline", None), "stage", None)
