@@ -12,8 +12,9 @@ folder and resumed after a restart (composer/session.py is the Python side).
     POST   /v1/sessions/resume               {"snapshot": name}: a new session from a snapshot of the output folder
     DELETE /v1/sessions/{id}                 close it (its KV pages go back to the pool)
 
-A session runs one extend at a time (a second gets 409); its extends run on worker threads beside the jobs and
-streams, their steps scheduled with theirs. Idle sessions are closed after `ttl_s` (snapshot first to keep one);
+A session runs one extend at a time (a second gets 409); its extends run as tasks on the generator's request loop
+(on a worker thread where the pipeline's streams cannot be tasks) beside the jobs and streams, their steps
+scheduled with theirs. Idle sessions are closed after `ttl_s` (snapshot first to keep one);
 at most `max_sessions` are open at once (429). Snapshot names are plain names inside the output folder's
 `sessions/` directory: never paths.
 """

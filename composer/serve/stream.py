@@ -1,11 +1,12 @@
 """Live streams of causal models over a WebSocket (`/v1/streams`): each decoded block goes to the client as JPEG
 frames while the next block is made, and the client may switch the prompt or stop as it watches.
 
-A stream is a job like any other: a worker thread runs it (alongside the other jobs), it is listed by
-GET /v1/videos with `"kind": "stream"`, DELETE cancels it, and its whole video is written to the output folder.
-Between the worker (the producer) and the socket (the consumer) sits a buffer of at most `BUFFERED_CHUNKS`
-chunks: a slow client pauses its own stream's generation (its worker thread waits; the other jobs go on) instead
-of letting the server hold the video in memory.
+A stream is a job like any other: the worker runs it alongside the other jobs (each chunk a task on the generator's
+request loop), it is listed by GET /v1/videos with `"kind": "stream"`, DELETE cancels it, and its whole video is
+written to the output folder. Between the worker (the producer) and the socket (the consumer) sits a buffer of at
+most `BUFFERED_CHUNKS` chunks: a slow client pauses its own stream's generation (its next chunk waits in
+`StreamSession.offer`, holding no thread; the other jobs go on) instead of letting the server hold the video in
+memory.
 The protocol is in docs/serving.md ("Live streams").
 """
 

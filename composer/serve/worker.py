@@ -45,7 +45,7 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class _Run:
-    """A running job as its worker thread sees it: its token, where its progress is, when its last step ended."""
+    """A running job as the worker sees it: its token, where its progress is, when its last step ended."""
 
     job: Job
     token: CancelToken
@@ -147,7 +147,7 @@ class Worker:
         self._streams: dict[str, Any] = {}  # job id -> StreamSession, for live streams
         self._switching = False  # a thread is switching the adapters: no job starts meanwhile
         self._stopping = threading.Event()
-        self._local = threading.local()  # the job this worker thread runs
+        self._local = threading.local()  # the job a job thread (or a stream thread) runs now
         self.step_seconds_sum = 0.0
         self.steps = 0
         self._queued_at: dict[str, float] = {}  # job id -> when it was queued (time.monotonic)
@@ -183,7 +183,7 @@ class Worker:
     # -- what the HTTP side asks -----------------------------------------------------------------------
     @property
     def queue_length(self) -> int:
-        """Jobs waiting for a worker thread."""
+        """Jobs waiting in the queue."""
         with self._cv:
             return len(self._waiting)
 
@@ -304,7 +304,7 @@ class Worker:
             if self._hook in engine.hooks:
                 engine.hooks.remove(self._hook)
 
-    # -- the worker threads ----------------------------------------------------------------------------
+    # -- starting and ending jobs -----------------------------------------------------------------------
     def _order(self, job: Job) -> tuple[int, int]:
         return -job.priority, self._arrival[job.id]
 
