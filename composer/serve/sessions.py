@@ -189,26 +189,26 @@ class SessionStore:
 
     def extend(self, session_id: str, prompt: Any, num_blocks: Any) -> dict[str, Any]:
         """Make the next `num_blocks` blocks of `prompt` (blocking: run it on a worker thread)."""
+        held = self._checked_extend(session_id, prompt, num_blocks)
+        self._busy(held)
+        try:
+            start = time.perf_counter()
+            chunks = list(held.session.extend(prompt, num_blocks))
+        except InvalidInputError as exc:
+            self._idle(held)
+            raise SessionProblem(400, str(exc)) from None
+        except BaseException:
+            self._idle(held)
+            raise
+        return self.finish_extend(held, chunks, start)
+
+    def _checked_extend(self, session_id: str, prompt: Any, num_blocks: Any) -> Held:
         held = self.get(session_id)
         if not isinstance(prompt, str) or not prompt.strip():
             raise SessionProblem(400, f"prompt = {prompt!r}: expected a non-empty string", "prompt")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise SessionProblem(400, f"num_blocks = {num_blocks!r}: expected an integer >= 1", "num_blocks")
-        self._busy(held)
-        try:
-            start = time.perf_counter()
-            try:
-                chunks = list(held.session.extend(prompt, num_blocks))
-            except InvalidInputError as exc:
-                raise SessionProblem(400, str(exc)) from None
-            held.segments += 1
-            path = self._write(held, chunks)
-            frames = sum(len(c.frames) for c in chunks)
-            return {"id": held.id, "object": "session.extend", "blocks": held.session.blocks, "new_frames": frames,
-                    "frames": int(len(held.session.frames)), "seconds": round(time.perf_counter() - start, 3),
-                    "video": None if path is None else path.name}
-        finally:
-            self._idle(held)
+        return held
 
     @property
     def runs_tasks(self) -> bool:
@@ -218,11 +218,7 @@ class SessionStore:
     def start_extend(self, session_id: str, prompt: Any, num_blocks: Any) -> tuple[Held, Any, float]:
         """Begin an extend as a task: (the session, the future of its chunks, when it began). The session is busy
         until `finish_extend` or `release`."""
-        held = self.get(session_id)
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise SessionProblem(400, f"prompt = {prompt!r}: expected a non-empty string", "prompt")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise SessionProblem(400, f"num_blocks = {num_blocks!r}: expected an integer >= 1", "num_blocks")
+        held = self._checked_extend(session_id, prompt, num_blocks)
         self._busy(held)
         try:
             task = held.session.extend_task(prompt, num_blocks)
