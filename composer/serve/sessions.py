@@ -25,6 +25,8 @@ import asyncio
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,16 +193,22 @@ class SessionStore:
         """Make the next `num_blocks` blocks of `prompt` (blocking: run it on a worker thread)."""
         held = self._checked_extend(session_id, prompt, num_blocks)
         self._busy(held)
-        try:
+        with self._idle_on_error(held):
             start = time.perf_counter()
             chunks = list(held.session.extend(prompt, num_blocks))
+        return self.finish_extend(held, chunks, start)
+
+    @contextmanager
+    def _idle_on_error(self, held: Held) -> Iterator[None]:
+        """A busy session's work: on any error the session is free again (a refused extend: a 400)."""
+        try:
+            yield
         except InvalidInputError as exc:
             self._idle(held)
             raise SessionProblem(400, str(exc)) from None
         except BaseException:
             self._idle(held)
             raise
-        return self.finish_extend(held, chunks, start)
 
     def _checked_extend(self, session_id: str, prompt: Any, num_blocks: Any) -> Held:
         held = self.get(session_id)
@@ -220,15 +228,9 @@ class SessionStore:
         until `finish_extend` or `release`."""
         held = self._checked_extend(session_id, prompt, num_blocks)
         self._busy(held)
-        try:
+        with self._idle_on_error(held):
             task = held.session.extend_task(prompt, num_blocks)
             future = self.generator.request_loop.submit(task, held.session.context)
-        except InvalidInputError as exc:
-            self._idle(held)
-            raise SessionProblem(400, str(exc)) from None
-        except BaseException:
-            self._idle(held)
-            raise
         return held, future, time.perf_counter()
 
     def finish_extend(self, held: Held, chunks: list, start: float) -> dict[str, Any]:

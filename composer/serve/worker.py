@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -393,20 +393,17 @@ class Worker:
         job, token = run.job, run.token
         timer = self._start_timer(run)
         stream = self._streams.get(job.id)
-        try:
-            try:
-                if switch:
-                    self._switch_lora(job.lora)
-                if stream is not None:
-                    self._run_stream(run, stream)
-                else:
-                    result = self.generator.generate_video(cancel=token, priority=job.priority, **job.request,
-                                                           **job.inputs)
-                    save_video(result.frames, self.store.video_path(job.id), fps=job.request.get("fps", 16))
-            except Exception as exc:  # noqa: BLE001 - one failing job must not stop the server
-                self._conclude(job, token, exc)
+        def work() -> None:
+            if switch:
+                self._switch_lora(job.lora)
+            if stream is not None:
+                self._run_stream(run, stream)
             else:
-                self._conclude(job, token, None)
+                self._save(job, self.generator.generate_video(cancel=token, priority=job.priority, **job.request,
+                                                              **job.inputs))
+
+        try:
+            self._settle(job, token, work)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -429,17 +426,23 @@ class Worker:
     def _finish_task(self, run: _Run, future: Any, timer: threading.Timer | None) -> None:
         job, token = run.job, run.token
         try:
-            try:
-                result = future.result()
-                save_video(result.frames, self.store.video_path(job.id), fps=job.request.get("fps", 16))
-            except Exception as exc:  # noqa: BLE001 - one failing job must not stop the server
-                self._conclude(job, token, exc)
-            else:
-                self._conclude(job, token, None)
+            self._settle(job, token, lambda: self._save(job, future.result()))
         finally:
             if timer is not None:
                 timer.cancel()
             self._release(run)
+
+    def _save(self, job: Job, result: Any) -> None:
+        save_video(result.frames, self.store.video_path(job.id), fps=job.request.get("fps", 16))
+
+    def _settle(self, job: Job, token: CancelToken, work: Callable[[], None]) -> None:
+        """Run the job's remaining `work` and record how the job ended (an error fails this job alone)."""
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - one failing job must not stop the server
+            self._conclude(job, token, exc)
+        else:
+            self._conclude(job, token, None)
 
     def _conclude(self, job: Job, token: CancelToken, error: BaseException | None) -> None:
         """Record how the job ended: `error` None (completed), Cancelled (by whom), or the error it failed with."""
