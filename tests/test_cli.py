@@ -133,6 +133,7 @@ def test_models_lists_families_pipelines_and_classes(composer):
         assert text in run.stdout
 
 
+@pytest.mark.slow  # moved to the full tier: the quick tier must stay under 5 minutes
 def test_generate_without_model_path_uses_the_embedded_default(tmp_path):
     run = composer_process("generate", "--prompt", "a red circle moving left on a black background", "--steps", "4",
                            "--num-frames", "5", "--seed", "0", "--output", tmp_path / "demo.mp4")

@@ -374,6 +374,7 @@ def test_training_script_names_a_device_it_cannot_use(device, tmp_path):
     assert f"--device: device = {device!r}" in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.slow  # moved to the full tier: the quick tier must stay under 5 minutes
 def test_the_first_run_prints_no_library_noise(tmp_path):
     """`composer generate` on the embedded model, as a newcomer's first run: stderr holds composer's own lines and
     progress bars only, even with the quant extra (torchao) installed, whose import warnings the libraries print."""

@@ -140,7 +140,6 @@ class _Task:
     gen: Task
     context: RequestContext
     future: Future
-    name: str = ""
 
 
 class RequestLoop:
@@ -163,11 +162,12 @@ class RequestLoop:
         self._closed = False
 
     # -- what callers use ------------------------------------------------------------------------------
-    def submit(self, task: Task, context: RequestContext, name: str = "") -> Future:
-        """Start `task` (a generator not yet started) as request `context`; a Future of its return value."""
+    def submit(self, task: Task, context: RequestContext) -> Future:
+        """Start `task` (a generator not yet started) as request `context`; a Future of its return value. The
+        future's callbacks run on the loop's thread: keep them short (hand longer work to another thread)."""
         future: Future = Future()
         future.set_running_or_notify_cancel()
-        entry = _Task(task, context, future, name)
+        entry = _Task(task, context, future)
         with self._lock:
             if self._closed:
                 raise RuntimeError("this generator's request loop is closed")
@@ -220,6 +220,8 @@ class RequestLoop:
                     entry.future.set_exception(RuntimeError(f"the request loop stopped: {type(exc).__name__}: {exc}"))
 
     def _loop(self) -> None:
+        for scheduler in self._schedulers():  # a call another thread runs may leave one of ours due: wake up then
+            scheduler.listeners.append(self._wake.set)
         with torch.inference_mode():
             while True:
                 self._wake.clear()
@@ -245,8 +247,6 @@ class RequestLoop:
         """Run every scheduler iteration that is due; (whether one ran, the shortest wait until one may be)."""
         ran, wait = False, None
         for scheduler in self._schedulers():
-            if self._wake.set not in scheduler.listeners:  # a call another thread ran may leave ours due
-                scheduler.listeners.append(self._wake.set)
             try:
                 left = scheduler.poll()
             except Exception:  # noqa: BLE001 - a call's error went to its units; the loop must go on

@@ -290,10 +290,7 @@ class ComposedPipeline:
         key = ("task", id(batch)) if context.background else None
         with ExitStack() as slot, running_request(context):
             # a place at the gate may wait (an adapter switch): as blocking work, never on a loop's thread
-            if key is not None and self.gate.try_enter(key):  # a task's place, when it needs no waiting
-                slot.callback(self.gate.leave, key)
-            else:
-                yield from wait_for(Blocking(lambda: slot.enter_context(self.gate.request(key)), waits=True))
+            yield from self.gate.enter_task(key, slot)
             for stage in self.stages:
                 self.check_cancelled()
                 if stage.skips(batch):  # nothing to do for this request: its modules need not visit the device
@@ -379,6 +376,14 @@ class RequestGate:
             yield
         finally:
             self.leave(me)
+
+    def enter_task(self, key: Any, slot: ExitStack):
+        """As a task: a place for `key` (None: this thread), held until `slot` closes. Taken at once when that needs
+        no waiting; otherwise the wait is blocking work that waits on others (off a RequestLoop's stage threads)."""
+        if key is not None and self.try_enter(key):
+            slot.callback(self.leave, key)
+            return
+        yield from wait_for(Blocking(lambda: slot.enter_context(self.request(key)), waits=True))
 
     def try_enter(self, key: Any) -> bool:
         """Take a place for `key` if that needs no waiting (True; `leave(key)` gives it back), else False."""
@@ -501,11 +506,8 @@ class _RequestIterator:
         if self._done:
             return None
         if self._slot is None:  # a place at the gate may wait (an adapter switch): blocking work
-            self._slot, key = ExitStack(), ("stream", id(self))
-            if self._gate.try_enter(key):
-                self._slot.callback(self._gate.leave, key)
-            else:
-                yield from wait_for(Blocking(lambda: self._slot.enter_context(self._gate.request(key)), waits=True))
+            self._slot = ExitStack()
+            yield from self._gate.enter_task(("stream", id(self)), self._slot)
         self._gate.unpark(id(self))
         try:
             while True:
