@@ -141,6 +141,34 @@ def test_api_parity(workers):
         workers.generate_video(**REQUEST, cancel=CancelToken())
 
 
+def test_calls_from_threads_run_at_once_and_each_equals_its_solo_run(workers, single):
+    """Three requests of different seeds and one bad request from four threads: the workers run them at once
+    (rank 0 plans their batched steps on both ranks); each good one equals its run alone in one process, the bad
+    one raises what one process raises."""
+    seeds = (5, 6, 7)
+    expected = {seed: single.generate_video(**{**REQUEST, "seed": seed}).latents for seed in seeds}
+    got: dict = {}
+
+    def run(name, request):
+        try:
+            got[name] = workers.generate_video(**request)
+        except Exception as exc:  # noqa: BLE001 - checked below
+            got[name] = exc
+
+    threads = [threading.Thread(target=run, args=(seed, {**REQUEST, "seed": seed})) for seed in seeds]
+    threads.append(threading.Thread(target=run, args=("bad", {**REQUEST, "height": 50})))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for seed in seeds:
+        assert not isinstance(got[seed], Exception), got[seed]
+        torch.testing.assert_close(got[seed].latents, expected[seed], atol=1e-5, rtol=0)
+        assert got[seed].seed == seed
+    assert isinstance(got["bad"], InvalidInputError)
+    assert not workers.closed
+
+
 @pytest.mark.parametrize("bad", [dict(height=50), dict(num_inference_steps=-1)], ids=["height", "steps"])
 def test_bad_input_raises_like_one_process_and_loses_nothing(bad, workers, single, reference):
     with pytest.raises(Exception) as expected:

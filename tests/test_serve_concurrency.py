@@ -407,3 +407,23 @@ def test_jobs_with_the_active_adapters_run_together_and_another_set_waits_its_tu
         for event in fake.release.values():
             event.set()
         worker.stop()
+
+
+def test_how_many_jobs_run_at_once_on_one_rank_or_several():
+    """--max-concurrent as asked, 4 by default; 1 for a serial pipeline (saying why when more was asked); on
+    several ranks at most the call slots the ranks made (saying so)."""
+    from composer.serve.worker import CONCURRENT_DEFAULT, concurrency_for
+
+    def generator(mode, **more):
+        return SimpleNamespace(pipeline=SimpleNamespace(concurrency=mode), **more)
+
+    assert concurrency_for(generator("batch"), None) == (CONCURRENT_DEFAULT, None)
+    assert concurrency_for(generator("batch"), 7) == (7, None)
+    assert concurrency_for(generator("serial"), None) == (1, None)
+    count, why = concurrency_for(generator("serial"), 3)
+    assert count == 1 and "serially" in why
+    ranks = generator("batch", world_size=2, slots=6)
+    assert concurrency_for(ranks, None) == (CONCURRENT_DEFAULT, None)
+    assert concurrency_for(ranks, 6) == (6, None)
+    count, why = concurrency_for(ranks, 8)
+    assert count == 6 and "6 jobs at once on 2 ranks" in why

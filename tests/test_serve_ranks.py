@@ -65,34 +65,45 @@ class ScriptedGenerator:
         self.steps: list[tuple[str, int]] = []  # (prompt, step) for every step this rank ran
         self.on_step = None  # rank 0's test: a callback at each step
         self.lora = None
+        self.seeds: list[tuple[str, int]] = []
+        self.default_sampling = SimpleNamespace(seed=None)
 
-    def _run(self, prompt: str, steps: int, fail_on=None, fail_at=None):
-        for i in range(steps):
-            if self.on_step is not None:
-                self.on_step(prompt, i)
-            if self.rank in (fail_on or ()) and i == fail_at:
-                raise RuntimeError(f"boom at step {i}")
-            self.pipeline.engines[0].step(i, steps)
-            self.steps.append((prompt, i))
+    def _run(self, prompt: str, steps: int, fail_on=None, fail_at=None, cancel=None, pause=0.0):
+        from composer.engine.scheduler import RequestContext, running_request
 
-    def generate_video(self, prompt, *, steps=3, fail_on=None, fail_at=None, cancel=None):
-        assert cancel is None  # the leader keeps the caller's token: only the sync points cancel
-        self._run(prompt, steps, fail_on, fail_at)
+        with running_request(RequestContext(cancel=cancel)):  # as a pipeline's requests: the call's token
+            for i in range(steps):
+                if self.on_step is not None:
+                    self.on_step(prompt, i)
+                if self.rank in (fail_on or ()) and i == fail_at:
+                    raise RuntimeError(f"boom at step {i}")
+                self.pipeline.engines[0].step(i, steps)
+                self.steps.append((prompt, i))
+                time.sleep(pause)
+
+    def generate_video(self, prompt, *, steps=3, fail_on=None, fail_at=None, cancel=None, seed=None, pause=0.0):
+        # the leader keeps the caller's token (only the sync points cancel); the one here names the call
+        assert cancel is not None and not cancel.cancelled
+        assert seed is not None  # drawn on rank 0 when left to chance: the same on every rank
+        self.seeds.append((prompt, seed))
+        self._run(prompt, steps, fail_on, fail_at, cancel, pause)
         return f"{prompt} on rank {self.rank}"
 
-    def stream_video(self, prompts, *, cancel=None, keep_video=True):
+    def stream_video(self, prompts, *, cancel=None, keep_video=True, seed=None):
+        assert cancel is not None and seed is not None
         segments = iter(prompts)
         first = next(segments)  # as VideoGenerator.stream_video: the first segment is read at once
 
         def chunks():
             for prompt, blocks in itertools.chain([first], segments):  # read lazily
                 for b in range(blocks):
-                    self._run(f"{prompt}/{b}", 2)
+                    self._run(f"{prompt}/{b}", 2, cancel=cancel)
                     yield f"{prompt}/{b} on rank {self.rank}"
 
         return chunks()
 
     def set_lora(self, paths, scales=None):
+        self.steps.append(("set_lora", 0))
         if self.rank == 1 and "broken-on-rank1" in str(paths):
             raise ValueError("not a LoRA file")
         self.lora = paths
@@ -131,11 +142,56 @@ def _protocol(rank: int, world_size: int, out_dir: str) -> None:
         Runner.preflight = preflight
         code = follow(generator, channel)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"code": code, "steps": generator.steps,
-                                                                 "lora": generator.lora}))
+                                                                 "lora": generator.lora, "seeds": generator.seeds}))
         return
     leader = RankLeader(generator, channel, heartbeat_s=0.3)
     assert leader.family == "scripted" and leader.world_size == 2
     assert leader.generate_video("one", steps=3) == "one on rank 0"
+    assert leader.slots == 4
+
+    # calls at once, each on its own slot: two run together, a third fails on rank 1 alone, a fourth is
+    # cancelled; a set_lora asked meanwhile waits for all of them, and a call asked after it waits for it
+    import threading
+
+    from composer.accel.lora_names import find_lora_file  # noqa: F401 - imported before the timing below
+
+    outcomes = {}
+
+    def run(name, **kwargs):
+        try:
+            outcomes[name] = leader.generate_video(name, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - checked below
+            outcomes[name] = exc
+
+    par_token = CancelToken()
+    generator.on_step = lambda prompt, i: par_token.cancel("by its client") if prompt == "par-cancel" and i == 3 \
+        else None
+    work = [threading.Thread(target=run, args=(name,), kwargs=kwargs) for name, kwargs in [
+        ("par-a", {"steps": 8, "pause": 0.2}), ("par-b", {"steps": 8, "pause": 0.2}),
+        ("par-fail", {"steps": 8, "pause": 0.05, "fail_on": [1], "fail_at": 2}),
+        ("par-cancel", {"steps": 50, "pause": 0.05, "cancel": par_token})]]
+    for t in work:
+        t.start()
+    while not all(any(s[0] == name for s in generator.steps) for name in ("par-a", "par-b", "par-fail")):
+        time.sleep(0.01)
+    present0 = Path(out_dir) / "first-adapter.safetensors"
+    present0.write_bytes(b"")
+    lora = threading.Thread(target=lambda: outcomes.update(lora=leader.set_lora([str(present0)])))
+    lora.start()
+    deadline = time.monotonic() + 20
+    while not leader._exclusive:  # the set_lora waits for the slots (par-a and par-b run for 1.6 s)
+        assert time.monotonic() < deadline and "lora" not in outcomes
+        time.sleep(0.005)
+    after = threading.Thread(target=run, args=("par-after",), kwargs={"steps": 2})
+    after.start()
+    for t in [*work, lora, after]:
+        t.join(60)
+    generator.on_step = None
+    assert outcomes["par-a"] == "par-a on rank 0" and outcomes["par-b"] == "par-b on rank 0"
+    assert isinstance(outcomes["par-fail"], WorkerError) and "rank 1: RuntimeError: boom at step 2" in str(
+        outcomes["par-fail"])
+    assert isinstance(outcomes["par-cancel"], Cancelled), outcomes["par-cancel"]
+    assert outcomes["lora"] == "set" and outcomes["par-after"] == "par-after on rank 0"
 
     with pytest.raises(WorkerError, match=r"failed on 1 of 2 ranks \(rank 1: RuntimeError: boom at step 1\).*ready"):
         leader.generate_video("fail-1", steps=4, fail_on=[1], fail_at=1)
@@ -185,7 +241,7 @@ def _protocol(rank: int, world_size: int, out_dir: str) -> None:
     time.sleep(IDLE_S)  # idle: keep-alives only
     assert leader.generate_video("last", steps=2) == "last on rank 0"
     leader.stop()
-    Path(out_dir, "rank0.json").write_text(json.dumps({"steps": generator.steps}))
+    Path(out_dir, "rank0.json").write_text(json.dumps({"steps": generator.steps, "seeds": generator.seeds}))
 
 
 def test_the_protocol_on_two_ranks(tmp_path):
@@ -205,8 +261,18 @@ def test_the_protocol_on_two_ranks(tmp_path):
     assert ("green/0", 1) in steps1 and not any(s[0] == "green/1" for s in steps1)
     assert steps0[-2:] == steps1[-2:] == [("last", 0), ("last", 1)]
     assert not any(s[0] == "undecodable" for s in steps0 + steps1)  # refused at the pre-flight: run nowhere
-    for prompt in ("one", "red/0", "blue/0", "blue/1"):
+    for prompt in ("one", "red/0", "blue/0", "blue/1", "par-a", "par-b", "par-after"):
         assert [s for s in steps0 if s[0] == prompt] == [s for s in steps1 if s[0] == prompt] != []
+    assert sorted(map(tuple, rank0["seeds"])) == sorted(map(tuple, rank1["seeds"]))  # rank 0's draws everywhere
+    for steps in (steps0, steps1):
+        where = {name: [i for i, s in enumerate(steps) if s[0] == name] for name in
+                 ("par-a", "par-b", "par-fail", "par-cancel", "par-after")}
+        assert where["par-a"][0] < where["par-b"][-1] and where["par-b"][0] < where["par-a"][-1]  # at once
+        assert len(where["par-a"]) == len(where["par-b"]) == 8
+        assert len(where["par-fail"]) == 2 and 3 <= len(where["par-cancel"]) <= 4  # left at their sync points
+        lora = steps.index(("set_lora", 0))  # the first set_lora: after every call it waited for, before the next
+        assert max(i for name in ("par-a", "par-b", "par-fail", "par-cancel") for i in where[name]) < lora
+        assert lora < where["par-after"][0]
 
 
 class LiveSource:
@@ -255,12 +321,27 @@ def _causal_stream(rank: int, world_size: int, out_dir: str) -> None:
                 token.cancel("cancelled by the client")
     assert chunks == 2  # every rank stopped at the next block's first step
     assert leader.generate_video("after", seed=1, num_frames=9).frames.shape == (9, 64, 64, 3)
+
+    import threading
+
+    def both(seed):  # two streams at once, one with lazy segments: each on its own call slot
+        prompts = iter([("a red circle", 1), ("a blue square", 1)]) if seed == 5 else [("a green triangle", 2)]
+        frames = np.concatenate([chunk.frames for chunk in leader.stream_video(prompts, seed=seed)])
+        np.save(Path(out_dir) / f"both{seed}.npy", frames)
+
+    threads = [threading.Thread(target=both, args=(seed,)) for seed in (5, 6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    scheduler = generator.pipeline.engines[0].scheduler
+    Path(out_dir, "stats.json").write_text(json.dumps({"batched": scheduler.stats.batched_units}))
     leader.stop()
 
 
 def test_a_causal_stream_with_lazy_segments_gives_one_process_frames(tmp_path):
     """The real causal pipeline on 2 ranks (Ulysses 2): lazy segments from rank 0, a live switch, cancel
-    mid-stream."""
+    mid-stream, two streams at once."""
     spawn(_causal_stream, 2, str(tmp_path), timeout_s=240, collective_timeout_s=60)
     from composer.generator import VideoGenerator
 
@@ -276,6 +357,12 @@ def test_a_causal_stream_with_lazy_segments_gives_one_process_frames(tmp_path):
     served = np.load(tmp_path / "live.npy").astype(int)
     assert source.asked[0] == 1 and served.shape == reference.shape  # 1 + 2 blocks
     assert np.abs(served - reference).max() <= 1
+    # two streams at once on both ranks: each gives its one-process frames, and their blocks shared calls
+    for seed, prompts in ((5, [("a red circle", 1), ("a blue square", 1)]), (6, [("a green triangle", 2)])):
+        reference = np.concatenate([c.frames for c in generator.stream_video(prompts, seed=seed)]).astype(int)
+        served = np.load(tmp_path / f"both{seed}.npy").astype(int)
+        assert served.shape == reference.shape and np.abs(served - reference).max() <= 1, seed
+    assert json.loads((tmp_path / "stats.json").read_text())["batched"] > 0
 
 
 # ------------------------------------------------------------------------------ the server, under torchrun
@@ -395,25 +482,35 @@ def launch(tmp_path_factory):
 
 
 def test_two_ranks_serve_one_process_frames(launch, tmp_path):
+    """Three jobs submitted at once run at once on both ranks (their steps batched into shared transformer calls
+    that rank 0 planned), each with its one-process frames."""
     from composer.generator import VideoGenerator
     from composer.video import read_frames, save_video
 
-    job = launch.wait(launch.submit("a red circle moving right"))
-    assert job["status"] == "completed", job
-    assert "jobs run one at a time on 2 ranks" in launch.log()  # rank 0's worker keeps the ranks' calls in order
-    status, body = launch.request("GET", f"/v1/videos/{job['id']}/content")
-    assert status == 200
-    (tmp_path / "served.mp4").write_bytes(body)
-    direct = VideoGenerator.from_pretrained(None, progress=False).generate_video("a red circle moving right", seed=7,
-                                                                                **SMALL)
-    save_video(direct.frames, tmp_path / "direct.mp4", fps=job["request"]["fps"])  # as the worker writes it
-    served, ref = read_frames(tmp_path / "served.mp4").astype(int), read_frames(tmp_path / "direct.mp4").astype(int)
-    assert served.shape == ref.shape == direct.frames.shape
-    # Ulysses 2 vs one process: the frames differ by at most 1 level (tests/test_parallel_torchrun.py); through
-    # the lossy mp4 encoder such a difference can move a few levels, so the decoded videos are compared by PSNR
-    # (equal bytes give inf)
-    mse = np.mean((served - ref) ** 2)
-    assert mse == 0 or 10 * np.log10(255**2 / mse) > 45, f"PSNR {10 * np.log10(255**2 / mse):.1f} dB"
+    seeds = (7, 8, 9)
+    ids = [launch.submit("a red circle moving right", seed=seed) for seed in seeds]
+    jobs = [launch.wait(job_id) for job_id in ids]
+    assert all(job["status"] == "completed" for job in jobs), jobs
+    metrics = launch.request("GET", "/metrics")[1].decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("composer_")}
+    assert values["composer_max_concurrent"] == 4
+    assert values["composer_batched_units_total"] > 0, metrics  # steps of different jobs shared calls
+    assert values["composer_transformer_calls_total"] < values["composer_scheduled_units_total"]
+    direct = VideoGenerator.from_pretrained(None, progress=False)
+    for seed, job in zip(seeds, jobs):
+        status, body = launch.request("GET", f"/v1/videos/{job['id']}/content")
+        assert status == 200
+        (tmp_path / "served.mp4").write_bytes(body)
+        frames = direct.generate_video("a red circle moving right", seed=seed, **SMALL).frames
+        save_video(frames, tmp_path / "direct.mp4", fps=job["request"]["fps"])  # as the worker writes it
+        served = read_frames(tmp_path / "served.mp4").astype(int)
+        ref = read_frames(tmp_path / "direct.mp4").astype(int)
+        assert served.shape == ref.shape == frames.shape
+        # Ulysses 2 vs one process: the frames differ by at most 1 level (tests/test_parallel_torchrun.py);
+        # through the lossy mp4 encoder such a difference can move a few levels, so the decoded videos are
+        # compared by PSNR (equal bytes give inf)
+        mse = np.mean((served - ref) ** 2)
+        assert mse == 0 or 10 * np.log10(255**2 / mse) > 45, f"seed {seed}: PSNR {10 * np.log10(255**2 / mse):.1f} dB"
 
 
 def test_a_failure_on_rank_1_fails_the_job_naming_it_and_the_next_completes(launch):

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     load = functools.partial(VideoGenerator.from_pretrained, args.model_path, **runtime)
     if under_torchrun and int(os.environ.get("RANK", "0")) != 0:
         check_model_configs(resolve_model(args.model_path, runtime_args.model_family))
-        return _follow(load, runtime_args.dist_timeout)
+        return _follow(load, runtime_args.dist_timeout, _call_slots(args))
     # Rank 0 takes the port first: a port in use is an error before anything else is read or loaded, and no other
     # process can take it while the model loads (uvicorn is handed this socket).
     listening = bind_port(args.host, args.port)
@@ -121,7 +121,7 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
         loras=lora_options(runtime_args.lora_path or [], runtime_args.lora_scale),
         max_concurrent=args.max_concurrent, max_sessions=args.max_sessions, session_ttl=args.session_ttl,
     )
-    leader = _Leader(load, runtime_args.dist_timeout) if under_torchrun else None
+    leader = _Leader(load, runtime_args.dist_timeout, _call_slots(args)) if under_torchrun else None
     app = create_app(leader.load if leader else load, config)
     if leader is not None:
         leader.stop_after(app)
@@ -171,12 +171,20 @@ def _check_websockets() -> None:
                                      "installs: pip install 'composer[serve]' (or pip install websockets)")
 
 
+def _call_slots(args: argparse.Namespace) -> int:
+    """The calls that may run at once on the ranks (every rank makes a control group for each): --max-concurrent,
+    or the worker's default."""
+    from composer.serve.worker import CONCURRENT_DEFAULT
+
+    return max(1, args.max_concurrent or CONCURRENT_DEFAULT)
+
+
 class _Leader:
     """Rank 0 under torchrun: loads with the other ranks (in the server's loading thread) and, when the server
     stops, tells them to stop."""
 
-    def __init__(self, load, timeout_s: float):
-        self._load, self._timeout_s = load, timeout_s
+    def __init__(self, load, timeout_s: float, slots: int):
+        self._load, self._timeout_s, self._slots = load, timeout_s, slots
         self._loaded = threading.Event()
         self.generator = None
 
@@ -184,7 +192,7 @@ class _Leader:
         from composer.parallel.ranks import RankLeader, load_on_every_rank
 
         try:
-            generator, channel = load_on_every_rank(self._load, self._timeout_s)
+            generator, channel = load_on_every_rank(self._load, self._timeout_s, self._slots)
             self.generator = RankLeader(generator, channel)
             return self.generator
         finally:
@@ -206,7 +214,7 @@ class _Leader:
         app.router.lifespan_context = lifespan
 
 
-def _follow(load, timeout_s: float) -> int:
+def _follow(load, timeout_s: float, slots: int) -> int:
     """A rank other than 0 under torchrun: load with the others, then run what rank 0 sends until it stops."""
     from composer.parallel.ranks import follow, load_on_every_rank
 
@@ -220,5 +228,5 @@ def _follow(load, timeout_s: float) -> int:
     watchdog.daemon = True
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signalled)
-    generator, channel = load_on_every_rank(load, timeout_s)
+    generator, channel = load_on_every_rank(load, timeout_s, slots)
     return follow(generator, channel)

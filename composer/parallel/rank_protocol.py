@@ -1,9 +1,12 @@
-"""The protocol the ranks of a multi-rank server follow on their control group (composer/parallel/ranks.py).
+"""The protocol the ranks of a multi-rank server follow on their control groups (composer/parallel/ranks.py).
 
-`ControlChannel` is the gloo group. `Runner` is one rank's side of a call: the pre-flight, the sync points
-(an engine hook before each denoising step, and each lazily read stream segment), and the report. A status
-code is gathered at each sync point: below FINAL the rank is still in the call; FINAL and above, it has left
-it (done, failed, cancelled, or aborted because a peer left).
+`ControlChannel` is a gloo group for the messages (calls, keep-alives, the stop), with a group of its own for
+each call slot: calls run at once, one per slot, and a call's collectives (pre-flight, sync points, report) use
+its slot's group only, so they never interleave with another call's. `Runner` is one slot's side of a call on
+one rank: the pre-flight, the sync points (before each of the call's denoising steps, found by `CallHooks`, and
+each lazily read stream segment), and the report. A status code is gathered at each sync point: below FINAL the
+rank is still in the call; FINAL and above, it has left it (done, failed, cancelled, or aborted because a peer
+left).
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from composer.cancel import CancelToken
 from composer.engine.engine import EngineHook
+from composer.engine.scheduler import current_request
 from composer.errors import Cancelled
 
 CALL, PING, STOP = "call", "ping", "stop"
 METHODS = ("generate_video", "stream_video", "set_lora", "unset_lora")
+EXCLUSIVE = ("set_lora", "unset_lora")  # change the model every call uses: run while no other call runs
+SLOTS = 4  # calls that may run at once on the ranks (serve: --max-concurrent)
 # Status codes gathered at sync points. Below FINAL: still in the call; FINAL and above: this rank left it.
 RUNNING, CANCEL, WAITING = 0, 1, 2
 FINAL, DONE, FAILED, CANCELLED, ABORTED, STOPPED = 10, 10, 11, 12, 13, 14
@@ -37,12 +44,14 @@ class LazySegments:
 
 
 class ControlChannel:
-    """A gloo process group over every rank for the serving protocol (CPU tensors only)."""
+    """A gloo process group over every rank for the serving protocol (CPU tensors only), and `slots` more, one
+    per call that may run at once (`calls`). Every rank makes it at the same point."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, slots: int = SLOTS):
         self.timeout_s = timeout_s
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.calls = [ControlChannel(timeout_s, slots=0) for _ in range(max(0, int(slots)))]
 
     def broadcast_bytes(self, data: bytes | None = None) -> bytes:
         """Rank 0's `data` on every rank: its length, then the bytes as a uint8 tensor."""
@@ -94,26 +103,49 @@ class Call:
         self.left: list[int] = []  # the ranks whose leaving ended this call here
 
 
-class SyncHook(EngineHook):
-    """Engine hook on every rank: a sync point before each denoising step."""
+class CallHooks(EngineHook):
+    """Engine hook on every rank (one per generator): a sync point before each denoising step of a call made
+    through the protocol. Calls run at once, their steps on their own threads (a parallel layout's requests do);
+    each call's requests carry a token of its own (never cancelled: it names the call), by which its step finds
+    its Runner. A step of no protocol call has no sync point."""
 
-    def __init__(self, runner: Runner):
-        self.runner = runner
+    def __init__(self, generator: Any):
+        self._runners: dict[int, Runner] = {}
+        self._lock = threading.Lock()
+        for engine in getattr(getattr(generator, "pipeline", None), "engines", []):
+            engine.add_hook(self)
+
+    def bind(self, runner: Runner) -> CancelToken:
+        token = CancelToken()
+        with self._lock:
+            self._runners[id(token)] = runner
+        return token
+
+    def unbind(self, token: CancelToken | None) -> None:
+        if token is not None:
+            with self._lock:
+                self._runners.pop(id(token), None)
 
     def before_step(self, info: Any) -> None:
-        self.runner.sync_point()
+        request = current_request()
+        token = getattr(request, "cancel", None)
+        with self._lock:
+            runner = self._runners.get(id(token)) if token is not None else None
+        if runner is not None:
+            runner.sync_point()
 
 
 class Runner:
-    """One rank's side of the protocol: runs the broadcast calls on its generator, with the sync points."""
+    """One call slot's side of the protocol on one rank: runs the broadcast calls on its generator, with the
+    sync points, on the slot's channel."""
 
-    def __init__(self, generator: Any, channel: ControlChannel):
+    def __init__(self, generator: Any, channel: ControlChannel, hooks: CallHooks):
         self.generator = generator
         self.channel = channel
+        self.hooks = hooks
         self.call: Call | None = None
+        self.token: CancelToken | None = None  # names the call's requests (CallHooks)
         self.skipped: list[tuple[int, str]] = []  # the last call's pre-flight problems, by rank
-        for engine in getattr(generator.pipeline, "engines", []):
-            engine.add_hook(SyncHook(self))
 
     # -- sync points (every rank, the same number of times in a call)
 
@@ -168,6 +200,9 @@ class Runner:
             if args[0].live:  # the sampler finds `ends_segment` on the source it is given (generator.stream_video)
                 segments.ends_segment = segments.cut
             args = (segments, *args[1:])
+        if method in ("generate_video", "stream_video"):  # the call's requests carry its token (CallHooks)
+            self.token = self.hooks.bind(self)
+            kwargs = {**kwargs, "cancel": self.token}
         return getattr(self.generator, method)(*args, **kwargs)
 
     def outcome(self, exc: BaseException | None) -> int:
@@ -183,6 +218,8 @@ class Runner:
     def finish(self, code: int, exc: BaseException | None) -> list[tuple]:
         """The report: gather codes until every rank has left the call, then every rank's (code, error)."""
         self.call = None  # no more sync points of this call here
+        self.hooks.unbind(self.token)
+        self.token = None
         while True:
             codes = self.channel.gather_codes(code)
             if all(c >= FINAL for c in codes):

@@ -8,8 +8,9 @@ variables; each worker loads the model through `VideoGenerator.from_pretrained`,
 From then on the ranks follow the one rank protocol of composer (composer/parallel/ranks.py, the same as
 `composer serve` under torchrun): rank 0 holds a `RankLeader` and the others `follow` it. The calling process
 sends each call to rank 0 over a pipe; rank 0 broadcasts it on the control group, every rank runs it (sync points
-before each denoising step, a report at the end), and rank 0's result comes back. The calling process never joins
-the process group; it watches every worker process.
+before each denoising step, a report at the end), and rank 0's result comes back. Calls from several threads of the
+calling process run at once (up to the channel's call slots, 4), their steps batched as on one process. The calling
+process never joins the process group; it watches every worker process.
 
 What a failure does ("a rank never hangs its peers; bad input loses nothing"):
 - an error raised the same way on every rank (bad input, a bad setting) is raised here as it was there, and the
@@ -96,20 +97,29 @@ def _serve(rank: int, world_size: int, port: int, model_path: Any, runtime_kwarg
         parallel_state.shutdown()
         return
     leader = RankLeader(generator, channel)
-    while True:
+    sending = threading.Lock()  # the calls' replies, one at a time on the pipe
+
+    def run(request_id: int, method: str, args: tuple, kwargs: dict) -> None:
+        try:
+            out = getattr(leader, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - sent back; "broken": the ranks cannot go on together
+            reply = (request_id, "broken" if leader.unhealthy else "error", _pack_error(exc))
+        else:
+            reply = (request_id, "ok", out)
+        with sending:
+            _reply(conn, *reply)
+
+    calls: list[threading.Thread] = []
+    while True:  # each call on a thread: calls from several threads of the caller run at once on the ranks
         try:
             message = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):  # the calling process is gone
             break
         if message is None:
             break
-        request_id, method, args, kwargs = message
-        try:
-            out = getattr(leader, method)(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - sent back; "broken": the ranks cannot go on together
-            _reply(conn, request_id, "broken" if leader.unhealthy else "error", _pack_error(exc))
-        else:
-            _reply(conn, request_id, "ok", out)
+        calls = [t for t in calls if t.is_alive()]
+        calls.append(threading.Thread(target=run, args=message, name=f"composer-call-{message[0]}", daemon=True))
+        calls[-1].start()
     leader.stop(timeout_s=5.0)
     parallel_state.shutdown()
 
@@ -172,12 +182,17 @@ class _Failure:
 
 
 class _WorkerPool:
-    """The worker processes and a pipe to each; knows nothing of videos. Used from one thread at a time."""
+    """The worker processes and a pipe to each; knows nothing of videos. Calls may be sent and answered from
+    several threads at once (`send` under the caller's lock)."""
 
     def __init__(self, processes: list, conns: list[Connection]):
         self.processes = processes
         self.conns = conns
         self.closed_reason: str | None = None
+        self._cv = threading.Condition()
+        self._replies: dict[int, tuple[str, Any]] = {}  # read by one waiting thread for another
+        self._reading = False  # a waiting thread reads rank 0's pipe
+        self._failure: _Failure | None = None  # a worker exited: every waiting call gets it
 
     def send(self, request_id: int, method: str, args: tuple, kwargs: dict) -> None:
         """The call to rank 0, which runs it on every rank (a dead rank 0: `answer` reports it)."""
@@ -187,19 +202,66 @@ class _WorkerPool:
             pass
 
     def answer(self, request_id: int) -> tuple[str, Any] | _Failure:
-        """Rank 0's reply to `request_id` ((status, payload)), or the first worker that exited meanwhile."""
+        """Rank 0's reply to `request_id` ((status, payload)), or the first worker that exited meanwhile. Calls from
+        several threads wait at once: one of them reads rank 0's pipe at a time, keeping the others' replies for
+        them."""
+        with self._cv:
+            while True:
+                if request_id in self._replies:
+                    return self._replies.pop(request_id)
+                if self._failure is not None:
+                    return self._failure
+                if not self._reading:
+                    self._reading = True
+                    break
+                self._cv.wait()
+        try:
+            return self._read_until(request_id)
+        finally:
+            with self._cv:
+                self._reading = False
+                self._cv.notify_all()
+
+    def _read_until(self, request_id: int) -> tuple[str, Any] | _Failure:
+        """(The reading thread) Read rank 0's replies until `request_id`'s comes, or a worker exits."""
         while True:
-            handles = {p.sentinel: rank for rank, p in enumerate(self.processes)}
-            handles[self.conns[0]] = 0
-            for handle in sorted(wait(list(handles)), key=lambda h: isinstance(h, Connection)):
+            try:
+                handles = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+                handles[self.conns[0]] = 0
+                ready = wait(list(handles))
+            except (OSError, ValueError):  # stopped meanwhile (another call's failure, or close())
+                return self._failed(_Failure(0, f"the workers were stopped ({self.closed_reason})"))
+            for handle in sorted(ready, key=lambda h: isinstance(h, Connection)):
                 rank = handles[handle]
                 if isinstance(handle, Connection):
-                    reply = self._read(0, request_id)
-                    if reply is not None:
-                        return reply
-                    if self.processes[0].is_alive():
-                        continue  # a stale reply to an earlier call was dropped
-                return _Failure(rank, f"its process exited ({self._exit_status(rank)})")
+                    got = self._read_all(0)
+                    with self._cv:
+                        self._replies.update(got)
+                        self._cv.notify_all()
+                        if request_id in self._replies:
+                            return self._replies.pop(request_id)
+                    if got or self.processes[0].is_alive():
+                        continue
+                return self._failed(_Failure(rank, f"its process exited ({self._exit_status(rank)})"))
+
+    def _failed(self, failure: _Failure) -> _Failure:
+        with self._cv:
+            if self._failure is None:
+                self._failure = failure
+            self._cv.notify_all()
+            return self._failure
+
+    def _read_all(self, rank: int) -> dict[int, tuple[str, Any]]:
+        """Every reply waiting on rank's pipe, by request id (none if the pipe closed)."""
+        got: dict[int, tuple[str, Any]] = {}
+        conn = self.conns[rank]
+        try:
+            while conn.poll():
+                got_id, status, payload = pickle.loads(conn.recv_bytes())
+                got[got_id] = (status, payload)
+        except (EOFError, OSError):
+            pass
+        return got
 
     def gather(self, request_id: int, grace_s: float) -> tuple[dict[int, Any], list[_Failure], set[int]]:
         """Each rank's reply to `request_id`. After the first failure (an error reply, a process that exited)
@@ -448,7 +510,7 @@ class WorkerVideoGenerator:
     # ------------------------------------------------------------------------------------------ one call
 
     def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        with self._lock:
+        with self._lock:  # ids and sends in order; the calls then run at once on the workers
             if not self._pool.running:
                 raise WorkerError(f"this generator's worker processes are stopped ({self._pool.closed_reason}); "
                                   "load the model again with VideoGenerator.from_pretrained")
@@ -457,27 +519,28 @@ class WorkerVideoGenerator:
             except Exception as exc:  # noqa: BLE001 - nothing sent yet: the workers stay ready
                 raise UnsupportedError(f"{method}'s arguments cannot be sent to the worker processes: {exc}") from exc
             self._next_id += 1
-            try:
-                self._pool.send(self._next_id, method, args, kwargs)
-                reply = self._pool.answer(self._next_id)
-            except BaseException:  # Ctrl-C while waiting: the ranks cannot be stopped together, so stop them all
-                self._stop_now(f"{method} was interrupted")
-                raise
-            if isinstance(reply, _Failure):
-                self._stop_now(f"rank {reply.rank} died during {method}")
-                raise WorkerError(
-                    f"rank {reply.rank} of {self.num_workers} failed during {method}: {reply.cause}. Its peers "
-                    "could not go on without it, so every worker was stopped; load the model again with "
-                    "VideoGenerator.from_pretrained", rank=reply.rank)
-            status, payload = reply
-            if status == "ok":
-                return payload
-            error = _unpack_error(payload, 0)  # rank 0's: its own error, or a WorkerError naming the ranks
-            if status == "broken":
-                self._stop_now(f"the ranks lost contact during {method}")
-                raise WorkerError(f"{_first_line(error)}. Every worker was stopped; load the model again with "
-                                  "VideoGenerator.from_pretrained", rank=getattr(error, "rank", None)) from error
-            raise error
+            request_id = self._next_id
+            self._pool.send(request_id, method, args, kwargs)
+        try:
+            reply = self._pool.answer(request_id)
+        except BaseException:  # Ctrl-C while waiting: the ranks cannot be stopped together, so stop them all
+            self._stop_now(f"{method} was interrupted")
+            raise
+        if isinstance(reply, _Failure):
+            self._stop_now(f"rank {reply.rank} died during {method}")
+            raise WorkerError(
+                f"rank {reply.rank} of {self.num_workers} failed during {method}: {reply.cause}. Its peers "
+                "could not go on without it, so every worker was stopped; load the model again with "
+                "VideoGenerator.from_pretrained", rank=reply.rank)
+        status, payload = reply
+        if status == "ok":
+            return payload
+        error = _unpack_error(payload, 0)  # rank 0's: its own error, or a WorkerError naming the ranks
+        if status == "broken":
+            self._stop_now(f"the ranks lost contact during {method}")
+            raise WorkerError(f"{_first_line(error)}. Every worker was stopped; load the model again with "
+                              "VideoGenerator.from_pretrained", rank=getattr(error, "rank", None)) from error
+        raise error
 
     def _stop_now(self, reason: str) -> None:
         self._finalizer.detach()

@@ -4,7 +4,8 @@ The HTTP loop only queues and reads records; it never waits on generation. One d
 A video job on a generator whose requests run as tasks (`pipeline.runs_tasks`: one process, requests sharing the
 model) is submitted with `submit_video`: no thread waits for it between its denoising steps, and a finishing
 thread writes its file when it ends. Other jobs (a live stream, a job that must switch the LoRA adapters first, a
-causal or serial or multi-rank generator) run on a thread of their own. The generator's step scheduler
+causal or serial or multi-rank generator) run on a thread of their own (on several ranks, each job's call
+runs on every rank at once with the others': composer/parallel/ranks.py). The generator's step scheduler
 (composer/engine/scheduler.py) batches the denoising steps of the jobs that run together. The queue is ordered by `priority` (higher first), then by arrival. A job's CancelToken stops it at
 the next transformer block (DELETE, or the request timeout); any exception fails that job alone and its thread
 goes on with the next. A live stream (serve/stream.py) is a job too, submitted with its StreamSession: a worker
@@ -111,16 +112,17 @@ class ProgressHook(EngineHook):
 
 def concurrency_for(generator: Any, asked: int | None) -> tuple[int, str | None]:
     """How many jobs may run at once on `generator` (`asked`: --max-concurrent, None for the default), and why
-    it is 1 when it must be (None: as asked or by default)."""
-    ranks = getattr(generator, "world_size", 1)
-    if isinstance(ranks, int) and ranks > 1:
-        return 1, (f"jobs run one at a time on {ranks} ranks: rank 0 sends each call to the others, which must "
-                   "see the same calls in the same order")
+    it is not as asked when it cannot be (None: as asked or by default)."""
     mode = getattr(getattr(generator, "pipeline", None), "concurrency", "serial")
     if mode == "serial":
         why = "jobs run one at a time: this pipeline runs requests serially (model offload)"
         return 1, why if asked not in (None, 1) else None
-    return (CONCURRENT_DEFAULT if asked is None else asked), None
+    wanted = CONCURRENT_DEFAULT if asked is None else asked
+    ranks, slots = getattr(generator, "world_size", 1), getattr(generator, "slots", None)
+    if isinstance(ranks, int) and ranks > 1 and isinstance(slots, int) and wanted > slots:
+        return slots, (f"at most {slots} jobs at once on {ranks} ranks: each runs in one of the call slots the "
+                       "ranks made at start (--max-concurrent)")
+    return wanted, None
 
 
 class Worker:
