@@ -1,4 +1,4 @@
-"""composer: an inference engine for video diffusion models.
+"""composer: an inference engine for video diffusion models (and diffusion language models: TextGenerator).
 
     from composer import VideoGenerator
     gen = VideoGenerator.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["CancelToken", "Cancelled", "GenerationResult", "PipelineConfig", "RuntimeArgs", "SamplingParam", "VideoGenerator"]
+__all__ = ["CancelToken", "Cancelled", "GenerationResult", "PipelineConfig", "RuntimeArgs", "SamplingParam",
+           "TextGenerator", "TextResult", "TextSamplingParam", "VideoGenerator"]
 
 _EXPORTS = {
     "VideoGenerator": "composer.generator",
@@ -20,6 +21,9 @@ _EXPORTS = {
     "RuntimeArgs": "composer.runtime",
     "CancelToken": "composer.cancel",
     "Cancelled": "composer.errors",
+    "TextGenerator": "composer.text.generator",
+    "TextResult": "composer.text.generator",
+    "TextSamplingParam": "composer.text.sampling",
 }
 
 if TYPE_CHECKING:
@@ -28,6 +32,8 @@ if TYPE_CHECKING:
     from composer.errors import Cancelled
     from composer.generator import GenerationResult, VideoGenerator
     from composer.runtime import RuntimeArgs
+    from composer.text.generator import TextGenerator, TextResult
+    from composer.text.sampling import TextSamplingParam
 
 
 def __getattr__(name: str):

@@ -159,6 +159,9 @@ class VideoGenerator:
         """
         runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
         resolved = resolve_model(model_path, runtime.model_family)
+        if getattr(resolved.pipeline_cls, "modality", "video") == "text":
+            raise UnsupportedError(f"{resolved.model_path} is a diffusion language model ({resolved.index.class_name}):"
+                                   " load it with composer.TextGenerator")
         check_model_configs(resolved)
         runtime = _with_folder_quantization(runtime, resolved.settings)
         if runtime.num_gpus and runtime.num_gpus > 1 and not parallel_state.under_launcher():

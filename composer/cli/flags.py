@@ -9,7 +9,7 @@ from typing import Any
 
 from composer._fields import base_type, field_types
 
-ALIASES = {"num_inference_steps": ["--steps"], "output_path": ["--output", "-o"]}
+ALIASES = {"num_inference_steps": ["--steps"], "output_path": ["--output", "-o"], "gen_length": ["--max-new-tokens"]}
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     runtime_args = RuntimeArgs.from_kwargs(**runtime)  # report bad runtime flags before loading anything
     if not runtime_args.progress:
         silence_library_progress_bars()  # --no-progress: downloads and loading too, not only composer's bars
+    if _is_text_model(args.model_path or preset.model_path, runtime_args.model_family):
+        return _run_text(args, args.model_path or preset.model_path, runtime, sampling_overrides)
     segments = [parse_segment(s, args.blocks_per_prompt) for s in args.segment] if args.segment else None
     prompts = _prompt_file_prompts(args, sampling_overrides)  # before loading anything
     # and the whole request (types, values, output path) against what the folder's configs state
@@ -164,6 +166,59 @@ def run(args: argparse.Namespace) -> int:
     )
     if stats is not None:
         _say(f"profile: {stats.summary()}")
+    return 0
+
+
+def _is_text_model(model_path: str | None, family: str | None) -> bool:
+    """Whether the folder is a diffusion language model's (its pipeline makes text); nothing loaded."""
+    if model_path is None:
+        return False
+    from composer.generator import resolve_model
+
+    return getattr(resolve_model(model_path, family).pipeline_cls, "modality", "video") == "text"
+
+
+VIDEO_ONLY = ("negative_prompt", "height", "width", "num_frames", "guidance_scale", "output_path", "fps")
+
+
+def _run_text(args: argparse.Namespace, model_path: str, runtime: dict, overrides: dict) -> int:
+    """A text model: the generated text on stdout as its blocks commit (--stream: piece by piece; else at the end),
+    what it took on stderr. --prompt-file: one text per line's prompt, as one batch."""
+    from composer.text import TextGenerator, TextSamplingParam
+
+    text_fields = {f for f in TextSamplingParam.__dataclass_fields__}
+    ignored = sorted(k for k in overrides if k not in text_fields and k in VIDEO_ONLY)
+    unknown = sorted(k for k in overrides if k not in text_fields and k not in VIDEO_ONLY)
+    if unknown:
+        raise ConfigError(f"{', '.join('--' + k.replace('_', '-') for k in unknown)}: not a setting of text "
+                          "generation (text models take --max-new-tokens, --block-length, --steps, --temperature, "
+                          "--threshold, --decoding, ...)")
+    if ignored:
+        print(f"composer: ignoring video settings for a text model: {', '.join(ignored)}", file=sys.stderr)
+    if args.segment or args.interactive:
+        raise ConfigError("--segment and --interactive are for causal video models; a text model takes --prompt "
+                          "or --prompt-file")
+    settings = {k: v for k, v in overrides.items() if k in text_fields}
+    prompts = _prompt_file_prompts(args, settings)
+    if prompts is not None:
+        settings["prompt"] = prompts
+    generator = TextGenerator.from_pretrained(model_path, **runtime)
+    start = time.perf_counter()
+    with cancel_on_sigint(CancelToken()) as cancel:
+        if args.stream and prompts is None:
+            for piece in generator.stream_text(cancel=cancel, **settings):
+                _say(piece.text, end="" if not piece.done else "\n", flush=True)
+                stats = piece.stats
+        else:
+            results = generator.generate_text(cancel=cancel, **settings)
+            results = results if isinstance(results, list) else [results]
+            for result in results:
+                _say(result.text)
+            stats = results[0].stats
+    if stats is not None:
+        print(f"composer: {stats.tokens} tokens in {stats.forwards} forwards ({stats.tokens_per_forward:.2f} a "
+              f"forward, {stats.tokens_per_second:.1f} tokens/s) in {time.perf_counter() - start:.1f} s with "
+              f"{generator.family}", file=sys.stderr)
     return 0
 
 

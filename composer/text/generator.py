@@ -1,0 +1,141 @@
+"""TextGenerator: a diffusion language model folder (diffusers' LLaDA2Pipeline layout) loaded once, text from
+one call.
+
+    gen = TextGenerator.from_pretrained("path/to/llada2-folder", dtype="bf16")
+    result = gen.generate_text("Why is the sky blue?", gen_length=256, seed=0)
+    print(result.text, result.stats.tokens_per_forward)
+    for piece in gen.stream_text("Tell me a story", gen_length=512):  # text as blocks commit
+        print(piece.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from composer.cancel import CancelToken
+from composer.errors import UnsupportedError
+from composer.logging import get_logger
+from composer.runtime import RuntimeArgs
+from composer.text.pipeline import TextBatch, TextPipeline, TextStats
+from composer.text.sampling import TextSamplingParam
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class TextResult:
+    """One prompt's generation: its text, the generated ids (prompt excluded, up to and with the first EOS), the
+    seed drawn with, and the request's stats (a list of prompts runs as one batch: their stats are shared)."""
+
+    prompt: str
+    text: str
+    token_ids: list[int]
+    seed: int
+    stats: TextStats
+
+
+@dataclass
+class TextPiece:
+    """What `stream_text` yields after each block: the text that became final for prompt `row` since the last
+    piece (`text`), and everything final so far (`so_far`)."""
+
+    row: int
+    text: str
+    so_far: str
+    token_ids: list[int]
+    done: bool = False
+    stats: TextStats | None = None  # the request's, on the last pieces
+
+
+class TextGenerator:
+    """A loaded text pipeline and its sampling defaults (family < model folder < each call's values)."""
+
+    def __init__(self, pipeline: TextPipeline, default_sampling: TextSamplingParam, model_path: str, family: str):
+        self.pipeline = pipeline
+        self.default_sampling = default_sampling
+        self.model_path = model_path
+        self.family = family
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | os.PathLike, **runtime_kwargs: Any) -> TextGenerator:
+        """Load a diffusion language model folder or hub id. `runtime_kwargs` are RuntimeArgs fields (device,
+        dtype, ...), every bad one reported in one ConfigError before anything loads."""
+        from composer.generator import check_model_configs, resolve_model
+
+        runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
+        resolved = resolve_model(model_path, runtime.model_family)
+        if getattr(resolved.pipeline_cls, "modality", "video") != "text":
+            raise UnsupportedError(f"{model_path} is a video model ({resolved.index.class_name}): load it with "
+                                   "composer.VideoGenerator")
+        check_model_configs(resolved)
+        configs = resolved.configs
+        logger.info("loading %s as family %s (matched by %s) with %s", resolved.model_path, configs.family.name,
+                    configs.matched_by, resolved.pipeline_cls.__name__)
+        start = time.perf_counter()
+        pipeline = resolved.pipeline_cls(resolved.index, configs.pipeline_config(), runtime)
+        logger.info("model ready in %.1f s on %s", time.perf_counter() - start, runtime.torch_device)
+        defaults = resolved.stated
+        return cls(pipeline, defaults, resolved.model_path, configs.family.name)
+
+    def sampling_param(self, **overrides: Any) -> TextSamplingParam:
+        """The defaults (family < model folder) with `overrides` applied (ConfigError for unknown keys)."""
+        return self.default_sampling.updated(**overrides)
+
+    def _batch(self, prompt: Any, sampling_param: TextSamplingParam | None, cancel: CancelToken | None,
+               overrides: dict[str, Any]) -> TextBatch:
+        sp = (sampling_param or self.default_sampling).updated(**overrides)
+        if prompt is not None:
+            sp = dataclasses.replace(sp, prompt=prompt)
+        if sp.seed is None:
+            sp = dataclasses.replace(sp, seed=random.SystemRandom().randrange(2**32))
+        sp.check()
+        prompts = [sp.prompt] if isinstance(sp.prompt, str) else list(sp.prompt)
+        generator = torch.Generator("cpu").manual_seed(sp.seed)  # what a seed means to diffusers' pipeline
+        return TextBatch(prompts=prompts, sampling=sp, generator=generator, cancel=cancel)
+
+    def generate_text(self, prompt: str | list[str] | None = None, *, sampling_param: TextSamplingParam | None = None,
+                      cancel: CancelToken | None = None, **overrides: Any) -> TextResult | list[TextResult]:
+        """Text for `prompt` (a list: one result each, run as one batch with one generator, as diffusers runs a
+        list). `overrides` are TextSamplingParam fields (gen_length, block_length, num_inference_steps,
+        temperature, top_p, top_k, threshold, editing_threshold, eos_early_stop, seed, ...). `cancel`: a
+        CancelToken; once cancelled the call raises Cancelled before the next model forward."""
+        batch = self.pipeline.run(self._batch(prompt, sampling_param, cancel, overrides))
+        results = self._results(batch)
+        return results if isinstance(batch.sampling.prompt, list) else results[0]
+
+    def stream_text(self, prompt: str | list[str] | None = None, *, sampling_param: TextSamplingParam | None = None,
+                    cancel: CancelToken | None = None, **overrides: Any) -> Iterator[TextPiece]:
+        """As generate_text, yielding each prompt's newly final text after every block (a TextPiece per prompt
+        that gained text), and a last piece per prompt with `done=True`. The ids are those generate_text gives."""
+        batch = self._batch(prompt, sampling_param, cancel, overrides)
+        eos = self.pipeline.stages[-1].eos_id
+        shown = [""] * batch.rows
+        for final in self.pipeline.stream(batch):
+            for row in range(batch.rows):
+                ids = _final_ids(batch.sequences[row, :final].cpu(), eos)
+                text = self.pipeline.tokenizer.decode(ids, skip_special_tokens=True)
+                if text != shown[row] and text.startswith(shown[row]):
+                    yield TextPiece(row, text[len(shown[row]):], text, ids.tolist())
+                    shown[row] = text
+        for row, (text, ids) in enumerate(zip(batch.texts, batch.token_ids)):
+            yield TextPiece(row, text[len(shown[row]):] if text.startswith(shown[row]) else text, text, ids, True,
+                            batch.stats)
+
+    def _results(self, batch: TextBatch) -> list[TextResult]:
+        return [TextResult(prompt, text, ids, batch.sampling.seed, batch.stats)
+                for prompt, text, ids in zip(batch.prompts, batch.texts, batch.token_ids)]
+
+
+def _final_ids(row: torch.Tensor, eos: int | None) -> torch.Tensor:
+    if eos is None:
+        return row
+    where = (row == eos).nonzero()
+    return row[: int(where[0, 0]) + 1] if where.numel() else row

@@ -1,0 +1,276 @@
+"""Text pipelines: a diffusion language model folder as stages over one TextBatch.
+
+    tokenize (chat template) -> block refinement (the model's forwards) -> detokenize
+
+`TextPipeline` is a ComposedPipeline (the folder's modules loaded by the same loaders, the same registries), whose
+stages pass a `TextBatch` instead of a video ForwardBatch. composer/pipelines/llada2.py serves diffusers'
+LLaDA2Pipeline folders with it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from composer.cancel import CancelToken
+from composer.pipelines.base import ComposedPipeline
+from composer.stages.base import Stage
+from composer.stages.validators import VerificationResult
+from composer.text import refinement
+from composer.text.sampling import TextSamplingParam
+
+
+@dataclass
+class TextStats:
+    """What a request's generation took: model forwards, tokens generated (up to and with each row's EOS), seconds."""
+
+    forwards: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"forwards": self.forwards, "tokens": self.tokens, "seconds": round(self.seconds, 6),
+                "tokens_per_forward": round(self.tokens_per_forward, 4),
+                "tokens_per_second": round(self.tokens_per_second, 3)}
+
+
+@dataclass
+class TextBatch:
+    """One text request as it passes through the stages (rows: its prompts)."""
+
+    prompts: list[str]
+    sampling: TextSamplingParam
+    generator: torch.Generator | None = None
+    cancel: CancelToken | None = None
+    input_ids: torch.Tensor | None = None  # [rows, prompt tokens]
+    prompt_mask: torch.Tensor | None = None  # the tokenizer's attention mask for them
+    sequences: torch.Tensor | None = None  # [rows, gen_length]: the generated ids (mask ids where none came)
+    texts: list[str] | None = None
+    token_ids: list[list[int]] | None = None  # each row's ids up to and with its first EOS
+    stats: TextStats = field(default_factory=TextStats)
+    timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts)
+
+
+class PromptTokenizationStage(Stage):
+    """Prompts -> token ids: each in the tokenizer's chat template when it has one and the request asks for it
+    (`use_chat_template`, `add_generation_prompt`), else as plain text; several prompts padded as the tokenizer
+    pads (as diffusers' pipeline tokenizes a list)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def forward(self, batch: TextBatch) -> TextBatch:
+        sp, tok = batch.sampling, self.tokenizer
+        if sp.use_chat_template and getattr(tok, "chat_template", None):
+            if batch.rows == 1:
+                encoded = tok.apply_chat_template([{"role": "user", "content": batch.prompts[0]}],
+                                                  add_generation_prompt=sp.add_generation_prompt, tokenize=True,
+                                                  return_tensors="pt", return_dict=True)
+            else:  # each prompt in its template, then padded together
+                texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=sp.add_generation_prompt)
+                         for p in batch.prompts]
+                encoded = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        else:
+            prompt = batch.prompts[0] if batch.rows == 1 else batch.prompts
+            encoded = tok(prompt, return_tensors="pt", padding=batch.rows > 1)
+        ids = encoded["input_ids"]
+        mask = encoded.get("attention_mask")
+        batch.input_ids = ids.long()
+        batch.prompt_mask = (torch.ones_like(ids) if mask is None else mask).long()
+        return batch
+
+    def verify_output(self, batch: TextBatch, result: VerificationResult) -> None:
+        ids = batch.input_ids
+        if ids is None or ids.ndim != 2 or ids.shape[0] != batch.rows:
+            result.add_failure("input_ids", None if ids is None else list(ids.shape), f"[{batch.rows}, tokens]")
+
+
+class BlockRefinementStage(Stage):
+    """The block refinement loop (composer/text/refinement.py) over the model: `forward` runs it whole, `stream`
+    yields each row's newly final text ids after every block."""
+
+    def __init__(self, model: torch.nn.Module, block_length: int, mask_id: int, eos_id: int | None,
+                 device: torch.device):
+        self.model = model
+        self.block_length = block_length
+        self.mask_id = mask_id
+        self.eos_id = eos_id
+        self.device = device
+
+    def forward(self, batch: TextBatch) -> TextBatch:
+        for _ in self.blocks(batch):
+            pass
+        return batch
+
+    def blocks(self, batch: TextBatch) -> Iterator[int]:
+        """Refine block after block; yields the number of generated tokens that are final after each block (the
+        batch's `sequences` hold them)."""
+        sp = batch.sampling
+        block = sp.block_length or self.block_length
+        gen_length = sp.gen_length
+        steps = min(sp.num_inference_steps, gen_length // sp.minimal_topk)
+        schedule = refinement.transfer_schedule(block, steps)
+        ids = batch.input_ids.to(self.device)
+        rows, prompt_length = ids.shape
+        num_blocks = -(-(prompt_length + gen_length) // block)
+        total = num_blocks * block
+        attention = torch.zeros((rows, total), dtype=torch.long, device=self.device)
+        attention[:, :prompt_length] = batch.prompt_mask.to(self.device)
+        attention[:, prompt_length:prompt_length + gen_length] = 1
+        positions = torch.arange(total, device=self.device).unsqueeze(0).expand(rows, -1)
+        x = torch.full((rows, total), self.mask_id, dtype=torch.long, device=self.device)
+        x[:, :prompt_length] = ids
+        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        editing = sp.editing_threshold is not None and sp.editing_threshold > 0.0
+        multinomial = sp.sampling_method == "multinomial" or (sp.sampling_method == "auto" and sp.temperature != 0)
+        early_stop = sp.eos_early_stop and self.eos_id is not None
+        start = time.perf_counter()
+        batch.sequences = x[:, prompt_length:prompt_length + gen_length]
+        for index in range(prompt_length // block, num_blocks):
+            end = (index + 1) * block
+            window, window_attention, window_positions = x[:, :end], attention[:, :end], positions[:, :end]
+            first = index * block
+            prompt_positions = torch.zeros(block, dtype=torch.bool, device=self.device)
+            if first < prompt_length:
+                prompt_positions[:min(prompt_length - first, block)] = True
+            step = post_steps = 0
+            while True:
+                if batch.cancel is not None:
+                    batch.cancel.check()
+                current = window[:, -block:]
+                had_masks = bool((current == self.mask_id).any())
+                if not had_masks:
+                    post_steps += 1
+                logits = self._logits(window, window_attention, window_positions)[:, -block:, :]
+                batch.stats.forwards += 1
+                tokens, probs = refinement.sample(
+                    logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, multinomial=multinomial,
+                    generator=batch.generator)
+                outcome = refinement.commit(current, tokens, probs, mask_id=self.mask_id,
+                                            count=schedule[min(step, len(schedule) - 1)], threshold=sp.threshold,
+                                            editing_threshold=sp.editing_threshold if editing else None,
+                                            prompt_positions=prompt_positions)
+                changed = outcome.changed
+                if early_stop and bool(finished.any()):
+                    changed = changed & ~finished[:, None]
+                if bool(changed.any()):
+                    window[:, -block:] = torch.where(changed, outcome.block, current)
+                if early_stop:
+                    finished = refinement.finished_rows(window, tokens, changed, finished, eos_id=self.eos_id,
+                                                        mask_id=self.mask_id, prompt_length=prompt_length)
+                if had_masks:
+                    step += 1
+                if not refinement.block_goes_on(step=step, steps=steps, had_masks=had_masks, editing=editing,
+                                                edited=bool(outcome.edited.any()), post_steps=post_steps,
+                                                max_post_steps=sp.max_post_steps, finished=finished):
+                    break
+            batch.stats.seconds = time.perf_counter() - start
+            yield min(end - prompt_length, gen_length)
+            if early_stop and bool(finished.all()):
+                break
+        batch.stats.seconds = time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, attention_mask=attention, position_ids=positions).logits
+
+
+class DetokenizeStage(Stage):
+    """Each row's ids up to and with its first EOS -> text (special tokens skipped, as diffusers decodes)."""
+
+    def __init__(self, tokenizer: Any, eos_id: int | None):
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
+
+    def forward(self, batch: TextBatch) -> TextBatch:
+        rows = [_until_eos(row, self.eos_id) for row in batch.sequences.cpu()]
+        batch.token_ids = [r.tolist() for r in rows]
+        batch.texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+        batch.stats.tokens = sum(len(r) for r in batch.token_ids)
+        return batch
+
+
+def _until_eos(row: torch.Tensor, eos_id: int | None) -> torch.Tensor:
+    if eos_id is None:
+        return row
+    where = (row == eos_id).nonzero()
+    return row[: int(where[0, 0]) + 1] if where.numel() else row
+
+
+class TextPipeline(ComposedPipeline):
+    """A diffusion language model: `required_modules` ("model", "tokenizer", "scheduler") loaded as the folder's
+    model_index.json names them; stages over a TextBatch. Subclasses set `class_names` and `config_class`."""
+
+    modality = "text"
+    required_modules = ("model", "tokenizer", "scheduler")
+    batches_videos = False
+
+    def module_dtype(self, name: str) -> torch.dtype | None:
+        if name == "model":
+            return self.runtime.torch_dtype
+        return super().module_dtype(name)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.modules["tokenizer"]
+
+    def special_ids(self) -> tuple[int, int | None]:
+        """(mask id, EOS id): the pipeline config's, else the tokenizer's (diffusers reads the tokenizer's)."""
+        mask = getattr(self.config, "mask_token_id", None)
+        if mask is None:
+            mask = getattr(self.tokenizer, "mask_token_id", None)
+        if mask is None:
+            from composer.errors import ConfigError
+
+            raise ConfigError(f"{self.folder}: the tokenizer has no mask token and model_index.json states no "
+                              "mask_token_id: a masked-diffusion model needs one")
+        eos = getattr(self.config, "eos_token_id", None)
+        return int(mask), (eos if eos is not None else getattr(self.tokenizer, "eos_token_id", None))
+
+    def scheduler_block_length(self) -> int:
+        config = getattr(self.modules["scheduler"], "config", {})
+        value = config.get("block_length") if hasattr(config, "get") else getattr(config, "block_length", None)
+        return int(value or 32)
+
+    def create_stages(self) -> None:
+        mask, eos = self.special_ids()
+        self.add_stage(PromptTokenizationStage(self.tokenizer))
+        self.add_stage(BlockRefinementStage(self.modules["model"], self.scheduler_block_length(), mask, eos,
+                                            self.device))
+        self.add_stage(DetokenizeStage(self.tokenizer, eos))
+
+    def run(self, batch: TextBatch) -> TextBatch:
+        """Every stage over `batch`, one request at a time per module (the model's forwards included)."""
+        for stage in self.stages:
+            with self._stage_lock(stage):
+                batch = stage(batch)
+        return batch
+
+    def stream(self, batch: TextBatch) -> Iterator[int]:
+        """As `run`, yielding after each block the count of generated tokens that are final (in `batch.sequences`);
+        `batch.texts` is set at the end."""
+        tokenize, refine, detokenize = self.stages
+        with self._stage_lock(tokenize):
+            batch = tokenize(batch)
+        with self._stage_lock(refine):
+            yield from refine.blocks(batch)
+        with self._stage_lock(detokenize):
+            detokenize(batch)

@@ -1,0 +1,94 @@
+"""TextSamplingParam: one text request, with diffusers' names (LLaDA2Pipeline's `__call__` arguments)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from composer._fields import coerce, field_types, raise_if_errors, unknown_key_errors
+from composer.errors import InvalidInputError
+
+SAMPLING_METHODS = ("auto", "greedy", "multinomial")
+
+
+@dataclass
+class TextSamplingParam:
+    """What one text request asks for. The defaults are diffusers' LLaDA2Pipeline's; a family or a model folder
+    (composer.json `sampling`) may state others, and a request's own values win over both."""
+
+    prompt: str | list[str] | None = field(default=None, metadata={"help": "the prompt (generate_text also takes a "
+                                                                           "list: one text per prompt)"})
+    gen_length: int = field(default=2048, metadata={"help": "tokens to generate (--max-new-tokens)"})
+    block_length: int | None = field(default=None, metadata={"help": "tokens refined together (default: the "
+                                                                     "folder's scheduler config)"})
+    num_inference_steps: int = field(default=32, metadata={"help": "refinement steps per block (--steps)"})
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature (0: the most likely token)"})
+    top_p: float | None = field(default=None, metadata={"help": "nucleus sampling cutoff"})
+    top_k: int | None = field(default=None, metadata={"help": "top-k sampling cutoff"})
+    sampling_method: str = field(default="multinomial", metadata={"help": "auto, greedy or multinomial"})
+    threshold: float = field(default=0.7, metadata={"help": "commit every masked token more confident than this"})
+    editing_threshold: float | None = field(default=0.5, metadata={"help": "replace a committed token when another "
+                                                                           "is more confident than this (<= 0: off)"})
+    max_post_steps: int = field(default=16, metadata={"help": "editing steps after a block has no mask left"})
+    minimal_topk: int = field(default=1, metadata={"help": "tokens committed per step at least"})
+    eos_early_stop: bool = field(default=True, metadata={"help": "stop a row once its EOS is committed"})
+    use_chat_template: bool = field(default=True, metadata={"help": "wrap the prompt in the tokenizer's chat "
+                                                                    "template"})
+    add_generation_prompt: bool = field(default=True, metadata={"help": "end the chat template with the "
+                                                                        "assistant's turn"})
+    decoding: str = field(default="exact", metadata={"help": "decoding strategy (exact: the reference's)"})
+    seed: int | None = field(default=None, metadata={"help": "random seed (torch.Generator('cpu').manual_seed, as "
+                                                             "diffusers); default: random"})
+
+    def updated(self, **overrides: Any) -> TextSamplingParam:
+        """A copy with `overrides` applied (None values ignored); one ConfigError lists every bad key/value."""
+        errors = unknown_key_errors(type(self), overrides, "text sampling parameter")
+        hints = field_types(type(self))
+        values = {}
+        for key, value in overrides.items():
+            if key in hints and value is not None:
+                values[key] = value if key == "prompt" else coerce(value, hints[key], key, errors)
+        raise_if_errors(errors, "text sampling parameters")
+        return dataclasses.replace(self, **values)
+
+    def with_folder_defaults(self, values: dict[str, Any], source: str = "the model folder") -> TextSamplingParam:
+        """A copy with the defaults a model folder states over the family's (None applied: the folder fixes it)."""
+        errors = unknown_key_errors(type(self), values, "text sampling default")
+        hints = field_types(type(self))
+        changes = {key: coerce(value, hints[key], key, errors) for key, value in values.items() if key in hints}
+        raise_if_errors(errors, f"sampling defaults of {source}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def check(self) -> None:
+        """Every bad value in one InvalidInputError (the request's input, checked once before any work)."""
+        problems = []
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            problems.append("prompt: give a string or a non-empty list of strings")
+        elif isinstance(self.prompt, list) and self.use_chat_template and len(self.prompt) > 1:
+            pass  # each prompt gets its own template (composer runs rows of one request as one batch of ids)
+        for name in ("gen_length", "num_inference_steps", "minimal_topk"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} = {getattr(self, name)}: must be > 0")
+        if self.block_length is not None and self.block_length <= 0:
+            problems.append(f"block_length = {self.block_length}: must be > 0")
+        if self.max_post_steps < 0:
+            problems.append(f"max_post_steps = {self.max_post_steps}: must be >= 0")
+        if self.temperature < 0:
+            problems.append(f"temperature = {self.temperature}: must be >= 0")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p = {self.top_p}: must be in (0, 1]")
+        if self.threshold < 0:
+            problems.append(f"threshold = {self.threshold}: must be >= 0 (above 1: commit the top-k only)")
+        if self.sampling_method not in SAMPLING_METHODS:
+            problems.append(f"sampling_method = {self.sampling_method!r}: one of {', '.join(SAMPLING_METHODS)}")
+        from composer.text.refinement import STRATEGIES
+
+        if self.decoding not in STRATEGIES:
+            problems.append(f"decoding = {self.decoding!r}: one of {', '.join(STRATEGIES)}")
+        if problems:
+            raise InvalidInputError("invalid text request: " + "; ".join(problems))

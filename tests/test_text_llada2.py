@@ -1,0 +1,159 @@
+"""Diffusion language models (composer/text): a tiny LLaDA2Pipeline folder in exact diffusers layout, built here
+(word-level tokenizer with a chat template and a mask token, a small transformers causal LM, a
+BlockRefinementScheduler config). composer's token ids equal diffusers' LLaDA2Pipeline's on the same folder,
+prompt, settings and seed: greedy and sampled, top-k / top-p, threshold, editing on and off, EOS early stop on
+and off, block lengths, minimal_topk, a list of prompts. Streaming gives the same ids; bad input is refused whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composer import TextGenerator, VideoGenerator
+from composer.cancel import CancelToken
+from composer.errors import Cancelled, ConfigError, InvalidInputError, UnsupportedError
+from composer.testing.tiny_llada2 import TinyLLaDA2Spec, build_tiny_llada2
+
+PROMPT = "what is two plus two ?"
+PROMPTS = ["what is two plus two ?", "the cat is red", "sort the list one five two"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_tiny_llada2(tmp_path_factory.mktemp("text") / "tiny-llada2")
+
+
+@pytest.fixture(scope="module")
+def eos_folder(tmp_path_factory):  # an output head that favours EOS: rows finish early
+    return build_tiny_llada2(tmp_path_factory.mktemp("text") / "tiny-llada2-eos", TinyLLaDA2Spec(eos_scale=2.0, seed=1))
+
+
+def _reference(folder):
+    from diffusers import DiffusionPipeline
+    from transformers import AutoTokenizer
+
+    # diffusers leaves LLaDA2Pipeline's optional tokenizer unloaded unless it is given
+    pipe = DiffusionPipeline.from_pretrained(folder, tokenizer=AutoTokenizer.from_pretrained(folder / "tokenizer"))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return _reference(folder)
+
+
+@pytest.fixture(scope="module")
+def gen(folder):
+    return TextGenerator.from_pretrained(folder, progress=False)
+
+
+SETTINGS = {
+    "greedy": {},
+    "sampled": {"temperature": 1.0},
+    "top-k-top-p-threshold": {"temperature": 0.8, "top_k": 10, "top_p": 0.9, "threshold": 0.05},
+    "no-editing": {"temperature": 1.0, "editing_threshold": 0.0},
+    "block-4-minimal-topk-2": {"block_length": 4, "minimal_topk": 2, "temperature": 0.7},
+    "greedy-method-auto": {"sampling_method": "auto", "temperature": 0.5, "max_post_steps": 2},
+    "no-chat-template": {"use_chat_template": False, "temperature": 1.0},
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_token_ids_equal_diffusers_llada2(name, gen, reference):
+    settings = {"gen_length": 21, "num_inference_steps": 4, **SETTINGS[name]}
+    for seed in (0, 7):
+        expected = reference(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(seed), **settings)
+        got = gen.generate_text(PROMPT, seed=seed, **settings)
+        assert got.token_ids == expected.sequences[0].tolist(), (name, seed)  # no EOS committed: every id
+        assert got.text == expected.texts[0]
+        assert got.seed == seed and got.stats.forwards > 0 and got.stats.tokens == 21
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_eos_early_stop_and_a_list_of_prompts_equal_diffusers(early_stop, eos_folder):
+    gen = TextGenerator.from_pretrained(eos_folder, progress=False)
+    reference = _reference(eos_folder)
+    settings = {"gen_length": 40, "num_inference_steps": 4, "temperature": 1.0, "use_chat_template": False,
+                "eos_early_stop": early_stop}
+    stopped = False
+    for seed in (0, 1, 2):
+        expected = reference(prompt=PROMPTS, generator=torch.Generator("cpu").manual_seed(seed), **settings)
+        got = gen.generate_text(PROMPTS, seed=seed, **settings)
+        assert [r.prompt for r in got] == PROMPTS
+        eos = reference.tokenizer.eos_token_id
+        for row, result in zip(expected.sequences.tolist(), got):
+            until = row[: row.index(eos) + 1] if eos in row else row  # diffusers decodes up to the first EOS
+            assert result.token_ids == until, (seed, early_stop)
+        assert [r.text for r in got] == expected.texts
+        stopped |= any(len(r.token_ids) < 40 for r in got)
+    assert stopped  # some rows did commit EOS
+
+
+def test_stream_text_gives_the_generate_text_ids_block_by_block(gen):
+    settings = {"gen_length": 21, "num_inference_steps": 4, "temperature": 1.0, "seed": 3}
+    whole = gen.generate_text(PROMPT, **settings)
+    pieces = list(gen.stream_text(PROMPT, **settings))
+    assert pieces[-1].done and pieces[-1].token_ids == whole.token_ids and pieces[-1].so_far == whole.text
+    assert "".join(p.text for p in pieces) == whole.text
+    assert len([p for p in pieces if not p.done]) >= 2  # text came out before the end (21 tokens: 4 blocks of 8)
+
+
+def test_the_folder_defaults_and_explicit_settings(gen, folder):
+    assert gen.family == "llada2"
+    sp = gen.sampling_param(gen_length=64)
+    assert sp.gen_length == 64 and sp.threshold == 0.7 and sp.block_length is None
+    assert gen.pipeline.scheduler_block_length() == 8  # the folder's scheduler config
+    with pytest.raises(ConfigError, match="did you mean 'gen_length'"):
+        gen.sampling_param(gen_lenght=3)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"gen_length": 0}, "gen_length = 0"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"sampling_method": "beam"}, "sampling_method"),
+    ({"decoding": "magic"}, "decoding"),
+    ({"prompt": ""}, None),
+])
+def test_bad_requests_are_refused_before_any_forward(gen, bad, message):
+    prompt = bad.pop("prompt", PROMPT)
+    if prompt == "":
+        result = gen.generate_text(prompt, gen_length=8, num_inference_steps=2, seed=0)  # an empty prompt is a prompt
+        assert len(result.token_ids) == 8
+        return
+    with pytest.raises(InvalidInputError, match=message):
+        gen.generate_text(prompt, **bad)
+    with pytest.raises(InvalidInputError, match="prompt"):
+        gen.generate_text(None)
+
+
+def test_cancel_stops_before_the_next_forward(gen):
+    token = CancelToken()
+    token.cancel("stop")
+    with pytest.raises(Cancelled):
+        gen.generate_text(PROMPT, gen_length=16, cancel=token, seed=0)
+
+
+def test_video_and_text_loaders_refuse_each_others_folders(folder):
+    with pytest.raises(UnsupportedError, match="TextGenerator"):
+        VideoGenerator.from_pretrained(folder, progress=False)
+    with pytest.raises(UnsupportedError, match="VideoGenerator"):
+        TextGenerator.from_pretrained("shapes-t2v", progress=False)
+
+
+def test_composer_generate_prints_a_text_models_text(folder, gen, capsys):
+    from composer.cli.main import main
+
+    expected = gen.generate_text(PROMPT, gen_length=16, num_inference_steps=4, seed=1, temperature=1.0)
+    args = ["generate", "--model-path", str(folder), "--prompt", PROMPT, "--max-new-tokens", "16", "--steps", "4",
+            "--seed", "1", "--temperature", "1.0", "--no-progress"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == expected.text
+    assert "16 tokens in" in err and "llada2" in err
+    assert main([*args, "--stream"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.strip() == expected.text
+    assert main([*args, "--height", "64"]) == 0  # a video setting: said and ignored
+    assert "ignoring video settings for a text model: height" in capsys.readouterr().err
