@@ -31,11 +31,11 @@ class Reply:
 class Server:
     """A running server; `request` talks to it, `stop` shuts it down (the worker too)."""
 
-    def __init__(self, load: Callable[[], Any], config: ServeConfig):
+    def __init__(self, load: Callable[[], Any], config: ServeConfig, factory: Callable[..., Any] = create_app):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.app = create_app(load, config)
+        self.app = factory(load, config)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                                      lifespan="on"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)

@@ -101,7 +101,16 @@ def run(args: argparse.Namespace) -> int:
     listening = bind_port(args.host, args.port)
     try:
         # an unknown model, or a config value of the wrong type: an error now, not in /health
-        check_model_configs(resolve_model(args.model_path, runtime_args.model_family))
+        resolved = resolve_model(args.model_path, runtime_args.model_family)
+        check_model_configs(resolved)
+        if getattr(resolved.pipeline_cls, "modality", "video") == "text":
+            if under_torchrun:
+                raise ConfigError("serving a diffusion language model on several ranks is not supported yet: "
+                                  "launch `composer serve` without torchrun")
+            from composer.text import TextGenerator
+
+            return _serve_text(args, functools.partial(TextGenerator.from_pretrained, args.model_path, **runtime),
+                               listening)
         return _serve(args, load, runtime_args, listening, under_torchrun)
     finally:
         listening.close()
@@ -133,6 +142,20 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
     _check_websockets()
     print(f"composer serve: http://{args.host}:{args.port}{ranks} (the web page at /, API docs at /docs; jobs in "
           f"{config.output_dir})")
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run(sockets=[listening])
+    return 0
+
+
+def _serve_text(args: argparse.Namespace, load, listening: socket.socket) -> int:
+    """A diffusion language model: OpenAI's completions and chat completions APIs (composer/serve/text.py)."""
+    import uvicorn
+
+    from composer.serve.app import ServeConfig
+    from composer.serve.text import create_text_app
+
+    app = create_text_app(load, ServeConfig(output_dir=Path(args.output_dir)))
+    print(f"composer serve: http://{args.host}:{args.port} (a text model: /v1/completions, /v1/chat/completions; "
+          "API docs at /docs)")
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run(sockets=[listening])
     return 0
 

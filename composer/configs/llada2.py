@@ -23,6 +23,21 @@ class LLaDA2SamplingParam(TextSamplingParam):
     greedy (temperature 0), threshold 0.7, editing above 0.5 for up to 16 steps, EOS early stop."""
 
 
+@dataclass
+class TinyDllmSamplingParam(TextSamplingParam):
+    """The embedded tiny-dllm (addition; composer/text/tasks.py): 8 tokens in blocks of 4, one token a step by
+    confidence (threshold above 1: the schedule alone commits), no editing, no chat template. Its folder's
+    composer.json states the same."""
+
+    gen_length: int = 8
+    block_length: int | None = 4
+    num_inference_steps: int = 4
+    threshold: float = 1.01
+    editing_threshold: float | None = 0.0
+    use_chat_template: bool = False
+
+
+register_configs(LLaDA2Config, TinyDllmSamplingParam, hf_model_paths=["composer/tiny-dllm"], name="tiny-dllm")
 register_configs(
     LLaDA2Config,
     LLaDA2SamplingParam,

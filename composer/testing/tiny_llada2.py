@@ -27,6 +27,9 @@ class TinyLLaDA2Spec:
     block_length: int = 8
     eos_scale: float = 0.0  # > 0: the EOS row of the output head scaled up, so rows commit EOS (early stop)
     seed: int = 0
+    # "llama": transformers' LlamaForCausalLM (what diffusers drives); "llada": composer's LLaDAModelLM in LLaDA's
+    # own config keys and weight names (bidirectional attention; what the vicinity KV refresh needs)
+    model: str = "llama"
 
 
 def build_tokenizer(folder: Path) -> None:
@@ -53,6 +56,8 @@ def build_tiny_llada2(folder: str | Path, spec: TinyLLaDA2Spec | None = None) ->
     folder.mkdir(parents=True, exist_ok=True)
     build_tokenizer(folder / "tokenizer")
     vocab_size = len(SPECIAL) + len(CHAT) + len(WORDS)
+    if spec.model == "llada":
+        _write_llada(folder / "model", vocab_size, spec)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=2 * spec.hidden_size,
                          num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
                          num_key_value_heads=spec.kv_heads, max_position_embeddings=512, tie_word_embeddings=False,
@@ -63,10 +68,35 @@ def build_tiny_llada2(folder: str | Path, spec: TinyLLaDA2Spec | None = None) ->
         model.lm_head.weight.mul_(40.0)
         if spec.eos_scale > 0:
             model.lm_head.weight[1].mul_(spec.eos_scale)
-    model.save_pretrained(folder / "model", safe_serialization=True)
+    if spec.model == "llama":
+        model.save_pretrained(folder / "model", safe_serialization=True)
     BlockRefinementScheduler(block_length=spec.block_length).save_pretrained(folder / "scheduler")
     index = {"_class_name": "LLaDA2Pipeline", "_diffusers_version": "0.42.1",
-             "model": ["transformers", "LlamaForCausalLM"], "scheduler": ["diffusers", "BlockRefinementScheduler"],
+             "model": ["transformers", "LlamaForCausalLM" if spec.model == "llama" else "LLaDAModelLM"], "scheduler": ["diffusers", "BlockRefinementScheduler"],
              "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}
     (folder / "model_index.json").write_text(json.dumps(index, indent=2))
     return folder
+
+
+def _write_llada(folder: Path, vocab_size: int, spec: TinyLLaDA2Spec) -> None:
+    """composer's LLaDA model, random, saved as LLaDA's release is: config.json in its keys, model.transformer.*."""
+    from safetensors.torch import save_file
+
+    from composer.models.llada.config import LLaDAConfig
+    from composer.models.llada.model import LLaDAModelLM
+
+    config = LLaDAConfig(d_model=spec.hidden_size, n_heads=spec.heads, n_kv_heads=spec.kv_heads, n_layers=spec.layers,
+                         mlp_hidden_size=2 * spec.hidden_size, vocab_size=vocab_size, rope_theta=10000.0,
+                         max_sequence_length=512, mask_token_id=2, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(spec.seed)
+    model = LLaDAModelLM(config)
+    with torch.no_grad():
+        head = model.model.transformer["ff_out"].weight
+        head.mul_(40.0)
+        if spec.eos_scale > 0:
+            head[1].mul_(spec.eos_scale)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LLaDAModelLM"], "model_type": "llada",
+                                                    **config.to_dict()}, indent=2))

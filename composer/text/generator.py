@@ -40,6 +40,8 @@ class TextResult:
     token_ids: list[int]
     seed: int
     stats: TextStats
+    prompt_tokens: int = 0  # the prompt's tokens (in its chat template), padding excluded
+    finished: bool = False  # whether it ended with EOS (else it ran to gen_length)
 
 
 @dataclass
@@ -90,8 +92,18 @@ class TextGenerator:
         return self.default_sampling.updated(**overrides)
 
     def _batch(self, prompt: Any, sampling_param: TextSamplingParam | None, cancel: CancelToken | None,
-               overrides: dict[str, Any]) -> TextBatch:
+               overrides: dict[str, Any], messages: Any = None) -> TextBatch:
         sp = (sampling_param or self.default_sampling).updated(**overrides)
+        conversations = None
+        if messages is not None:
+            conversations = _conversations(messages)
+            if prompt is not None:
+                from composer.errors import InvalidInputError
+
+                raise InvalidInputError("give a prompt or messages, not both")
+            prompt = [c[-1]["content"] for c in conversations]  # what the results name as their prompt
+            if not isinstance(messages[0], list):
+                prompt = prompt[0]
         if prompt is not None:
             sp = dataclasses.replace(sp, prompt=prompt)
         if sp.seed is None:
@@ -99,23 +111,26 @@ class TextGenerator:
         sp.check()
         prompts = [sp.prompt] if isinstance(sp.prompt, str) else list(sp.prompt)
         generator = torch.Generator("cpu").manual_seed(sp.seed)  # what a seed means to diffusers' pipeline
-        return TextBatch(prompts=prompts, sampling=sp, generator=generator, cancel=cancel)
+        return TextBatch(prompts=prompts, sampling=sp, generator=generator, cancel=cancel, messages=conversations)
 
-    def generate_text(self, prompt: str | list[str] | None = None, *, sampling_param: TextSamplingParam | None = None,
-                      cancel: CancelToken | None = None, **overrides: Any) -> TextResult | list[TextResult]:
+    def generate_text(self, prompt: str | list[str] | None = None, *, messages: Any = None,
+                      sampling_param: TextSamplingParam | None = None, cancel: CancelToken | None = None,
+                      **overrides: Any) -> TextResult | list[TextResult]:
         """Text for `prompt` (a list: one result each, run as one batch with one generator, as diffusers runs a
-        list). `overrides` are TextSamplingParam fields (gen_length, block_length, num_inference_steps,
-        temperature, top_p, top_k, threshold, editing_threshold, eos_early_stop, seed, ...). `cancel`: a
-        CancelToken; once cancelled the call raises Cancelled before the next model forward."""
-        batch = self.pipeline.run(self._batch(prompt, sampling_param, cancel, overrides))
+        list), or for a chat conversation `messages` ([{"role": ..., "content": ...}, ...], or a list of them), in
+        the tokenizer's chat template. `overrides` are TextSamplingParam fields (gen_length, block_length,
+        num_inference_steps, temperature, top_p, top_k, threshold, editing_threshold, eos_early_stop, decoding,
+        seed, ...). `cancel`: a CancelToken; once cancelled the call raises Cancelled before the next forward."""
+        batch = self.pipeline.run(self._batch(prompt, sampling_param, cancel, overrides, messages))
         results = self._results(batch)
         return results if isinstance(batch.sampling.prompt, list) else results[0]
 
-    def stream_text(self, prompt: str | list[str] | None = None, *, sampling_param: TextSamplingParam | None = None,
-                    cancel: CancelToken | None = None, **overrides: Any) -> Iterator[TextPiece]:
+    def stream_text(self, prompt: str | list[str] | None = None, *, messages: Any = None,
+                    sampling_param: TextSamplingParam | None = None, cancel: CancelToken | None = None,
+                    **overrides: Any) -> Iterator[TextPiece]:
         """As generate_text, yielding each prompt's newly final text after every block (a TextPiece per prompt
         that gained text), and a last piece per prompt with `done=True`. The ids are those generate_text gives."""
-        batch = self._batch(prompt, sampling_param, cancel, overrides)
+        batch = self._batch(prompt, sampling_param, cancel, overrides, messages)
         eos = self.pipeline.stages[-1].eos_id
         shown = [""] * batch.rows
         for final in self.pipeline.stream(batch):
@@ -130,8 +145,26 @@ class TextGenerator:
                             batch.stats)
 
     def _results(self, batch: TextBatch) -> list[TextResult]:
-        return [TextResult(prompt, text, ids, batch.sampling.seed, batch.stats)
-                for prompt, text, ids in zip(batch.prompts, batch.texts, batch.token_ids)]
+        eos = self.pipeline.stages[-1].eos_id
+        lengths = batch.prompt_mask.sum(dim=1).tolist()
+        return [TextResult(prompt, text, ids, batch.sampling.seed, batch.stats, int(length),
+                           bool(ids) and eos is not None and ids[-1] == eos)
+                for prompt, text, ids, length in zip(batch.prompts, batch.texts, batch.token_ids, lengths)]
+
+
+def _conversations(messages: Any) -> list[list[dict[str, str]]]:
+    """One conversation ([{"role", "content"}, ...]) or a list of them, checked."""
+    from composer.errors import InvalidInputError
+
+    many = isinstance(messages, list) and messages and isinstance(messages[0], list)
+    conversations = messages if many else [messages]
+    for conversation in conversations:
+        if not isinstance(conversation, list) or not conversation or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in conversation):
+            raise InvalidInputError("messages: a non-empty list of {'role': str, 'content': str} (or a list of such "
+                                    "lists)")
+    return conversations
 
 
 def _final_ids(row: torch.Tensor, eos: int | None) -> torch.Tensor:

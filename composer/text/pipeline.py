@@ -21,7 +21,7 @@ from composer.cancel import CancelToken
 from composer.pipelines.base import ComposedPipeline
 from composer.stages.base import Stage
 from composer.stages.validators import VerificationResult
-from composer.text import refinement
+from composer.text import refinement, strategies
 from composer.text.sampling import TextSamplingParam
 
 
@@ -53,6 +53,7 @@ class TextBatch:
 
     prompts: list[str]
     sampling: TextSamplingParam
+    messages: list[list[dict[str, str]]] | None = None  # chat conversations, one a row (instead of prompts)
     generator: torch.Generator | None = None
     cancel: CancelToken | None = None
     input_ids: torch.Tensor | None = None  # [rows, prompt tokens]
@@ -78,7 +79,20 @@ class PromptTokenizationStage(Stage):
 
     def forward(self, batch: TextBatch) -> TextBatch:
         sp, tok = batch.sampling, self.tokenizer
-        if sp.use_chat_template and getattr(tok, "chat_template", None):
+        if batch.messages is not None:  # conversations: always in the chat template (diffusers' `messages`)
+            if not getattr(tok, "chat_template", None):
+                from composer.errors import InvalidInputError
+
+                raise InvalidInputError("messages need a tokenizer with a chat template; this model's has none: "
+                                        "send a prompt")
+            if batch.rows == 1:
+                encoded = tok.apply_chat_template(batch.messages[0], add_generation_prompt=sp.add_generation_prompt,
+                                                  tokenize=True, return_tensors="pt", return_dict=True)
+            else:
+                texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=sp.add_generation_prompt)
+                         for m in batch.messages]
+                encoded = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        elif sp.use_chat_template and getattr(tok, "chat_template", None):
             if batch.rows == 1:
                 encoded = tok.apply_chat_template([{"role": "user", "content": batch.prompts[0]}],
                                                   add_generation_prompt=sp.add_generation_prompt, tokenize=True,
@@ -142,6 +156,9 @@ class BlockRefinementStage(Stage):
         editing = sp.editing_threshold is not None and sp.editing_threshold > 0.0
         multinomial = sp.sampling_method == "multinomial" or (sp.sampling_method == "auto" and sp.temperature != 0)
         early_stop = sp.eos_early_stop and self.eos_id is not None
+        decoder = strategies.decoder_for(sp.decoding, sp, self.mask_id)
+        if not decoder.exact:
+            decoder.check_model(self.model)
         start = time.perf_counter()
         batch.sequences = x[:, prompt_length:prompt_length + gen_length]
         for index in range(prompt_length // block, num_blocks):
@@ -152,7 +169,10 @@ class BlockRefinementStage(Stage):
             if first < prompt_length:
                 prompt_positions[:min(prompt_length - first, block)] = True
             step = post_steps = 0
-            while True:
+            if not decoder.exact:
+                finished = self._fast_block(batch, decoder, window, window_attention, window_positions, block,
+                                            finished, prompt_length, multinomial, early_stop)
+            while decoder.exact:
                 if batch.cancel is not None:
                     batch.cancel.check()
                 current = window[:, -block:]
@@ -187,6 +207,32 @@ class BlockRefinementStage(Stage):
             if early_stop and bool(finished.all()):
                 break
         batch.stats.seconds = time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _fast_block(self, batch: TextBatch, decoder: strategies.Decoder, window: torch.Tensor,
+                    attention: torch.Tensor, positions: torch.Tensor, block: int, finished: torch.Tensor,
+                    prompt_length: int, multinomial: bool, early_stop: bool) -> torch.Tensor:
+        """A block under a strategy other than exact: steps until the block has no mask (each commits at least one
+        token per row that has one), or every row is finished; no editing. Returns the finished rows."""
+        sp = batch.sampling
+        decoder.new_block()
+        for _ in range(block + 1):
+            current = window[:, -block:]
+            if not bool((current == self.mask_id).any()) or (early_stop and bool(finished.all())):
+                break
+            if batch.cancel is not None:
+                batch.cancel.check()
+            logits = decoder.logits(self.model, window, attention, positions, block)
+            batch.stats.forwards += 1
+            tokens, probs = refinement.sample(logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
+                                              multinomial=multinomial, generator=batch.generator)
+            outcome = decoder.commit(current, logits, tokens, probs)
+            changed = outcome.changed & ~finished[:, None] if early_stop else outcome.changed
+            window[:, -block:] = torch.where(changed, outcome.block, current)
+            if early_stop:
+                finished = refinement.finished_rows(window, tokens, changed, finished, eos_id=self.eos_id,
+                                                    mask_id=self.mask_id, prompt_length=prompt_length)
+        return finished
 
     @torch.inference_mode()
     def _logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

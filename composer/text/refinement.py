@@ -19,9 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Decoding strategies (`decoding=`): "exact" is the reference's rules above.
-STRATEGIES = ("exact",)
-
 
 def transfer_schedule(block_length: int, steps: int) -> list[int]:
     """How many tokens each step of a block commits at least: the block spread evenly, the first steps one more."""

@@ -37,7 +37,15 @@ class TextSamplingParam:
                                                                     "template"})
     add_generation_prompt: bool = field(default=True, metadata={"help": "end the chat template with the "
                                                                         "assistant's turn"})
-    decoding: str = field(default="exact", metadata={"help": "decoding strategy (exact: the reference's)"})
+    decoding: str = field(default="exact", metadata={"help": "decoding strategy: exact (the reference's), or "
+                                                                "threshold / hierarchical / credit, smooth, kv joined "
+                                                                "with + (docs/text-diffusion.md)"})
+    low_threshold: float = field(default=0.5, metadata={"help": "hierarchical decoding: commit each masked run's "
+                                                                "best token above this"})
+    smoothing_weight: float = field(default=0.5, metadata={"help": "iteration smoothing (smooth): weight of the "
+                                                                   "expected embedding at a masked position"})
+    refresh_every: int = field(default=0, metadata={"help": "vicinity KV refresh (kv): recompute the cached K/V "
+                                                            "every this many steps (0: at each block's start)"})
     seed: int | None = field(default=None, metadata={"help": "random seed (torch.Generator('cpu').manual_seed, as "
                                                              "diffusers); default: random"})
 
@@ -86,9 +94,15 @@ class TextSamplingParam:
             problems.append(f"threshold = {self.threshold}: must be >= 0 (above 1: commit the top-k only)")
         if self.sampling_method not in SAMPLING_METHODS:
             problems.append(f"sampling_method = {self.sampling_method!r}: one of {', '.join(SAMPLING_METHODS)}")
-        from composer.text.refinement import STRATEGIES
+        from composer.text.strategies import parse
 
-        if self.decoding not in STRATEGIES:
-            problems.append(f"decoding = {self.decoding!r}: one of {', '.join(STRATEGIES)}")
+        try:
+            parse(self.decoding)
+        except InvalidInputError as exc:
+            problems.append(str(exc))
+        if not 0.0 <= self.smoothing_weight <= 1.0:
+            problems.append(f"smoothing_weight = {self.smoothing_weight}: must be in [0, 1]")
+        if self.refresh_every < 0:
+            problems.append(f"refresh_every = {self.refresh_every}: must be >= 0")
         if problems:
             raise InvalidInputError("invalid text request: " + "; ".join(problems))

@@ -1,0 +1,47 @@
+"""The scored task of the embedded text model `tiny-dllm`: addition of two numbers below 1000.
+
+A prompt is the two operands, zero-padded to three digits, one token per digit: "0 4 7 + 5 9 1 =" (8 tokens). The
+answer is the sum's digits, "6 3 8", then EOS. Pairs with (1000 a + b) % 97 == 0 (10,310 of the million) are held
+out: never trained on, the problems every accuracy figure is measured on.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+DIGITS = 3
+HELD_OUT_MODULUS = 97
+
+
+def prompt_for(a: int, b: int) -> str:
+    return " ".join(f"{a:0{DIGITS}d}") + " + " + " ".join(f"{b:0{DIGITS}d}") + " ="
+
+
+def answer_for(a: int, b: int) -> str:
+    return " ".join(str(a + b))
+
+
+def is_held_out(a: int, b: int) -> bool:
+    return (1000 * a + b) % HELD_OUT_MODULUS == 0
+
+
+def held_out_problems(count: int, seed: int = 0) -> list[tuple[str, str]]:
+    """`count` distinct held-out problems (prompt, answer), the same for a seed on every machine."""
+    pairs = [(a, b) for a in range(10**DIGITS) for b in range(10**DIGITS) if is_held_out(a, b)]
+    chosen = random.Random(seed).sample(pairs, count)
+    return [(prompt_for(a, b), answer_for(a, b)) for a, b in chosen]
+
+
+def training_pair(rng: random.Random) -> tuple[int, int]:
+    """A random pair that is not held out."""
+    while True:
+        a, b = rng.randrange(10**DIGITS), rng.randrange(10**DIGITS)
+        if not is_held_out(a, b):
+            return a, b
+
+
+def correct(text: str, answer: str) -> bool:
+    """Whether generated text states the answer: its digits (spaces and anything after them ignored) are the sum's."""
+    found = re.match(r"\s*([0-9 ]+)", text)
+    return found is not None and found.group(1).replace(" ", "") == answer.replace(" ", "")

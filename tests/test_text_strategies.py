@@ -1,0 +1,103 @@
+"""composer's LLaDA model (composer/models/llada) and the decoding strategies (composer/text/strategies.py).
+
+The model loads from a folder in LLaDA's own config keys and weight names through composer's model registry; its
+prefix K/V reproduce the full forward; each strategy's rule does what it says; `kv` refreshed every step and
+`smooth` at weight 0 change nothing; strategies that cannot run on a model say so before any forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composer import TextGenerator
+from composer.errors import InvalidInputError, UnsupportedError
+from composer.text import strategies
+from composer.testing.tiny_llada2 import TinyLLaDA2Spec, build_tiny_llada2
+
+PROMPT = "what is two plus two ?"
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory):
+    folder = build_tiny_llada2(tmp_path_factory.mktemp("text") / "tiny-llada", TinyLLaDA2Spec(model="llada"))
+    return TextGenerator.from_pretrained(folder, progress=False)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = build_tiny_llada2(tmp_path_factory.mktemp("text") / "tiny-llama")
+    return TextGenerator.from_pretrained(folder, progress=False)
+
+
+def test_the_llada_model_loads_in_its_own_names_and_reuses_prefix_kv(llada):
+    model = llada.pipeline.modules["model"]
+    assert type(model).__name__ == "LLaDAModelLM"
+    assert "model.transformer.blocks.0.attn_out.weight" in model.state_dict()
+    ids = torch.randint(0, model.config.vocab_size, (2, 14))
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[1, :3] = 0  # padding keys
+    full = model(ids, attention_mask=mask, use_cache=True)
+    prefix = [(k[:, :, :10], v[:, :, :10]) for k, v in full.past_key_values]
+    tail = model(ids[:, 10:], attention_mask=mask, position_ids=torch.arange(10, 14).expand(2, -1),
+                 past_key_values=prefix)
+    torch.testing.assert_close(tail.logits, full.logits[:, 10:], atol=1e-5, rtol=1e-5)
+    bidirectional = model(ids[:, :10], attention_mask=mask[:, :10]).logits  # earlier positions see later ones
+    assert not torch.allclose(bidirectional, full.logits[:, :10], atol=1e-4)
+
+
+def test_commit_rules():
+    mask = 9
+    current = torch.tensor([[mask, mask, 4, mask, mask, mask]])
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    probs = torch.tensor([[0.95, 0.2, 0.99, 0.6, 0.3, 0.7]])
+
+    def decoder(decoding, **kw):
+        settings = dict(threshold=0.9, low_threshold=0.5, smoothing_weight=0.5, refresh_every=0, mask_id=mask)
+        return strategies.Decoder(strategies.parse(decoding), **{**settings, **kw})
+
+    logits = torch.zeros(1, 6, 10)
+    got = decoder("threshold").commit(current, logits, tokens, probs)
+    assert got.committed.tolist() == [[True, False, False, False, False, False]]  # above 0.9, masked only
+    got = decoder("threshold", threshold=0.99).commit(current, logits, tokens, probs)
+    assert got.committed.sum() == 1 and bool(got.committed[0, 0])  # none above: the most confident one
+    got = decoder("hierarchical").commit(current, logits, tokens, probs)
+    # runs of masks: [0, 1] -> 0 (0.95), [3, 4, 5] -> 5 (0.7 > 0.5)
+    assert got.committed.tolist() == [[True, False, False, False, False, True]]
+    assert got.block.tolist() == [[1, mask, 4, mask, mask, 6]]
+    credit = decoder("credit", threshold=0.8)
+    first = credit.commit(current, logits, tokens, probs * 0 + 0.6)  # 0.6 everywhere: only the best one
+    assert first.committed.sum() == 1
+    second = credit.commit(current, logits, tokens, probs * 0 + 0.6)  # the same tokens again: 1 - 0.4^2 = 0.84
+    assert second.committed[0, [0, 1, 3, 4, 5]].all()
+    changed = decoder("credit", threshold=0.8)
+    changed.commit(current, logits, tokens, probs * 0 + 0.6)
+    third = changed.commit(current, logits, tokens + 1, probs * 0 + 0.6)  # another mind: the credit starts over
+    assert third.committed.sum() == 1
+
+
+@pytest.mark.parametrize("bad", ["fast", "exact+kv", "threshold+credit", ""])
+def test_bad_decoding_values_are_refused(bad, llada):
+    with pytest.raises(InvalidInputError, match="decoding"):
+        llada.generate_text(PROMPT, decoding=bad, gen_length=8)
+
+
+def test_kv_refreshed_every_step_and_smooth_at_weight_0_change_nothing(llada):
+    settings = dict(gen_length=24, seed=0, temperature=1.0, threshold=0.3)
+    plain = llada.generate_text(PROMPT, decoding="threshold", **settings)
+    assert llada.generate_text(PROMPT, decoding="threshold+kv", refresh_every=1, **settings).token_ids == \
+        plain.token_ids
+    assert llada.generate_text(PROMPT, decoding="threshold+smooth", smoothing_weight=0.0, **settings).token_ids == \
+        plain.token_ids
+    for decoding in ("threshold+kv", "hierarchical+smooth", "credit+kv+smooth"):
+        result = llada.generate_text(PROMPT, decoding=decoding, **settings)
+        assert len(result.token_ids) == 24 and result.stats.forwards >= 3  # one block of 8 at least a step each
+    exact = llada.generate_text(PROMPT, **settings)
+    assert plain.stats.forwards < exact.stats.forwards  # parallel decoding: fewer forwards than the schedule's
+
+
+def test_strategies_a_model_cannot_run_are_refused_before_any_forward(llama):
+    with pytest.raises(UnsupportedError, match="kv"):
+        llama.generate_text(PROMPT, decoding="threshold+kv", gen_length=8)
+    # smoothing only needs the input embeddings: a transformers model has them
+    result = llama.generate_text(PROMPT, decoding="threshold+smooth", gen_length=8, seed=0)
+    assert len(result.token_ids) == 8
