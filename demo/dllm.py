@@ -89,7 +89,7 @@ def train(settings: DllmTraining, log=print) -> LLaDAModelLM:
     torch.manual_seed(settings.seed)
     rng, generator = random.Random(settings.seed), torch.Generator().manual_seed(settings.seed)
     model = LLaDAModelLM(config(settings))
-    for name, p in model.named_parameters():  # small init, as a Llama's
+    for p in model.parameters():  # small init, as a Llama's
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01, betas=(0.9, 0.98))

@@ -11,8 +11,8 @@ import torch
 
 from composer import TextGenerator
 from composer.errors import InvalidInputError, UnsupportedError
-from composer.text import strategies
 from composer.testing.tiny_llada2 import TinyLLaDA2Spec, build_tiny_llada2
+from composer.text import strategies
 
 PROMPT = "what is two plus two ?"
 

@@ -12,8 +12,7 @@ num_inference_steps or steps, threshold, decoding, top_k, editing_threshold, ...
 `extra_body`). OpenAI fields composer cannot honour (logprobs, penalties, logit_bias, tools, response_format) are
 refused when set; bookkeeping ones (user, metadata, store, stream_options) are accepted.
 
-Requests run on a thread each; the model's forwards take turns (one request at a time per module). Batching text
-requests per step through the scheduler is not built yet (docs/text-diffusion.md).
+Requests run on a thread each; their refinement steps share model forwards (composer/text/batching.py).
 """
 
 from __future__ import annotations

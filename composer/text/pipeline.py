@@ -22,6 +22,7 @@ from composer.pipelines.base import ComposedPipeline
 from composer.stages.base import Stage
 from composer.stages.validators import VerificationResult
 from composer.text import refinement, strategies
+from composer.text.batching import ForwardBatcher
 from composer.text.sampling import TextSamplingParam
 
 
@@ -118,12 +119,16 @@ class PromptTokenizationStage(Stage):
 
 
 class BlockRefinementStage(Stage):
-    """The block refinement loop (composer/text/refinement.py) over the model: `forward` runs it whole, `stream`
-    yields each row's newly final text ids after every block."""
+    """The block refinement loop (composer/text/refinement.py) over the model: `forward` runs it whole, `blocks`
+    yields after every block. Requests run it at once, each on its thread; their forwards meet in the batcher
+    (composer/text/batching.py)."""
+
+    concurrent = True
 
     def __init__(self, model: torch.nn.Module, block_length: int, mask_id: int, eos_id: int | None,
-                 device: torch.device):
+                 device: torch.device, batcher: ForwardBatcher | None = None):
         self.model = model
+        self.batcher = batcher
         self.block_length = block_length
         self.mask_id = mask_id
         self.eos_id = eos_id
@@ -179,7 +184,7 @@ class BlockRefinementStage(Stage):
                 had_masks = bool((current == self.mask_id).any())
                 if not had_masks:
                     post_steps += 1
-                logits = self._logits(window, window_attention, window_positions)[:, -block:, :]
+                logits = self._logits(window, window_attention, window_positions, block)
                 batch.stats.forwards += 1
                 tokens, probs = refinement.sample(
                     logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, multinomial=multinomial,
@@ -222,7 +227,7 @@ class BlockRefinementStage(Stage):
                 break
             if batch.cancel is not None:
                 batch.cancel.check()
-            logits = decoder.logits(self.model, window, attention, positions, block)
+            logits = decoder.logits(self.model, window, attention, positions, block, plain=self._logits)
             batch.stats.forwards += 1
             tokens, probs = refinement.sample(logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
                                               multinomial=multinomial, generator=batch.generator)
@@ -235,8 +240,11 @@ class BlockRefinementStage(Stage):
         return finished
 
     @torch.inference_mode()
-    def _logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, attention_mask=attention, position_ids=positions).logits
+    def _logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
+        """The last `block` positions' logits of one plain forward (shared with other requests' by the batcher)."""
+        if self.batcher is not None:
+            return self.batcher.logits(ids, attention, positions, block)
+        return self.model(ids, attention_mask=attention, position_ids=positions).logits[:, -block:, :]
 
 
 class DetokenizeStage(Stage):
@@ -296,11 +304,28 @@ class TextPipeline(ComposedPipeline):
         value = config.get("block_length") if hasattr(config, "get") else getattr(config, "block_length", None)
         return int(value or 32)
 
+    def check_supported(self) -> None:
+        """The runtime hooks that act on a video model's transformer do not act on a text model yet: refuse them
+        rather than run without them."""
+        from composer.errors import UnsupportedError
+
+        r = self.runtime
+        unsupported = [name for name, on in (
+            ("quantize", r.quantize != "none"), ("lora_path", bool(r.lora_path)), ("offload", r.offload != "none"),
+            ("compile", r.compile != "none"), ("cache", r.cache != "none"),
+            ("parallel degrees", r.ulysses_degree * r.ring_degree * r.tp_size > 1 or r.cfg_parallel)) if on]
+        if unsupported:
+            raise UnsupportedError(f"{', '.join(unsupported)} for a diffusion language model is not supported yet "
+                                   "(docs/text-diffusion.md); load it without")
+
     def create_stages(self) -> None:
         mask, eos = self.special_ids()
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.batcher = ForwardBatcher(self.modules["model"], pad if pad is not None else (eos or 0),
+                                      self.runtime.max_batch_size, self.runtime.max_batch_tokens)
         self.add_stage(PromptTokenizationStage(self.tokenizer))
         self.add_stage(BlockRefinementStage(self.modules["model"], self.scheduler_block_length(), mask, eos,
-                                            self.device))
+                                            self.device, self.batcher))
         self.add_stage(DetokenizeStage(self.tokenizer, eos))
 
     def run(self, batch: TextBatch) -> TextBatch:

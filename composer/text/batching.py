@@ -1,0 +1,127 @@
+"""Text requests share model forwards: each refinement step's forward of every request running at once goes into
+one padded call.
+
+Requests run their own loops (their own generators, draws and commits), each on its thread; a step's forward is a
+unit handed to the pipeline's `ForwardBatcher`. The first waiting thread runs a call with every pending unit (oldest
+first, up to `max_rows` rows: the runtime's `max_batch_size`; `max_tokens`: `max_batch_tokens`, rows x padded
+length), the others wait for their logits. Rows of different lengths are padded on the right: each keeps its own
+positions, the padding is masked out of every row's attention, and a row's logits are its own positions' (a causal
+model never sees the padding after it; a bidirectional one has it masked). So a request's ids are its solo run's
+(tests/test_text_batching.py checks them equal; the logits agree to float rounding).
+
+While a call runs, the units of the other requests queue; the next call takes them all: requests in step with one
+another share every call.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class _Unit:
+    ids: torch.Tensor  # [rows, length]
+    attention: torch.Tensor
+    positions: torch.Tensor
+    block: int
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+@dataclass
+class BatchStats:
+    calls: int = 0  # model forwards run
+    units: int = 0  # requests' steps served
+    batched_units: int = 0  # units that shared their call with another request's
+    largest: int = 0  # the most units one call served
+    extras: dict = field(default_factory=dict)
+
+
+class ForwardBatcher:
+    def __init__(self, model: torch.nn.Module, pad_id: int, max_rows: int | None = None,
+                 max_tokens: int | None = None):
+        self.model = model
+        self.pad_id = pad_id
+        self.max_rows = max_rows
+        self.max_tokens = max_tokens
+        self.stats = BatchStats()
+        self._cv = threading.Condition()
+        self._pending: list[_Unit] = []
+        self._running = False
+
+    def logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
+               block: int) -> torch.Tensor:
+        """The logits of the last `block` positions of `ids` [rows, length], run with whatever else is pending."""
+        unit = _Unit(ids, attention, positions, block)
+        with self._cv:
+            self._pending.append(unit)
+            self._cv.notify_all()
+            while not unit.done:
+                if self._running:
+                    self._cv.wait()
+                    continue
+                units = self._take()
+                self._running = True
+                self._cv.release()
+                try:
+                    self._run(units)
+                finally:
+                    self._cv.acquire()
+                    self._running = False
+                    self._cv.notify_all()
+        if unit.error is not None:
+            raise unit.error
+        return unit.result
+
+    def _take(self) -> list[_Unit]:
+        """(Lock held) The oldest pending units within the budgets (at least one)."""
+        chosen, rows, longest = [], 0, 0
+        for unit in self._pending:
+            n, length = unit.ids.shape[0], max(longest, unit.ids.shape[1])
+            if chosen and ((self.max_rows is not None and rows + n > self.max_rows)
+                           or (self.max_tokens is not None and (rows + n) * length > self.max_tokens)):
+                break
+            chosen.append(unit)
+            rows, longest = rows + n, length
+        self._pending = self._pending[len(chosen):]
+        return chosen
+
+    @torch.inference_mode()
+    def _run(self, units: list[_Unit]) -> None:
+        try:
+            if len(units) == 1:
+                u = units[0]
+                out = self.model(u.ids, attention_mask=u.attention, position_ids=u.positions).logits
+                u.result = out[:, -u.block:, :]
+            else:
+                length = max(u.ids.shape[1] for u in units)
+                ids = torch.cat([_pad(u.ids, length, self.pad_id) for u in units])
+                attention = torch.cat([_pad(u.attention, length, 0) for u in units])
+                positions = torch.cat([_pad(u.positions, length, 0) for u in units])
+                out = self.model(ids, attention_mask=attention, position_ids=positions).logits
+                row = 0
+                for u in units:
+                    n, end = u.ids.shape[0], u.ids.shape[1]
+                    u.result = out[row:row + n, end - u.block:end, :]
+                    row += n
+        except BaseException as exc:  # noqa: BLE001 - every unit of the call gets it
+            for u in units:
+                u.error = exc
+        finally:
+            for u in units:
+                u.done = True
+            stats = self.stats
+            stats.calls += 1
+            stats.units += len(units)
+            stats.batched_units += len(units) if len(units) > 1 else 0
+            stats.largest = max(stats.largest, len(units))
+
+
+def _pad(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    if t.shape[1] == length:
+        return t
+    return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value)

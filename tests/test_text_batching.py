@@ -1,0 +1,81 @@
+"""Text requests at once share model forwards (composer/text/batching.py), and each gives its solo run's ids:
+different prompts, lengths, block lengths, seeds, sampled and greedy, a list-of-prompts request, and a strategy
+that cannot share (kv) running beside them; on a causal transformers model and on composer's bidirectional LLaDA."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from composer import TextGenerator
+from composer.errors import UnsupportedError
+from composer.testing.tiny_llada2 import TinyLLaDA2Spec, build_tiny_llada2
+
+REQUESTS = [
+    ("what is two plus two ?", {"gen_length": 16, "seed": 1}),
+    ("the cat is red", {"gen_length": 24, "seed": 2, "temperature": 1.0}),
+    (["sort the list one five two", "why is the sky blue ?"], {"gen_length": 12, "seed": 3, "temperature": 0.8,
+                                                               "use_chat_template": False}),
+    ("a big dog", {"gen_length": 20, "seed": 4, "block_length": 4, "temperature": 1.0, "decoding": "threshold",
+                   "threshold": 0.3}),
+]
+
+
+class SlowForward(torch.nn.Module):
+    """The model, 20 ms slower a forward: the other requests' steps queue meanwhile (as on a real model)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, *args, **kwargs):
+        time.sleep(0.02)
+        return self.inner(*args, **kwargs)
+
+
+def _together(gen, requests):
+    results = [None] * len(requests)
+
+    def run(i, prompt, settings):
+        results[i] = gen.generate_text(prompt, num_inference_steps=4, **settings)
+
+    threads = [threading.Thread(target=run, args=(i, p, s)) for i, (p, s) in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+@pytest.mark.parametrize("model", ["llama", "llada"])
+def test_requests_at_once_share_forwards_and_each_equals_its_solo_run(model, tmp_path):
+    folder = build_tiny_llada2(tmp_path / model, TinyLLaDA2Spec(model=model))
+    gen = TextGenerator.from_pretrained(folder, progress=False)
+    requests = list(REQUESTS)
+    if model == "llada":  # a request whose strategy runs its own forwards (the prefix K/V), beside the others
+        requests.append(("the sea is blue", {"gen_length": 16, "seed": 5, "decoding": "threshold+kv",
+                                             "threshold": 0.3}))
+    solo = [gen.generate_text(p, num_inference_steps=4, **s) for p, s in requests]
+    batcher = gen.pipeline.batcher
+    batcher.model = SlowForward(batcher.model)
+    before = batcher.stats.calls, batcher.stats.units
+    together = _together(gen, requests)
+    for alone, shared in zip(solo, together):
+        alone, shared = (alone, shared) if isinstance(alone, list) else ([alone], [shared])
+        assert [r.token_ids for r in shared] == [r.token_ids for r in alone]
+        assert [r.text for r in shared] == [r.text for r in alone]
+    calls, units = batcher.stats.calls - before[0], batcher.stats.units - before[1]
+    assert calls < units and batcher.stats.batched_units > 0, (calls, units)
+
+
+def test_the_batch_budget_and_unsupported_hooks(tmp_path):
+    folder = build_tiny_llada2(tmp_path / "m")
+    gen = TextGenerator.from_pretrained(folder, progress=False, max_batch_size=1)
+    gen.pipeline.batcher.model = SlowForward(gen.pipeline.batcher.model)
+    _together(gen, REQUESTS[:2])
+    assert gen.pipeline.batcher.stats.largest == 1  # one row a call
+    with pytest.raises(UnsupportedError, match="compile"):
+        TextGenerator.from_pretrained(folder, progress=False, compile="regional")
