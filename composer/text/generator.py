@@ -109,6 +109,12 @@ class TextGenerator:
         if sp.seed is None:
             sp = dataclasses.replace(sp, seed=random.SystemRandom().randrange(2**32))
         sp.check()
+        allowed = getattr(self.pipeline, "strategies", None)
+        if allowed is not None and sp.decoding not in allowed:
+            from composer.errors import InvalidInputError
+
+            raise InvalidInputError(f"decoding = {sp.decoding!r}: {type(self.pipeline).__name__} takes "
+                                    f"{', '.join(allowed)} only")
         prompts = [sp.prompt] if isinstance(sp.prompt, str) else list(sp.prompt)
         generator = torch.Generator("cpu").manual_seed(sp.seed)  # what a seed means to diffusers' pipeline
         return TextBatch(prompts=prompts, sampling=sp, generator=generator, cancel=cancel, messages=conversations)

@@ -276,6 +276,7 @@ class TextPipeline(ComposedPipeline):
     modality = "text"
     required_modules = ("model", "tokenizer", "scheduler")
     batches_videos = False
+    strategies: tuple[str, ...] | None = None  # the decoding values it takes (None: every strategy)
 
     def module_dtype(self, name: str) -> torch.dtype | None:
         if name == "model":
