@@ -26,6 +26,8 @@ Parts (sizes as on the GPU; `--tiny` shrinks the models and videos, same code):
   streams, medians of 3.
 - kv-pool: the paged KV pool's passes (one run of pages: a view; scattered: a gather) against the contiguous
   KV cache at Self-Forcing 1.3B's cache shape, 480x832, bf16 (benchmarks/kv_pool.py).
+- dllm: the diffusion-LM decoding strategies on the embedded tiny-dllm against the exact path (forwards per token,
+  tokens/s, accuracy on 300 held-out problems) and batch 1/8/32 throughput (benchmarks/dllm.py).
 
 Speed does not depend on the weights' values: random weights give the same seconds as a real checkpoint. Quality
 figures (PSNR, differences) of approximate paths on random weights say little; docs/ quote them as such.
@@ -76,6 +78,8 @@ PARTS: dict[str, tuple[int, str]] = {
     "concurrency": (300, "1, 2, 4, 8 concurrent requests through the step scheduler vs one after another, on threads "
                          "and as tasks"),
     "kv-pool": (60, "the paged KV pool's passes vs the contiguous cache at Self-Forcing 1.3B's cache shape"),
+    "dllm": (90, "diffusion-LM decoding strategies on tiny-dllm vs the exact path: forwards/token, tokens/s, "
+                 "accuracy; batch 1/8/32 throughput"),
 }
 
 
@@ -464,6 +468,16 @@ def part_kv_pool(args) -> dict:
     return {"report": res.stdout[-3000:]}
 
 
+def part_dllm(args) -> dict:
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "dllm.py"), "--device", args.device, "--dtype", "fp32"]
+    if args.tiny:
+        cmd += ["--problems", "32", "--strategies", "exact,threshold"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS["dllm"][0] * args.budget_scale)
+    if res.returncode:
+        raise RuntimeError(f"dllm.py exited {res.returncode}: {(res.stderr or res.stdout)[-2000:]}")
+    return {"report": res.stdout[-3000:]}
+
+
 PART_FUNCS = {
     "dit-1.3b": lambda a: part_dit(a, "1.3b"),
     "dit-14b": lambda a: part_dit(a, "14b"),
@@ -474,6 +488,7 @@ PART_FUNCS = {
     "sparse": part_sparse,
     "concurrency": part_concurrency,
     "kv-pool": part_kv_pool,
+    "dllm": part_dllm,
 }
 
 
@@ -556,7 +571,7 @@ def summary_rows(name: str, r: dict) -> list[str]:
                 f"{fmt(r.get('layerwise_allocated_gib', r.get('layerwise_peak_gib')), ' GiB')} vs "
                 f"{fmt(r.get('resident_allocated_gib', r.get('resident_peak_gib')), ' GiB')}; max abs diff "
                 f"{r['max_abs_diff']:.1e} |"]
-    if name in ("sparse", "concurrency", "kv-pool"):
+    if name in ("sparse", "concurrency", "kv-pool", "dllm"):
         return [f"| {name} | see its report below | - | - | - | |"]
     return [f"| {name} | {json.dumps(r)[:200]} | | | | |"]
 

@@ -87,6 +87,22 @@ class TextGenerator:
         defaults = resolved.stated
         return cls(pipeline, defaults, resolved.model_path, configs.family.name)
 
+    def set_lora(self, paths: str | os.PathLike | list, scales: float | list[float] | None = None) -> str:
+        """Replace the model's LoRA adapters with `paths` (.safetensors files in PEFT's naming, or a PEFT adapter
+        folder; scale 1.0 each unless `scales` gives one per file). Waits for the running requests; takes effect
+        from the next one. Returns the adapters' description."""
+        paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        scales = [scales] if isinstance(scales, (int, float)) else scales
+        with self.pipeline.gate.exclusive("set_lora"):
+            adapters = self.pipeline.lora_adapters("model")
+            adapters.set(paths, scales, fuse=False)
+            return adapters.describe()
+
+    def unset_lora(self) -> None:
+        """Remove every LoRA adapter: the next request is the base model's, bit for bit."""
+        with self.pipeline.gate.exclusive("unset_lora"):
+            self.pipeline.lora_adapters("model").unset()
+
     def sampling_param(self, **overrides: Any) -> TextSamplingParam:
         """The defaults (family < model folder) with `overrides` applied (ConfigError for unknown keys)."""
         return self.default_sampling.updated(**overrides)

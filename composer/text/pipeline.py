@@ -283,6 +283,10 @@ class TextPipeline(ComposedPipeline):
             return self.runtime.torch_dtype
         return super().module_dtype(name)
 
+    def denoiser_names(self) -> list[str]:
+        """The denoiser is the language model: what LoRA adapters (lora_path, set_lora) act on."""
+        return ["model"]
+
     @property
     def tokenizer(self) -> Any:
         return self.modules["tokenizer"]
@@ -312,7 +316,7 @@ class TextPipeline(ComposedPipeline):
 
         r = self.runtime
         unsupported = [name for name, on in (
-            ("quantize", r.quantize != "none"), ("lora_path", bool(r.lora_path)), ("offload", r.offload != "none"),
+            ("quantize", r.quantize != "none"), ("offload", r.offload != "none"),
             ("compile", r.compile != "none"), ("cache", r.cache != "none"),
             ("parallel degrees", r.ulysses_degree * r.ring_degree * r.tp_size > 1 or r.cfg_parallel)) if on]
         if unsupported:
@@ -330,19 +334,22 @@ class TextPipeline(ComposedPipeline):
         self.add_stage(DetokenizeStage(self.tokenizer, eos))
 
     def run(self, batch: TextBatch) -> TextBatch:
-        """Every stage over `batch`, one request at a time per module (the model's forwards included)."""
-        for stage in self.stages:
-            with self._stage_lock(stage):
-                batch = stage(batch)
+        """Every stage over `batch` (the refinement stage at once with other requests'; the others one request at a
+        time per module). The request holds its place at the gate: set_lora waits for it."""
+        with self.gate.request():
+            for stage in self.stages:
+                with self._stage_lock(stage):
+                    batch = stage(batch)
         return batch
 
     def stream(self, batch: TextBatch) -> Iterator[int]:
         """As `run`, yielding after each block the count of generated tokens that are final (in `batch.sequences`);
         `batch.texts` is set at the end."""
         tokenize, refine, detokenize = self.stages
-        with self._stage_lock(tokenize):
-            batch = tokenize(batch)
-        with self._stage_lock(refine):
-            yield from refine.blocks(batch)
-        with self._stage_lock(detokenize):
-            detokenize(batch)
+        with self.gate.request(key=("stream", id(batch))):
+            with self._stage_lock(tokenize):
+                batch = tokenize(batch)
+            with self._stage_lock(refine):
+                yield from refine.blocks(batch)
+            with self._stage_lock(detokenize):
+                detokenize(batch)
