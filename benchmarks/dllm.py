@@ -7,6 +7,7 @@ the exact path in the same run (**fewer fwd**: exact's forwards per token / this
 Then throughput of the exact path and of the fastest strategy at batch 1, 8 and 32 prompts, and peak memory.
 
     python benchmarks/dllm.py                                   # 300 problems, CPU (2 cores: ~2 min)
+    python benchmarks/dllm.py --threshold 0.5 --temperature 1.0     # sampled: where the strategies part ways
     python benchmarks/dllm.py --device cuda --dtype fp32 --json dllm.json
     python benchmarks/dllm.py --model-path PATH --prompt-file prompts.txt   # any LLaDA2 folder: speed only
 """
@@ -56,6 +57,7 @@ def main() -> int:
     parser.add_argument("--problems", type=int, default=300)
     parser.add_argument("--batch", type=int, default=32, help="prompts a call in the strategy table")
     parser.add_argument("--threshold", type=float, default=0.9, help="the strategies' commit threshold")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every run")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32")
@@ -78,7 +80,7 @@ def main() -> int:
     rows = []
     for decoding in args.strategies.split(","):
         settings = {} if decoding == "exact" else {"threshold": args.threshold}
-        rows.append(run(gen, prompts, answers, decoding, args.batch, **settings))
+        rows.append(run(gen, prompts, answers, decoding, args.batch, temperature=args.temperature, **settings))
     exact = rows[0]
     print(f"{'decoding':24} {'fwd/token':>9} {'fewer fwd':>9} {'tokens/s':>9} {'accuracy':>8} {'acc delta':>9}")
     for row in rows:
@@ -94,7 +96,8 @@ def main() -> int:
         settings = {} if decoding == "exact" else {"threshold": args.threshold}
         line = []
         for batch in (1, 8, 32):
-            r = run(gen, prompts[:min(len(prompts), 96)], None, decoding, batch, **settings)
+            r = run(gen, prompts[:min(len(prompts), 96)], None, decoding, batch, temperature=args.temperature,
+                    **settings)
             throughput.append(r)
             line.append(f"batch {batch}: {r['tokens_per_second']:.1f}")
         print(f"  {decoding:24} " + "  ".join(line))

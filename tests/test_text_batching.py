@@ -14,6 +14,7 @@ from composer import TextGenerator
 from composer.errors import UnsupportedError
 from composer.testing.tiny_llada2 import TinyLLaDA2Spec, build_tiny_llada2
 
+pytestmark = pytest.mark.slow
 REQUESTS = [
     ("what is two plus two ?", {"gen_length": 16, "seed": 1}),
     ("the cat is red", {"gen_length": 24, "seed": 2, "temperature": 1.0}),

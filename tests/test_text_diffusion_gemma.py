@@ -17,6 +17,7 @@ from composer import TextGenerator
 from composer.errors import InvalidInputError
 from composer.testing.tiny_diffusion_gemma import TinyDiffusionGemmaSpec, build_tiny_diffusion_gemma
 
+pytestmark = pytest.mark.slow
 PROMPT = "what is two plus two ?"
 SCHEDULERS = {
     "refinement": ("BlockRefinementScheduler", {}),

@@ -14,6 +14,7 @@ from composer.errors import InvalidInputError, UnsupportedError
 from composer.testing.tiny_llada2 import TinyLLaDA2Spec, build_tiny_llada2
 from composer.text import strategies
 
+pytestmark = pytest.mark.slow
 PROMPT = "what is two plus two ?"
 
 

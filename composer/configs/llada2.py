@@ -25,13 +25,13 @@ class LLaDA2SamplingParam(TextSamplingParam):
 
 @dataclass
 class TinyDllmSamplingParam(TextSamplingParam):
-    """The embedded tiny-dllm (addition; composer/text/tasks.py): 8 tokens in blocks of 4, one token a step by
-    confidence (threshold above 1: the schedule alone commits), no editing, no chat template. Its folder's
-    composer.json states the same."""
+    """The embedded tiny-dllm (addition; composer/text/tasks.py): 8 tokens in one block (the whole answer, as it was
+    trained), one token a step by confidence (threshold above 1: the schedule alone commits), no editing, no chat
+    template. Its folder's composer.json states the same."""
 
     gen_length: int = 8
-    block_length: int | None = 4
-    num_inference_steps: int = 4
+    block_length: int | None = 8
+    num_inference_steps: int = 8
     threshold: float = 1.01
     editing_threshold: float | None = 0.0
     use_chat_template: bool = False

@@ -67,11 +67,14 @@ class TextGenerator:
         self.family = family
 
     @classmethod
-    def from_pretrained(cls, model_path: str | os.PathLike, **runtime_kwargs: Any) -> TextGenerator:
-        """Load a diffusion language model folder or hub id. `runtime_kwargs` are RuntimeArgs fields (device,
-        dtype, ...), every bad one reported in one ConfigError before anything loads."""
+    def from_pretrained(cls, model_path: str | os.PathLike | None = None, **runtime_kwargs: Any) -> TextGenerator:
+        """Load a diffusion language model folder or hub id (None: the embedded tiny-dllm). `runtime_kwargs` are
+        RuntimeArgs fields (device, dtype, lora_path, max_batch_size, ...), every bad one reported in one
+        ConfigError before anything loads."""
+        from composer.demo.packaged import TEXT_NAME
         from composer.generator import check_model_configs, resolve_model
 
+        model_path = TEXT_NAME if model_path is None else model_path
         runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
         resolved = resolve_model(model_path, runtime.model_family)
         if getattr(resolved.pipeline_cls, "modality", "video") != "text":
