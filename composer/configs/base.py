@@ -42,8 +42,40 @@ class PipelineConfig:
         return dataclasses.replace(self, **changes)
 
 
+class SamplingSettings:
+    """What every request's settings class does (SamplingParam, composer.text's TextSamplingParam): copies with
+    overrides or a folder's defaults, every bad key or value reported in one ConfigError."""
+
+    _what = "sampling parameter"  # how errors name one setting
+    _uncoerced = ()  # fields taken as given (a text request's prompt may be a list)
+
+    def updated(self, **overrides: Any):
+        """A copy with `overrides` applied (None values ignored); one ConfigError lists every bad key/value."""
+        errors = unknown_key_errors(type(self), overrides, self._what)
+        hints = field_types(type(self))
+        values = {}
+        for key, value in overrides.items():
+            if key in hints and value is not None:
+                values[key] = value if key in self._uncoerced else coerce(value, hints[key], key, errors)
+        raise_if_errors(errors, f"{self._what}s")
+        return dataclasses.replace(self, **values)
+
+    def with_folder_defaults(self, values: dict[str, Any], source: str = "the model folder"):
+        """A copy with the defaults a model folder states (`ComposedPipeline.sampling_defaults()`, or its
+        composer.json's `sampling`, named by `source` in errors), over the family's. Unlike `updated`, None is
+        applied: the folder fixes that setting, so no family value fits."""
+        errors = unknown_key_errors(type(self), values, self._what.replace("parameter", "default"))
+        hints = field_types(type(self))
+        changes = {key: coerce(value, hints[key], key, errors) for key, value in values.items() if key in hints}
+        raise_if_errors(errors, f"sampling defaults of {source}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclass
-class SamplingParam:
+class SamplingParam(SamplingSettings):
     """One generation request. Same field names as `generate_video` kwargs, CLI flags, YAML and HTTP."""
 
     prompt: str | None = field(
@@ -80,26 +112,3 @@ class SamplingParam:
         default=False, metadata={"help": "replace an existing output file (or a folder of earlier frames)"}
     )
 
-    def updated(self, **overrides: Any) -> SamplingParam:
-        """A copy with `overrides` applied (None values ignored); one ConfigError lists every bad key/value."""
-        errors = unknown_key_errors(type(self), overrides, "sampling parameter")
-        hints = field_types(type(self))
-        values = {}
-        for key, value in overrides.items():
-            if key in hints and value is not None:
-                values[key] = coerce(value, hints[key], key, errors)
-        raise_if_errors(errors, "sampling parameters")
-        return dataclasses.replace(self, **values)
-
-    def with_folder_defaults(self, values: dict[str, Any], source: str = "the model folder") -> SamplingParam:
-        """A copy with the defaults a model folder states (`ComposedPipeline.sampling_defaults()`, or its
-        composer.json's `sampling`, named by `source` in errors), over the family's. Unlike `updated`, None is
-        applied: the folder fixes that setting, so no family value fits."""
-        errors = unknown_key_errors(type(self), values, "sampling default")
-        hints = field_types(type(self))
-        changes = {key: coerce(value, hints[key], key, errors) for key, value in values.items() if key in hints}
-        raise_if_errors(errors, f"sampling defaults of {source}")
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)

@@ -94,6 +94,24 @@ def error(status: int, message: str, field: str | None = None, headers: dict | N
                         headers=headers)
 
 
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style body: HTTP errors with their status, bad bodies 422, anything unexpected 500
+    (logged; the server goes on)."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return error(422, str(exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error serving %s", request.url.path)
+        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
 def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
     """The app serving the generator `load()` returns (called once, in a background thread at startup)."""
     state = ServerState(load, config)
@@ -111,18 +129,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
     streams = add_stream_routes(app, state)  # WebSocket /v1/streams (live streams of causal models)
     add_session_routes(app, state, lambda: state.sessions)  # /v1/sessions (sessions.py)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        return error(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        return error(422, str(exc.errors()))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        logger.exception("unexpected error serving %s", request.url.path)
-        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+    add_error_handlers(app)
 
     def ready():
         if state.generator is None:

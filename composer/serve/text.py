@@ -26,14 +26,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
 
 from composer.errors import ComposerError
 from composer.logging import get_logger
-from composer.serve.app import ServeConfig, _read_json, error
+from composer.serve.app import ServeConfig, _read_json, add_error_handlers, error
 from composer.serve.requests import RequestProblem as _Problem
 
 
@@ -137,18 +135,7 @@ def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
                   "shaped).", lifespan=lifespan)
     app.state.composer = state
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        return error(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        return error(422, str(exc.errors()))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        logger.exception("unexpected error serving %s", request.url.path)
-        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+    add_error_handlers(app)
 
     def ready():
         if state.generator is None:

@@ -24,7 +24,7 @@ from composer.cancel import CancelToken
 from composer.errors import UnsupportedError
 from composer.logging import get_logger
 from composer.runtime import RuntimeArgs
-from composer.text.pipeline import TextBatch, TextPipeline, TextStats
+from composer.text.pipeline import TextBatch, TextPipeline, TextStats, until_eos
 from composer.text.sampling import TextSamplingParam
 
 logger = get_logger(__name__)
@@ -160,7 +160,7 @@ class TextGenerator:
         shown = [""] * batch.rows
         for final in self.pipeline.stream(batch):
             for row in range(batch.rows):
-                ids = _final_ids(batch.sequences[row, :final].cpu(), eos)
+                ids = until_eos(batch.sequences[row, :final].cpu(), eos)
                 text = self.pipeline.tokenizer.decode(ids, skip_special_tokens=True)
                 if text != shown[row] and text.startswith(shown[row]):
                     yield TextPiece(row, text[len(shown[row]):], text, ids.tolist())
@@ -190,10 +190,3 @@ def _conversations(messages: Any) -> list[list[dict[str, str]]]:
             raise InvalidInputError("messages: a non-empty list of {'role': str, 'content': str} (or a list of such "
                                     "lists)")
     return conversations
-
-
-def _final_ids(row: torch.Tensor, eos: int | None) -> torch.Tensor:
-    if eos is None:
-        return row
-    where = (row == eos).nonzero()
-    return row[: int(where[0, 0]) + 1] if where.numel() else row

@@ -255,14 +255,14 @@ class DetokenizeStage(Stage):
         self.eos_id = eos_id
 
     def forward(self, batch: TextBatch) -> TextBatch:
-        rows = [_until_eos(row, self.eos_id) for row in batch.sequences.cpu()]
+        rows = [until_eos(row, self.eos_id) for row in batch.sequences.cpu()]
         batch.token_ids = [r.tolist() for r in rows]
         batch.texts = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
         batch.stats.tokens = sum(len(r) for r in batch.token_ids)
         return batch
 
 
-def _until_eos(row: torch.Tensor, eos_id: int | None) -> torch.Tensor:
+def until_eos(row: torch.Tensor, eos_id: int | None) -> torch.Tensor:
     if eos_id is None:
         return row
     where = (row == eos_id).nonzero()

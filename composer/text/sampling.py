@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
-from composer._fields import coerce, field_types, raise_if_errors, unknown_key_errors
+from composer.configs.base import SamplingSettings
 from composer.errors import InvalidInputError
 
 SAMPLING_METHODS = ("auto", "greedy", "multinomial")
 
 
 @dataclass
-class TextSamplingParam:
+class TextSamplingParam(SamplingSettings):
     """What one text request asks for. The defaults are diffusers' LLaDA2Pipeline's; a family or a model folder
     (composer.json `sampling`) may state others, and a request's own values win over both."""
+
+    _what = "text sampling parameter"
+    _uncoerced = ("prompt",)
 
     prompt: str | list[str] | None = field(default=None, metadata={"help": "the prompt (generate_text also takes a "
                                                                            "list: one text per prompt)"})
@@ -48,28 +49,6 @@ class TextSamplingParam:
                                                             "every this many steps (0: at each block's start)"})
     seed: int | None = field(default=None, metadata={"help": "random seed (torch.Generator('cpu').manual_seed, as "
                                                              "diffusers); default: random"})
-
-    def updated(self, **overrides: Any) -> TextSamplingParam:
-        """A copy with `overrides` applied (None values ignored); one ConfigError lists every bad key/value."""
-        errors = unknown_key_errors(type(self), overrides, "text sampling parameter")
-        hints = field_types(type(self))
-        values = {}
-        for key, value in overrides.items():
-            if key in hints and value is not None:
-                values[key] = value if key == "prompt" else coerce(value, hints[key], key, errors)
-        raise_if_errors(errors, "text sampling parameters")
-        return dataclasses.replace(self, **values)
-
-    def with_folder_defaults(self, values: dict[str, Any], source: str = "the model folder") -> TextSamplingParam:
-        """A copy with the defaults a model folder states over the family's (None applied: the folder fixes it)."""
-        errors = unknown_key_errors(type(self), values, "text sampling default")
-        hints = field_types(type(self))
-        changes = {key: coerce(value, hints[key], key, errors) for key, value in values.items() if key in hints}
-        raise_if_errors(errors, f"sampling defaults of {source}")
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     def check(self) -> None:
         """Every bad value in one InvalidInputError (the request's input, checked once before any work)."""
