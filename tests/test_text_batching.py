@@ -78,5 +78,5 @@ def test_the_batch_budget_and_unsupported_hooks(tmp_path):
     gen.pipeline.batcher.model = SlowForward(gen.pipeline.batcher.model)
     _together(gen, REQUESTS[:2])
     assert gen.pipeline.batcher.stats.largest == 1  # one row a call
-    with pytest.raises(UnsupportedError, match="compile"):
-        TextGenerator.from_pretrained(folder, progress=False, compile="regional")
+    with pytest.raises(UnsupportedError, match="cache"):
+        TextGenerator.from_pretrained(folder, progress=False, cache="teacache")

@@ -102,3 +102,17 @@ def test_strategies_a_model_cannot_run_are_refused_before_any_forward(llama):
     # smoothing only needs the input embeddings: a transformers model has them
     result = llama.generate_text(PROMPT, decoding="threshold+smooth", gen_length=8, seed=0)
     assert len(result.token_ids) == 8
+
+
+def test_compile_regional_gives_the_eager_ids(tmp_path):
+    """compile = regional on composer's LLaDA model (each block's forward compiled once) and full on a transformers
+    model: the same ids as eager for a sampled request and a strategy, the logits within float rounding."""
+    for model in ("llada", "llama"):
+        folder = build_tiny_llada2(tmp_path / model, TinyLLaDA2Spec(model=model))
+        eager = TextGenerator.from_pretrained(folder, progress=False)
+        compiled = TextGenerator.from_pretrained(folder, progress=False,
+                                                 compile="regional" if model == "llada" else "full")
+        for settings in ({"temperature": 1.0}, {"decoding": "threshold", "threshold": 0.3}):
+            a = eager.generate_text(PROMPT, gen_length=16, num_inference_steps=4, seed=0, **settings)
+            b = compiled.generate_text(PROMPT, gen_length=16, num_inference_steps=4, seed=0, **settings)
+            assert a.token_ids == b.token_ids, (model, settings)

@@ -317,7 +317,7 @@ class TextPipeline(ComposedPipeline):
         r = self.runtime
         unsupported = [name for name, on in (
             ("quantize", r.quantize != "none"), ("offload", r.offload != "none"),
-            ("compile", r.compile != "none"), ("cache", r.cache != "none"),
+            ("cache", r.cache != "none"),
             ("parallel degrees", r.ulysses_degree * r.ring_degree * r.tp_size > 1 or r.cfg_parallel)) if on]
         if unsupported:
             raise UnsupportedError(f"{', '.join(unsupported)} for a diffusion language model is not supported yet "
