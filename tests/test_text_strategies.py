@@ -116,3 +116,39 @@ def test_compile_regional_gives_the_eager_ids(tmp_path):
             a = eager.generate_text(PROMPT, gen_length=16, num_inference_steps=4, seed=0, **settings)
             b = compiled.generate_text(PROMPT, gen_length=16, num_inference_steps=4, seed=0, **settings)
             assert a.token_ids == b.token_ids, (model, settings)
+
+
+def test_tensor_parallel_on_two_ranks_gives_one_process_ids(tmp_path):
+    """tp_size=2 under torchrun (2 gloo ranks): composer's LLaDA model split by heads and MLP units, each rank
+    holding half of the q rows; every rank's ids equal one process's (sampled, threshold, threshold+kv)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from composer.testing.distributed import free_port
+
+    folder = build_tiny_llada2(tmp_path / "llada", TinyLLaDA2Spec(model="llada"))
+    script = Path(__file__).parent / "scripts" / "text_tp_script.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), str(folder),
+                           str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gen = TextGenerator.from_pretrained(folder, progress=False)
+    expected = {name: gen.generate_text("what is two plus two ?", gen_length=16, num_inference_steps=4,
+                                        **settings).token_ids
+                for name, settings in {"sampled": {"temperature": 1.0, "seed": 1},
+                                       "threshold": {"decoding": "threshold", "threshold": 0.3, "seed": 2},
+                                       "kv": {"decoding": "threshold+kv", "threshold": 0.3, "seed": 3}}.items()}
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["ids"] == expected, rank
+        assert got["q_rows"] == gen.pipeline.modules["model"].config.d_model // 2  # this rank's half of q
+
+
+def test_tensor_parallel_needs_composers_model_code(llama):
+    folder = llama.pipeline.folder
+    with pytest.raises(UnsupportedError, match="composer's own model code"):
+        TextGenerator.from_pretrained(folder, progress=False, tp_size=2)

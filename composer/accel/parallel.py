@@ -34,7 +34,7 @@ class ParallelHook:
 
     def load_module(self, pipeline: Any, name: str, folder, spec, dtype):
         """Tensor parallel: this rank's shard of each denoising transformer, read slice by slice."""
-        if self.state.layout.tp == 1 or not name.startswith("transformer"):
+        if self.state.layout.tp == 1 or name not in pipeline.denoiser_names():
             return None
         from composer.loader.components import ComposerModelLoader
         from composer.parallel.tensor import load_tensor_parallel

@@ -81,6 +81,15 @@ class TextGenerator:
             raise UnsupportedError(f"{model_path} is a video model ({resolved.index.class_name}): load it with "
                                    "composer.VideoGenerator")
         check_model_configs(resolved)
+        resolved.pipeline_cls.check_runtime(resolved.index, runtime)
+        from composer.parallel import state as parallel_state
+
+        if runtime.num_gpus and runtime.num_gpus > 1 and not parallel_state.under_launcher():
+            raise UnsupportedError(f"num_gpus = {runtime.num_gpus} for a text model: launch with `torchrun "
+                                   f"--nproc-per-node {runtime.num_gpus}` and tp_size = {runtime.num_gpus} instead")
+        state = parallel_state.init_parallel(runtime)  # under torchrun: joins the process group
+        if state is not None:
+            runtime = dataclasses.replace(runtime, device=str(state.device), progress=runtime.progress and state.is_main)
         configs = resolved.configs
         logger.info("loading %s as family %s (matched by %s) with %s", resolved.model_path, configs.family.name,
                     configs.matched_by, resolved.pipeline_cls.__name__)

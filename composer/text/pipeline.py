@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from composer.cancel import CancelToken
-from composer.pipelines.base import ComposedPipeline
+from composer.pipelines.base import ComposedPipeline, RequestGate
 from composer.stages.base import Stage
 from composer.stages.validators import VerificationResult
 from composer.text import refinement, strategies
@@ -310,20 +310,36 @@ class TextPipeline(ComposedPipeline):
         return int(value or 32)
 
     def check_supported(self) -> None:
-        """The runtime hooks that act on a video model's transformer do not act on a text model yet: refuse them
-        rather than run without them."""
+        self.check_runtime(self.index, self.runtime)
+
+    @staticmethod
+    def check_runtime(index: Any, runtime: Any) -> None:
+        """The runtime hooks that act on a video model's transformer and not on a text model yet are refused rather
+        than run without (before anything loads or joins a process group)."""
         from composer.errors import UnsupportedError
 
-        r = self.runtime
+        r = runtime
         unsupported = [name for name, on in (
             ("quantize", r.quantize != "none"), ("offload", r.offload != "none"),
             ("cache", r.cache != "none"),
-            ("parallel degrees", r.ulysses_degree * r.ring_degree * r.tp_size > 1 or r.cfg_parallel)) if on]
+            ("sequence / CFG parallel", r.ulysses_degree * r.ring_degree > 1 or r.cfg_parallel)) if on]
         if unsupported:
             raise UnsupportedError(f"{', '.join(unsupported)} for a diffusion language model is not supported yet "
                                    "(docs/text-diffusion.md); load it without")
+        if r.tp_size > 1:
+            from composer.registry.models import has_model_class
+
+            spec = index.components.get("model")
+            if spec is None or not has_model_class(spec.class_name):
+                raise UnsupportedError(f"tp_size = {r.tp_size}: tensor parallel needs composer's own model code "
+                                       f"(LLaDAModelLM); {spec.class_name if spec else 'this model'} runs through "
+                                       "its library's class")
 
     def create_stages(self) -> None:
+        if any(h.name == "parallel" for h in self.hooks):
+            # every rank must make the same forwards in the same order: one request at a time (a second one while
+            # one runs is refused, never admitted in another order on another rank)
+            self.gate = RequestGate(serial=True, refuse_overlap=True)
         mask, eos = self.special_ids()
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.batcher = ForwardBatcher(self.modules["model"], pad if pad is not None else (eos or 0),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,15 @@ class LLaDAConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def num_attention_heads(self) -> int:
+        """What tensor parallel must split into whole heads (composer/parallel/tensor.py): q's and k/v's alike."""
+        return math.gcd(self.n_heads, self.kv_heads)
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.mlp_hidden_size
 
     @property
     def rows(self) -> int:

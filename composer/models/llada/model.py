@@ -72,16 +72,17 @@ class LLaDABlock(nn.Module):
                 past: KV | None) -> tuple[torch.Tensor, KV]:
         rows, length, _ = x.shape
         h = self.att_norm(x)
-        q = self.q_proj(h).view(rows, length, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(rows, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(rows, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        # heads from the projections' widths: under tensor parallel each rank holds whole heads of q and of k/v
+        q = self.q_proj(h).view(rows, length, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(rows, length, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(rows, length, -1, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         new = (k, v)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        if self.kv_heads != self.heads:
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each k/v head serves a run of q heads
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.attn_out(out.transpose(1, 2).reshape(rows, length, -1))
         h = self.ff_norm(x)
@@ -106,6 +107,14 @@ class LLaDAModelLM(nn.Module):
     class_names = ("LLaDAModelLM",)
     config_class = LLaDAConfig
     supports_prefix_cache = True  # takes past_key_values / use_cache (composer/text/strategies.py: kv)
+    # Tensor parallelism (composer/parallel/tensor.py): whole heads of q and of k/v and a block of the MLP's hidden
+    # units per rank ("column"); the attention output and the MLP's down projection sum the ranks' parts ("row")
+    tensor_parallel_plan = {
+        r"^model\.transformer\.blocks\.\d+\.[qkv]_proj$": "column",
+        r"^model\.transformer\.blocks\.\d+\.attn_out$": "row",
+        r"^model\.transformer\.blocks\.\d+\.(ff_proj|up_proj)$": "column",
+        r"^model\.transformer\.blocks\.\d+\.ff_out$": "row",
+    }
 
     def __init__(self, config: LLaDAConfig):
         super().__init__()
