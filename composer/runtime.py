@@ -113,6 +113,11 @@ class RuntimeArgs:
         metadata={"help": "the model family (`composer models` lists them) when the folder's name or hub id does not "
                           "say, e.g. a renamed copy: its configs and sampling defaults (default: found from the name)"},
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "run the Python code a model folder ships for its model class (transformers' auto_map; the "
+                          "released LLaDA2 models need it): only for folders you trust"},
+    )
     verify_values: bool = field(
         default=False, metadata={"help": "let stage checks read tensor values (NaN/inf; synchronises the device)"}
     )

@@ -157,3 +157,25 @@ def test_composer_generate_prints_a_text_models_text(folder, gen, capsys):
     assert out.strip() == expected.text
     assert main([*args, "--height", "64"]) == 0  # a video setting: said and ignored
     assert "ignoring video settings for a text model: height" in capsys.readouterr().err
+
+
+def test_a_model_in_the_folders_own_code_runs_when_trusted(tmp_path):
+    """The released LLaDA2 folders define their model class in their own files (config.json auto_map): composer
+    refuses to run that code unless told to trust it, and then gives the ids diffusers' pipeline gives over the
+    same class."""
+    from diffusers import BlockRefinementScheduler, LLaDA2Pipeline
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = build_tiny_llada2(tmp_path / "remote", TinyLLaDA2Spec(model="remote"))
+    with pytest.raises(UnsupportedError, match="trust_remote_code"):
+        TextGenerator.from_pretrained(folder, progress=False)
+    gen = TextGenerator.from_pretrained(folder, progress=False, trust_remote_code=True)
+    assert type(gen.pipeline.modules["model"]).__name__ == "TinyRemoteLM"
+    pipe = LLaDA2Pipeline(model=AutoModelForCausalLM.from_pretrained(folder / "model", trust_remote_code=True),
+                          scheduler=BlockRefinementScheduler.from_pretrained(folder / "scheduler"),
+                          tokenizer=AutoTokenizer.from_pretrained(folder / "tokenizer"))
+    pipe.set_progress_bar_config(disable=True)
+    expected = pipe(prompt=PROMPT, gen_length=16, num_inference_steps=4, temperature=1.0,
+                    generator=torch.Generator("cpu").manual_seed(4)).sequences[0].tolist()
+    assert gen.generate_text(PROMPT, gen_length=16, num_inference_steps=4, temperature=1.0, seed=4).token_ids == \
+        expected

@@ -28,7 +28,9 @@ class TinyLLaDA2Spec:
     eos_scale: float = 0.0  # > 0: the EOS row of the output head scaled up, so rows commit EOS (early stop)
     seed: int = 0
     # "llama": transformers' LlamaForCausalLM (what diffusers drives); "llada": composer's LLaDAModelLM in LLaDA's
-    # own config keys and weight names (bidirectional attention; what the vicinity KV refresh needs)
+    # own config keys and weight names (bidirectional attention; what the vicinity KV refresh needs); "remote": the
+    # llama weights under a class the folder defines in its own Python files (config.json auto_map), as the
+    # released LLaDA2 folders ship theirs
     model: str = "llama"
 
 
@@ -68,11 +70,14 @@ def build_tiny_llada2(folder: str | Path, spec: TinyLLaDA2Spec | None = None) ->
         model.lm_head.weight.mul_(40.0)
         if spec.eos_scale > 0:
             model.lm_head.weight[1].mul_(spec.eos_scale)
-    if spec.model == "llama":
+    if spec.model in ("llama", "remote"):
         model.save_pretrained(folder / "model", safe_serialization=True)
+    if spec.model == "remote":
+        _make_remote(folder / "model")
     BlockRefinementScheduler(block_length=spec.block_length).save_pretrained(folder / "scheduler")
     index = {"_class_name": "LLaDA2Pipeline", "_diffusers_version": "0.42.1",
-             "model": ["transformers", "LlamaForCausalLM" if spec.model == "llama" else "LLaDAModelLM"], "scheduler": ["diffusers", "BlockRefinementScheduler"],
+             "model": ["transformers", {"llama": "LlamaForCausalLM", "llada": "LLaDAModelLM",
+                                        "remote": "TinyRemoteLM"}[spec.model]], "scheduler": ["diffusers", "BlockRefinementScheduler"],
              "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}
     (folder / "model_index.json").write_text(json.dumps(index, indent=2))
     return folder
@@ -100,3 +105,30 @@ def _write_llada(folder: Path, vocab_size: int, spec: TinyLLaDA2Spec) -> None:
               metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps({"architectures": ["LLaDAModelLM"], "model_type": "llada",
                                                     **config.to_dict()}, indent=2))
+
+
+REMOTE_CONFIG = """from transformers import LlamaConfig
+
+
+class TinyRemoteConfig(LlamaConfig):
+    model_type = "tiny_remote"
+"""
+REMOTE_MODEL = """from transformers import LlamaForCausalLM
+
+from .configuration_tiny import TinyRemoteConfig
+
+
+class TinyRemoteLM(LlamaForCausalLM):
+    config_class = TinyRemoteConfig
+"""
+
+
+def _make_remote(folder: Path) -> None:
+    """The saved llama model as a class of the folder's own code (config.json auto_map)."""
+    (folder / "configuration_tiny.py").write_text(REMOTE_CONFIG)
+    (folder / "modeling_tiny.py").write_text(REMOTE_MODEL)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="tiny_remote", architectures=["TinyRemoteLM"],
+                  auto_map={"AutoConfig": "configuration_tiny.TinyRemoteConfig",
+                            "AutoModelForCausalLM": "modeling_tiny.TinyRemoteLM"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))

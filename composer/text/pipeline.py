@@ -262,6 +262,12 @@ class DetokenizeStage(Stage):
         return batch
 
 
+def _library_has(class_name: str) -> bool:
+    import transformers
+
+    return getattr(transformers, class_name, None) is not None
+
+
 def until_eos(row: torch.Tensor, eos_id: int | None) -> torch.Tensor:
     if eos_id is None:
         return row
@@ -282,6 +288,47 @@ class TextPipeline(ComposedPipeline):
         if name == "model":
             return self.runtime.torch_dtype
         return super().module_dtype(name)
+
+    def load_modules(self) -> dict[str, Any]:
+        """As any pipeline's, except a model whose class is the folder's own code (config.json's `auto_map`, not a
+        transformers class: the released LLaDA2 models), loaded as diffusers loads it, with transformers'
+        AutoModelForCausalLM, once the runtime trusts that code (`trust_remote_code`)."""
+        spec = self.index.components.get("model")
+        if spec is None or spec.library != "transformers" or _library_has(spec.class_name):
+            return super().load_modules()
+        from composer.registry.models import has_model_class
+
+        if has_model_class(spec.class_name):
+            return super().load_modules()
+        names = self.required_modules
+        self.required_modules = tuple(n for n in names if n != "model")
+        try:
+            modules = super().load_modules()
+        finally:
+            self.required_modules = names
+        modules["model"] = self._remote_model(spec)
+        return {name: modules[name] for name in names}
+
+    def _remote_model(self, spec: Any) -> torch.nn.Module:
+        import json
+
+        from composer.errors import ModelFormatError, UnsupportedError
+
+        folder = self.folder / "model"
+        config = folder / "config.json"
+        auto_map = json.loads(config.read_text()).get("auto_map") if config.is_file() else None
+        if not auto_map:
+            raise ModelFormatError(f"{folder}: model_index.json names {spec.class_name}, which transformers does not "
+                                   "have, and its config.json has no auto_map naming the code that defines it")
+        if not self.runtime.trust_remote_code:
+            raise UnsupportedError(f"{folder} defines its model ({spec.class_name}) in its own Python files "
+                                   "(config.json auto_map): pass trust_remote_code=True (--trust-remote-code) to run "
+                                   "that code, only for a folder you trust")
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True,
+                                                     dtype=self.module_dtype("model"))
+        return model.to(self.load_device("model")).eval().requires_grad_(False)
 
     def denoiser_names(self) -> list[str]:
         """The denoiser is the language model: what LoRA adapters (lora_path, set_lora) act on."""
