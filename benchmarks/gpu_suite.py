@@ -52,11 +52,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-# Released diffusers transformer configs (Wan-AI/Wan2.1-T2V-*-Diffusers, transformer/config.json).
-WAN_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
-                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
-WAN_1_3B = dict(WAN_COMMON, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30)
-WAN_14B = dict(WAN_COMMON, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40)
+# Released diffusers transformer configs (composer/testing/released.py: transformer/config.json of the releases).
+from composer.testing.released import WAN_COMMON, composer_twin, released_config  # noqa: E402
+
+WAN_1_3B = released_config("wan2.1-t2v-1.3b")
+WAN_14B = released_config("wan2.1-t2v-14b")
 WAN_TINY = dict(WAN_COMMON, num_attention_heads=2, attention_head_dim=32, ffn_dim=128, num_layers=2, text_dim=64)
 
 VIDEO_480P = dict(num_frames=81, height=480, width=832)
@@ -151,24 +151,6 @@ def build_diffusers_dit(config: dict, device, dtype):
         if not keep.intersection(name.split(".")):
             param.data = param.data.to(dtype)
     return model
-
-
-def composer_twin(theirs):
-    """composer's WanTransformer3DModel holding the very tensors of diffusers' model `theirs` (no copy)."""
-    import torch
-
-    from composer.loader.weights import apply_rules
-    from composer.models.wan.config import WanTransformerConfig
-    from composer.models.wan.mapping import DIFFUSERS_TO_COMPOSER
-    from composer.models.wan.transformer import WanTransformer3DModel
-
-    config = WanTransformerConfig.from_dict(dict(theirs.config))
-    with torch.device("meta"):
-        ours = WanTransformer3DModel(config)
-    state = {apply_rules(k, DIFFUSERS_TO_COMPOSER): v for k, v in theirs.state_dict().items()}
-    state = {k: v for k, v in state.items() if k in ours.state_dict()}
-    ours.load_state_dict(state, assign=True, strict=True)
-    return ours.eval()
 
 
 def composer_dit(config: dict, device, dtype):

@@ -18,6 +18,7 @@ from composer.serve.app import ServeConfig  # noqa: E402
 from composer.serve.text import create_text_app  # noqa: E402
 from composer.testing.tiny_llada2 import build_tiny_llada2  # noqa: E402
 
+pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "what is two plus two ?"}]
 SETTINGS = {"num_inference_steps": 4, "temperature": 1.0}
 

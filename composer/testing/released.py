@@ -1,0 +1,114 @@
+"""The released models' transformer configs at their real sizes, built with random weights (no download).
+
+Speed does not depend on the weights' values: a figure measured on these is the released model's speed (quality
+figures on random weights say little, and docs/ quote them as such). The configs are those of the released
+diffusers folders' transformer/config.json:
+
+    wan2.1-t2v-1.3b     Wan-AI/Wan2.1-T2V-1.3B-Diffusers (also Self-Forcing / CausVid 1.3B: the same DiT)
+    wan2.1-t2v-14b      Wan-AI/Wan2.1-T2V-14B-Diffusers
+    wan2.2-ti2v-5b      Wan-AI/Wan2.2-TI2V-5B-Diffusers (48 latent channels: Wan2.2's VAE)
+    hunyuanvideo        hunyuanvideo-community/HunyuanVideo (diffusers' defaults are the release's)
+
+`released_dit(name)` builds diffusers' class from the config with a fast seeded init (every floating tensor drawn
+uniformly with std 0.02 from one generator, norms' weights at 1), in `dtype` on `device`; `composer_twin` gives composer's
+model over the very same tensors (no second copy: the 14B fits once in memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+WAN_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+RELEASED: dict[str, tuple[str, dict[str, Any]]] = {
+    "wan2.1-t2v-1.3b": ("WanTransformer3DModel", dict(WAN_COMMON, num_attention_heads=12, attention_head_dim=128,
+                                                      ffn_dim=8960, num_layers=30)),
+    "wan2.1-t2v-14b": ("WanTransformer3DModel", dict(WAN_COMMON, num_attention_heads=40, attention_head_dim=128,
+                                                     ffn_dim=13824, num_layers=40)),
+    "wan2.2-ti2v-5b": ("WanTransformer3DModel", dict(WAN_COMMON, in_channels=48, out_channels=48,
+                                                     num_attention_heads=24, attention_head_dim=128, ffn_dim=14336,
+                                                     num_layers=30)),
+    "hunyuanvideo": ("HunyuanVideoTransformer3DModel", dict(
+        in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+        num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1, qk_norm="rms_norm",
+        guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768, rope_theta=256.0,
+        rope_axes_dim=(16, 56, 56))),
+}
+
+
+def released_config(name: str) -> dict[str, Any]:
+    if name not in RELEASED:
+        raise KeyError(f"no released config {name!r} (known: {', '.join(RELEASED)})")
+    return dict(RELEASED[name][1])
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """torch.nn.init's fills as no-ops while a model is built: its parameters are allocated, not initialised (its
+    buffers, computed in __init__, are kept); `seeded_init` fills them after."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    for n in names:
+        setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.nn.init, n, fn)
+
+
+@torch.no_grad()
+def seeded_init(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter from one seeded CPU generator (uniform in +-0.035, std 0.02; a norm's weight 1, biases 0),
+    fast at any size (no per-layer init schemes), the same on every machine for a seed."""
+    generator = torch.Generator("cpu").manual_seed(seed)
+    for name, tensor in model.named_parameters():
+        if not tensor.is_floating_point():
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name and leaf == "weight":
+            tensor.fill_(1.0)
+        elif leaf == "bias":
+            tensor.zero_()
+        elif tensor.numel():
+            values = torch.empty(tensor.shape, dtype=torch.float32).uniform_(-0.035, 0.035, generator=generator)
+            tensor.copy_(values)
+    return model
+
+
+def released_dit(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """diffusers' transformer of a released model (`overrides`: config values to change, e.g. fewer layers for a
+    quick check, stated wherever used), seeded, in eval mode."""
+    import diffusers
+
+    class_name, config = RELEASED[name]
+    cls = getattr(diffusers, class_name)
+    with _no_init():
+        model = cls(**{**config, **overrides})
+    seeded_init(model, seed)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    for pname, param in model.named_parameters():
+        if not keep.intersection(pname.split(".")):
+            param.data = param.data.to(dtype)
+    return model.to(device).eval()
+
+
+def composer_twin(theirs: torch.nn.Module) -> torch.nn.Module:
+    """composer's Wan DiT holding the very tensors of diffusers' `theirs` (no copy)."""
+    from composer.loader.weights import apply_rules
+    from composer.models.wan.config import WanTransformerConfig
+    from composer.models.wan.mapping import DIFFUSERS_TO_COMPOSER
+    from composer.models.wan.transformer import WanTransformer3DModel
+
+    config = WanTransformerConfig.from_dict(dict(theirs.config))
+    with torch.device("meta"):
+        ours = WanTransformer3DModel(config)
+    state = {apply_rules(k, DIFFUSERS_TO_COMPOSER): v for k, v in theirs.state_dict().items()}
+    state = {k: v for k, v in state.items() if k in ours.state_dict()}
+    ours.load_state_dict(state, assign=True, strict=True)
+    return ours.eval()
