@@ -141,6 +141,7 @@ def test_api_parity(workers):
         workers.generate_video(**REQUEST, cancel=CancelToken())
 
 
+@pytest.mark.slow
 def test_calls_from_threads_run_at_once_and_each_equals_its_solo_run(workers, single):
     """Three requests of different seeds and one bad request from four threads: the workers run them at once
     (rank 0 plans their batched steps on both ranks); each good one equals its run alone in one process, the bad

@@ -142,6 +142,7 @@ def test_video_and_text_loaders_refuse_each_others_folders(folder):
         TextGenerator.from_pretrained("shapes-t2v", progress=False)
 
 
+@pytest.mark.slow
 def test_composer_generate_prints_a_text_models_text(folder, gen, capsys):
     from composer.cli.main import main
 
