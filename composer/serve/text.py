@@ -71,6 +71,11 @@ class TextServerState:
             logger.error("loading the model failed: %s", exc)
             self.load_error = f"{type(exc).__name__}: {exc}"
 
+    def began(self, delta: int = 1) -> None:
+        """A request started (1) or ended (-1): the running gauge, counted from the requests' threads."""
+        with self._lock:
+            self.running += delta
+
     def count(self, results: list[Any], seconds: float, failed: bool = False) -> None:
         with self._lock:
             self.requests += 1
@@ -204,14 +209,14 @@ def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             return StreamingResponse(_events(state, inputs, settings, stop, ident, created, chat, n),
                                      media_type="text/event-stream")
         start = time.perf_counter()
-        state.running += 1
+        state.began()
         try:
             results = await run_in_threadpool(lambda: state.generator.generate_text(**inputs, **settings))
         except ComposerError as exc:
             state.count([], time.perf_counter() - start, failed=True)
             return error(400, str(exc))
         finally:
-            state.running -= 1
+            state.began(-1)
         results = results if isinstance(results, list) else [results]
         state.count(results, time.perf_counter() - start)
         choices = []
@@ -273,7 +278,7 @@ def _events(state: TextServerState, inputs: dict, settings: dict, stop: list[str
         return f"data: {json.dumps(payload)}\n\n".encode()
 
     start = time.perf_counter()
-    state.running += 1
+    state.began()
     sent: dict[int, str] = {}
     stopped: set[int] = set()
     results = []
@@ -302,7 +307,7 @@ def _events(state: TextServerState, inputs: dict, settings: dict, stop: list[str
         state.count([], time.perf_counter() - start, failed=True)
         yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n".encode()
     finally:
-        state.running -= 1
+        state.began(-1)
     yield b"data: [DONE]\n\n"
 
 
