@@ -14,7 +14,8 @@ Parts (sizes as on the GPU; `--tiny` shrinks the models and videos, same code):
   once per video; diffusers: WanPipeline's two transformer calls), same weights in the same process (composer's
   model holds diffusers' very tensors), max abs difference, peak `max_memory_allocated`.
 - dit-14b: Wan2.1-T2V-14B's config, 720x1280, 81 frames (75600 tokens): one DiT forward each.
-- e2e-1.3b: a model folder written to disk with the 1.3B transformer, the released Wan VAE (AutoencoderKLWan's
+- e2e-1.3b: a model folder (shared with cache-1.3b, causal-1.3b and offload-disk-1.3b, built once under `--scratch`
+  and removed at the end) written to disk with the 1.3B transformer, the released Wan VAE (AutoencoderKLWan's
   default config, full size) and a UMT5 text encoder of the released width (4096) with 2 layers instead of 24
   (the text encoder runs once per video); prompt -> uint8 frames, composer vs diffusers, with the VAE decode.
 - compile-1.3b: composer's regional compile (each block's forward compiled once): cold first forward, steady.
@@ -26,6 +27,17 @@ Parts (sizes as on the GPU; `--tiny` shrinks the models and videos, same code):
   streams, medians of 3.
 - kv-pool: the paged KV pool's passes (one run of pages: a view; scattered: a gather) against the contiguous
   KV cache at Self-Forcing 1.3B's cache shape, 480x832, bf16 (benchmarks/kv_pool.py).
+- cache-1.3b: TeaCache and DBCache at their defaults against the exact path, 10 CFG steps of the 1.3B at 480p 81
+  frames, end to end from the shared folder: steps skipped, denoising and total seconds, PSNR against the exact frames.
+- causal-1.3b: the Self-Forcing 1.3B causal model (the 1.3B DiT converted by `composer convert self-forcing`'s code)
+  at Self-Forcing's setting: 480x832, 81 frames, 3 latent frames a block, 4 steps, KV cache; time to first frame,
+  frames/s end to end and for denoising alone, the block and per-block decode latencies, KV cache bytes, peak memory.
+- vae: the released Wan VAE decoding 81x480x832 (21 latent frames): the whole video at once (composer's
+  DecodingStage, fp32 = composer's default vae_dtype, and in the suite's dtype), diffusers' own tiling, and
+  composer's streaming decode of Self-Forcing's blocks (3 latent frames each, the causal cache carried): seconds,
+  peak memory and the uint8 difference against the whole decode.
+- offload-disk-1.3b: the disk tier (`offload = disk`: blocks read from the memory-mapped safetensors files one
+  block ahead) against the resident model, from the shared folder; the host's page cache is dropped first.
 - dllm: the diffusion-LM decoding strategies on the embedded tiny-dllm against the exact path (forwards per token,
   tokens/s, accuracy on 300 held-out problems) and batch 1/8/32 throughput (benchmarks/dllm.py).
 
@@ -53,7 +65,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 # Released diffusers transformer configs (composer/testing/released.py: transformer/config.json of the releases).
-from composer.testing.released import WAN_COMMON, composer_twin, released_config  # noqa: E402
+from composer.testing.released import WAN_COMMON, composer_twin, released_config, released_dit  # noqa: E402
 
 WAN_1_3B = released_config("wan2.1-t2v-1.3b")
 WAN_14B = released_config("wan2.1-t2v-14b")
@@ -78,6 +90,10 @@ PARTS: dict[str, tuple[int, str]] = {
     "concurrency": (300, "1, 2, 4, 8 concurrent requests through the step scheduler vs one after another, on threads "
                          "and as tasks"),
     "kv-pool": (60, "the paged KV pool's passes vs the contiguous cache at Self-Forcing 1.3B's cache shape"),
+    "cache-1.3b": (200, "TeaCache and DBCache at their defaults vs the exact path, 10 CFG steps, 480p 81 frames"),
+    "causal-1.3b": (200, "Self-Forcing 1.3B causal streaming, 480x832, 81 frames, 3 latent frames a block, 4 steps"),
+    "vae": (150, "the Wan VAE decoding 81x480x832: whole, diffusers-tiled, streamed per block; fp32 and bf16"),
+    "offload-disk-1.3b": (120, "the disk tier (blocks from the memory-mapped files) vs resident, 480p"),
     "dllm": (90, "diffusion-LM decoding strategies on tiny-dllm vs the exact path: forwards/token, tokens/s, "
                  "accuracy; batch 1/8/32 throughput"),
 }
@@ -254,13 +270,38 @@ def build_e2e_folder(path: Path, tiny: bool) -> Path:
         num_layers=2, num_heads=64 if not tiny else 4, relative_attention_num_buckets=32,
         relative_attention_max_distance=128, dropout_rate=0.0, feed_forward_proj="gated-gelu")).eval()
     vae = AutoencoderKLWan(base_dim=8, num_res_blocks=1) if tiny else AutoencoderKLWan()  # default = released
-    torch.manual_seed(SEED + 2)
-    transformer = WanTransformer3DModel(**config).eval()
+    if tiny:
+        torch.manual_seed(SEED + 2)
+        transformer = WanTransformer3DModel(**config).eval()
+    else:  # the fast seeded init, stored in bf16 (what released folders hold): seconds instead of a minute
+        transformer = released_dit("wan2.1-t2v-1.3b", dtype=torch.bfloat16, seed=SEED + 2)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=3.0)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                        scheduler=scheduler)
     pipe.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+SHARED_FOLDER = "composer-gpu-suite-wan13b"
+
+
+def shared_folder_path(args) -> Path:
+    return Path(args.scratch or tempfile.gettempdir()) / (SHARED_FOLDER + ("-tiny" if args.tiny else ""))
+
+
+def shared_folder(args) -> Path:
+    """The Wan2.1 T2V folder of `build_e2e_folder`, built once per suite run (the e2e, cache, causal and disk parts
+    load it; the driver removes it at the end when it was not there before)."""
+    import shutil
+
+    path = shared_folder_path(args)
+    if not (path / "model_index.json").exists():
+        building = path.with_name(f"{path.name}.building-{os.getpid()}")
+        shutil.rmtree(building, ignore_errors=True)
+        build_e2e_folder(building, args.tiny)
+        shutil.rmtree(path, ignore_errors=True)
+        building.rename(path)
     return path
 
 
@@ -275,38 +316,37 @@ def part_e2e(args) -> dict:
     _, video = sizes(args.tiny, "1.3b")
     steps = 4
     out: dict[str, Any] = {"steps": steps, **video}
-    with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
-        t0 = time.perf_counter()
-        folder = build_e2e_folder(Path(tmp) / "wan13b", args.tiny)
-        out["build_s"] = time.perf_counter() - t0
-        gen = VideoGenerator.from_pretrained(folder, device=str(device), dtype=args.dtype, progress=False)
-        transformer = diffusers.WanTransformer3DModel.from_pretrained(folder, subfolder="transformer",
-                                                                      torch_dtype=args.torch_dtype)
-        pipe = diffusers.WanPipeline.from_pretrained(str(folder), transformer=transformer).to(device)
-        pipe.set_progress_bar_config(disable=True)
-        small = dict(num_frames=5, height=video["height"] // 2, width=video["width"] // 2)
-        frames, timings = {}, {}
+    t0 = time.perf_counter()
+    folder = shared_folder(args)
+    out["build_s"] = time.perf_counter() - t0
+    gen = VideoGenerator.from_pretrained(folder, device=str(device), dtype=args.dtype, progress=False)
+    transformer = diffusers.WanTransformer3DModel.from_pretrained(folder, subfolder="transformer",
+                                                                  torch_dtype=args.torch_dtype)
+    pipe = diffusers.WanPipeline.from_pretrained(str(folder), transformer=transformer).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    small = dict(num_frames=5, height=video["height"] // 2, width=video["width"] // 2)
+    frames, timings = {}, {}
 
-        def run_composer(size):
-            res = gen.generate_video(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=steps,
-                                     guidance_scale=GUIDANCE, seed=SEED, **size)
-            frames["composer"], timings["composer"] = res.frames, res.timings
+    def run_composer(size):
+        res = gen.generate_video(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=steps,
+                                 guidance_scale=GUIDANCE, seed=SEED, **size)
+        frames["composer"], timings["composer"] = res.frames, res.timings
 
-        def run_diffusers(size):
-            v = pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=steps, guidance_scale=GUIDANCE,
-                     generator=torch.Generator("cpu").manual_seed(SEED), output_type="np", **size).frames[0]
-            frames["diffusers"] = (np.asarray(v, dtype=np.float32) * 255).round().clip(0, 255).astype(np.uint8)
+    def run_diffusers(size):
+        v = pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=steps, guidance_scale=GUIDANCE,
+                 generator=torch.Generator("cpu").manual_seed(SEED), output_type="np", **size).frames[0]
+        frames["diffusers"] = (np.asarray(v, dtype=np.float32) * 255).round().clip(0, 255).astype(np.uint8)
 
-        run_composer(small)
-        run_diffusers(small)  # warmups at a smaller size: kernels loaded, nothing compiled
-        out["e2e_s"] = {}
-        for name, fn in (("composer", run_composer), ("diffusers", run_diffusers)):
-            with peak_memory(device, out, f"e2e_peak_gib_{name}"):
-                out["e2e_s"][name] = timed(lambda fn=fn: fn(video), device, 1)[0]
-        out["e2e_ratio"] = out["e2e_s"]["diffusers"] / out["e2e_s"]["composer"]
-        out["composer_stage_s"] = timings["composer"]
-        a, b = frames["composer"], frames["diffusers"]
-        out["max_uint8_diff"] = int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) if a.shape == b.shape else None
+    run_composer(small)
+    run_diffusers(small)  # warmups at a smaller size: kernels loaded, nothing compiled
+    out["e2e_s"] = {}
+    for name, fn in (("composer", run_composer), ("diffusers", run_diffusers)):
+        with peak_memory(device, out, f"e2e_peak_gib_{name}"):
+            out["e2e_s"][name] = timed(lambda fn=fn: fn(video), device, 1)[0]
+    out["e2e_ratio"] = out["e2e_s"]["diffusers"] / out["e2e_s"]["composer"]
+    out["composer_stage_s"] = timings["composer"]
+    a, b = frames["composer"], frames["diffusers"]
+    out["max_uint8_diff"] = int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) if a.shape == b.shape else None
     return out
 
 
@@ -408,6 +448,230 @@ def part_offload(args) -> dict:
     return out
 
 
+def psnr(a, b) -> float:
+    import numpy as np
+
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else float(10 * np.log10(255**2 / mse))
+
+
+def uint8_diff(a, b) -> int | None:
+    import numpy as np
+
+    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) if a.shape == b.shape else None
+
+
+def free_device(device) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def part_cache(args) -> dict:
+    """TeaCache and DBCache at their defaults (what `cache=...` alone gives) against the exact path, end to end."""
+    import torch
+
+    from composer import VideoGenerator
+
+    device = torch.device(args.device)
+    _, video = sizes(args.tiny, "1.3b")
+    steps = 10
+    folder = shared_folder(args)
+    request = dict(prompt=PROMPT, negative_prompt=NEGATIVE, num_inference_steps=steps, guidance_scale=GUIDANCE,
+                   seed=SEED, **video)
+    warmup = dict(request, num_inference_steps=2, num_frames=5, height=video["height"] // 2,
+                  width=video["width"] // 2)
+    out: dict[str, Any] = {"steps": steps, **video, "modes": {}}
+    exact = None
+    for label, settings in (("exact", {}), ("teacache", {"cache": "teacache"}), ("dbcache", {"cache": "dbcache"})):
+        gen = VideoGenerator.from_pretrained(folder, device=str(device), dtype=args.dtype, progress=False, **settings)
+        gen.generate_video(**warmup)
+        row: dict[str, Any] = {}
+        with peak_memory(device, row, "peak_gib"):
+            start = time.perf_counter()
+            result = gen.generate_video(**request)
+            sync(device)
+            row["total_s"] = time.perf_counter() - start
+        row["denoise_s"] = sum(v for k, v in result.timings.items() if "DenoisingStage" in k)
+        hook = next((h for h in gen.pipeline.hooks if h.name == "cache"), None)
+        if hook is not None:
+            stats = hook.hooks[0].stats
+            row["skipped"], row["calls"] = int(stats.skipped), int(stats.calls)
+        if exact is None:
+            exact = result.frames
+        else:
+            row["psnr_db"] = psnr(result.frames, exact)
+            row["denoise_ratio"] = out["modes"]["exact"]["denoise_s"] / row["denoise_s"]
+        out["modes"][label] = row
+        del gen, result
+        free_device(device)
+    return out
+
+
+def part_causal(args) -> dict:
+    """The Self-Forcing 1.3B causal model: the 1.3B DiT written as a Self-Forcing checkpoint and converted by
+    composer's converter (Self-Forcing's default settings: 3 latent frames a block, steps 1000/750/500/250)."""
+    import torch
+
+    from composer import VideoGenerator
+    from composer.convert.self_forcing import CausalSettings, convert_self_forcing
+
+    if str(REPO_ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from causal import write_self_forcing_checkpoint
+
+    device = torch.device(args.device)
+    video = dict(num_frames=33, height=64, width=64) if args.tiny else dict(VIDEO_480P)  # 9 / 21 latent frames
+    out: dict[str, Any] = dict(video)
+    base = shared_folder(args)
+    with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
+        start = time.perf_counter()
+        checkpoint = write_self_forcing_checkpoint(base, Path(tmp) / "self_forcing.pt")
+        folder = convert_self_forcing(checkpoint, base, Path(tmp) / "causal", settings=CausalSettings(),
+                                      dtype=args.torch_dtype)
+        checkpoint.unlink()
+        out["convert_s"] = time.perf_counter() - start
+        gen = VideoGenerator.from_pretrained(folder, device=str(device), dtype=args.dtype, progress=False)
+
+        def stream(num_frames: int):
+            s = gen.stream_video(PROMPT, height=video["height"], width=video["width"], num_frames=num_frames,
+                                 seed=SEED, kv_cache=True, rollout_blocks=num_frames)
+            chunks = list(s)
+            return s.stats, chunks
+
+        stream(9)  # warmup: one block at the full frame size
+        runs = []
+        for _ in range(max(1, args.repeats - 1)):
+            row: dict[str, Any] = {}
+            with peak_memory(device, row, "peak_gib"):
+                stats, chunks = stream(video["num_frames"])
+            row.update(ttff_s=stats.time_to_first_frame, total_s=stats.total_seconds, frames=stats.frames,
+                       fps=stats.frames_per_second, denoise_fps=stats.frames / sum(stats.block_seconds),
+                       block_s=list(stats.block_seconds), decode_s=[c.decode_seconds for c in chunks],
+                       kv_cache_gib=stats.kv_cache_bytes / 2**30)
+            runs.append(row)
+    best = min(runs, key=lambda r: r["total_s"])  # the run least disturbed; every run is in `runs`
+    out.update(runs=runs, ttff_s=median([r["ttff_s"] for r in runs]), fps=median([r["fps"] for r in runs]),
+               denoise_fps=median([r["denoise_fps"] for r in runs]), block_median_s=median(best["block_s"]),
+               decode_median_s=median(best["decode_s"][1:] or best["decode_s"]), kv_cache_gib=best["kv_cache_gib"],
+               peak_gib=max(r["peak_gib"] for r in runs), blocks=len(best["block_s"]))
+    return out
+
+
+def part_vae(args) -> dict:
+    """The released Wan VAE (AutoencoderKLWan's default config) decoding a 480p 81-frame video."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from composer.stages.decoding import DecodingStage, StreamingVideoDecoder, video_to_frames
+
+    device = torch.device(args.device)
+    _, video = sizes(args.tiny, "1.3b")
+    if args.tiny:
+        video = dict(num_frames=21, height=64, width=64)
+    torch.manual_seed(SEED)
+    vae = (AutoencoderKLWan(base_dim=8, num_res_blocks=1) if args.tiny else AutoencoderKLWan()).eval()
+    g = torch.Generator("cpu").manual_seed(SEED)
+    latents = torch.randn(latent_shape({"in_channels": 16}, video), generator=g)
+    out: dict[str, Any] = {**video, "latent_shape": list(latents.shape), "modes": {}}
+    reference = None
+    for dtype_name in ("fp32", args.dtype) if args.dtype != "fp32" else ("fp32",):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        vae.to(device, dtype)
+        stage = DecodingStage(vae)
+        z = latents.to(device)
+
+        def whole():
+            return video_to_frames(stage.decode(z)).numpy()[0]
+
+        def streamed():
+            decoder = StreamingVideoDecoder(vae)
+            frames, seconds = [], []
+            for i in range(0, z.shape[2], 3):  # Self-Forcing's blocks of 3 latent frames
+                start = time.perf_counter()
+                frames.append(decoder.decode(z[:, :, i:i + 3])[0])
+                sync(device)
+                seconds.append(time.perf_counter() - start)
+            import numpy as np
+
+            return np.concatenate(frames), seconds
+
+        def tiled():
+            vae.enable_tiling()
+            try:
+                return whole()
+            finally:
+                vae.disable_tiling()
+
+        whole()  # warmup
+        for label, fn in (("whole", whole), ("tiled", tiled), ("streamed", streamed)):
+            row: dict[str, Any] = {}
+            with peak_memory(device, row, "peak_gib"):
+                start = time.perf_counter()
+                got = fn()
+                sync(device)
+                row["s"] = time.perf_counter() - start
+            if label == "streamed":
+                got, row["block_s"] = got
+            if reference is None:
+                reference = got
+            row["max_uint8_diff_vs_fp32_whole"] = uint8_diff(got, reference)
+            out["modes"][f"{label}-{dtype_name}"] = row
+        free_device(device)
+    return out
+
+
+def part_offload_disk(args) -> dict:
+    """The disk tier from the shared folder's transformer files against the resident model, one forward each."""
+    import torch
+
+    from composer.accel.disk import load_with_blocks_on_disk
+    from composer.loader.components import ComponentSpec, ComposerModelLoader
+
+    device, dtype = torch.device(args.device), args.torch_dtype
+    config, video = sizes(args.tiny, "1.3b")
+    inputs = dit_inputs(config, video, device, dtype)
+    folder = shared_folder(args) / "transformer"
+    out: dict[str, Any] = {}
+    model = ComposerModelLoader().load(folder, ComponentSpec("transformer", "diffusers", ""), device, dtype)
+    with peak_memory(device, out, "resident_peak_gib"):
+        out["resident_s"] = steady_forward_s(model, inputs, device, args.repeats)
+    with torch.inference_mode():
+        ref = model(*inputs[:3])
+    del model
+    free_device(device)
+    for f in folder.glob("*.safetensors"):  # drop the file's pages from the host cache: the first read is a disk read
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    model, offload = load_with_blocks_on_disk(folder, device, dtype, prefetch=1)
+    out["disk_load_s"] = time.perf_counter() - start
+    with peak_memory(device, out, "disk_first_peak_gib"):
+        out["disk_first_s"] = _forward_timer(model, inputs, device, 1)[0]
+    with peak_memory(device, out, "disk_peak_gib"):
+        out["disk_s"] = median(_forward_timer(model, inputs, device, args.repeats))
+    if device.type == "cuda":
+        out["disk_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    with torch.inference_mode():
+        got = model(*inputs[:3])
+    out["max_abs_diff"] = max_diff(got, ref)
+    out["slowdown"] = out["disk_s"] / out["resident_s"]
+    import resource
+
+    out["host_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    offload.remove()
+    return out
+
+
 def part_sparse(args) -> dict:
     grid = ["3", "4", "4"] if args.tiny else ["21", "30", "52"]
     heads = ["2", "32"] if args.tiny else ["12", "128"]
@@ -470,6 +734,10 @@ PART_FUNCS = {
     "sparse": part_sparse,
     "concurrency": part_concurrency,
     "kv-pool": part_kv_pool,
+    "cache-1.3b": part_cache,
+    "causal-1.3b": part_causal,
+    "vae": part_vae,
+    "offload-disk-1.3b": part_offload_disk,
     "dllm": part_dllm,
 }
 
@@ -553,6 +821,40 @@ def summary_rows(name: str, r: dict) -> list[str]:
                 f"{fmt(r.get('layerwise_allocated_gib', r.get('layerwise_peak_gib')), ' GiB')} vs "
                 f"{fmt(r.get('resident_allocated_gib', r.get('resident_peak_gib')), ' GiB')}; max abs diff "
                 f"{r['max_abs_diff']:.1e} |"]
+    if name == "cache-1.3b":
+        m, rows = r["modes"], []
+        for label in ("teacache", "dbcache"):
+            if label in m:
+                x = m[label]
+                rows.append(f"| {name} | {label} (default), {r['steps']} CFG steps, {r['num_frames']}x{r['height']}x"
+                            f"{r['width']}: denoising / total | {fmt(x['denoise_s'], ' s')} / {fmt(x['total_s'], ' s')} "
+                            f"| exact {fmt(m['exact']['denoise_s'], ' s')} / {fmt(m['exact']['total_s'], ' s')} | "
+                            f"{x['denoise_ratio']:.2f}x | {x.get('skipped')}/{x.get('calls')} calls skipped; PSNR "
+                            f"{x['psnr_db']:.1f} dB vs exact (random weights); peak {fmt(x['peak_gib'], ' GiB')} |")
+        return rows
+    if name == "causal-1.3b":
+        return [f"| {name} | stream {r['num_frames']}x{r['height']}x{r['width']}, {r['blocks']} blocks: time to first "
+                f"frame / frames/s | {fmt(r['ttff_s'], ' s')} / {fmt(r['fps'], ' fps')} | - | - | denoising alone "
+                f"{fmt(r['denoise_fps'], ' fps')}; block {fmt(r['block_median_s'], ' s')}, decode "
+                f"{fmt(r['decode_median_s'], ' s')} a block (medians); KV cache {fmt(r['kv_cache_gib'], ' GiB')}; peak "
+                f"{fmt(r['peak_gib'], ' GiB')} |"]
+    if name == "vae":
+        rows, m = [], r["modes"]
+        for label, x in m.items():
+            whole = m.get("whole-" + label.split("-", 1)[1], x)
+            extra = f"; blocks {fmt(median(x['block_s']), ' s')} median" if "block_s" in x else ""
+            rows.append(f"| {name} | decode {r['num_frames']}x{r['height']}x{r['width']}, {label} | {fmt(x['s'], ' s')} "
+                        f"| whole {fmt(whole['s'], ' s')} | {x['s'] / whole['s']:.2f} (time) | peak "
+                        f"{fmt(x['peak_gib'], ' GiB')}; max uint8 diff vs fp32 whole {x['max_uint8_diff_vs_fp32_whole']}"
+                        f"{extra} |")
+        return rows
+    if name == "offload-disk-1.3b":
+        return [f"| {name} | disk tier DiT forward (first, from a dropped page cache / steady) | "
+                f"{fmt(r['disk_first_s'], ' s')} / {fmt(r['disk_s'], ' s')} | resident {fmt(r['resident_s'], ' s')} | "
+                f"{r['slowdown']:.2f} (time) | load {fmt(r['disk_load_s'], ' s')}; peak "
+                f"{fmt(r.get('disk_allocated_gib', r.get('disk_peak_gib')), ' GiB')} vs "
+                f"{fmt(r['resident_peak_gib'], ' GiB')} (activations); host peak RSS "
+                f"{fmt(r['host_peak_rss_gib'], ' GiB')}; max abs diff {r['max_abs_diff']:.1e} |"]
     if name in ("sparse", "concurrency", "kv-pool", "dllm"):
         return [f"| {name} | see its report below | - | - | - | |"]
     return [f"| {name} | {json.dumps(r)[:200]} | | | | |"]
@@ -604,6 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args)
     print(f"gpu_suite: {env}", flush=True)
     results: dict[str, dict] = {}
+    shared = shared_folder_path(args)
+    shared_existed = shared.exists()
     suite_start = time.perf_counter()
     for name in names:
         budget = PARTS[name][0] * args.budget_scale
@@ -634,6 +938,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {results[name]['status']} in {results[name]['part_wall_s']:.1f} s", flush=True)
         result_file.unlink(missing_ok=True)
         (out_dir / "gpu_suite.json").write_text(json.dumps({"env": env, "results": results}, indent=1, default=str))
+    if not shared_existed:
+        import shutil
+
+        shutil.rmtree(shared, ignore_errors=True)
     text = markdown(env, results)
     (out_dir / "gpu_suite.md").write_text(text)
     print(text)
