@@ -585,10 +585,10 @@ def part_vae(args) -> dict:
         stage = DecodingStage(vae)
         z = latents.to(device)
 
-        def whole():
+        def whole(stage=stage, z=z):
             return video_to_frames(stage.decode(z)).numpy()[0]
 
-        def streamed():
+        def streamed(z=z):
             decoder = StreamingVideoDecoder(vae)
             frames, seconds = [], []
             for i in range(0, z.shape[2], 3):  # Self-Forcing's blocks of 3 latent frames
@@ -600,7 +600,7 @@ def part_vae(args) -> dict:
 
             return np.concatenate(frames), seconds
 
-        def tiled():
+        def tiled(whole=whole):
             vae.enable_tiling()
             try:
                 return whole()
