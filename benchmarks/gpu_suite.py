@@ -38,6 +38,9 @@ Parts (sizes as on the GPU; `--tiny` shrinks the models and videos, same code):
   peak memory and the uint8 difference against the whole decode.
 - offload-disk-1.3b: the disk tier (`offload = disk`: blocks read from the memory-mapped safetensors files one
   block ahead) against the resident model, from the shared folder; the host's page cache is dropped first.
+- memory: the memory predictor (composer/memory/) against measured peaks, each size in a fresh process
+  (benchmarks/memory_predictor.py: predicted weights + activations vs `max_memory_allocated`), then `offload = auto`
+  with `memory_budget = 8e9`: the plan it picks for the 1.3B at 480p 81 frames and the peak a real request reaches.
 - dllm: the diffusion-LM decoding strategies on the embedded tiny-dllm against the exact path (forwards per token,
   tokens/s, accuracy on 300 held-out problems) and batch 1/8/32 throughput (benchmarks/dllm.py).
 
@@ -94,6 +97,7 @@ PARTS: dict[str, tuple[int, str]] = {
     "causal-1.3b": (200, "Self-Forcing 1.3B causal streaming, 480x832, 81 frames, 3 latent frames a block, 4 steps"),
     "vae": (150, "the Wan VAE decoding 81x480x832: whole, diffusers-tiled, streamed per block; fp32 and bf16"),
     "offload-disk-1.3b": (120, "the disk tier (blocks from the memory-mapped files) vs resident, 480p"),
+    "memory": (200, "the memory predictor vs measured peaks (1.3B, 480p and 720p) and offload = auto under 8 GB"),
     "dllm": (90, "diffusion-LM decoding strategies on tiny-dllm vs the exact path: forwards/token, tokens/s, "
                  "accuracy; batch 1/8/32 throughput"),
 }
@@ -672,6 +676,44 @@ def part_offload_disk(args) -> dict:
     return out
 
 
+def part_memory(args) -> dict:
+    """The memory predictor against measured peaks (benchmarks/memory_predictor.py, each size in a fresh process),
+    then offload = auto under a budget the model's whole-video decode does not fit: the plan it picks and the peak
+    a real request reaches under it."""
+    import torch
+
+    from composer import VideoGenerator
+
+    device = torch.device(args.device)
+    folder = shared_folder(args)
+    sizes = "5x64x64,9x64x96" if args.tiny else "17x480x832,81x480x832,81x720x1280"
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "memory_predictor.py"), "--model-path", str(folder),
+           "--device", args.device, "--dtype", args.dtype, "--sizes", sizes, "--steps", "2", "--tolerance", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS["memory"][0] * args.budget_scale)
+    if res.returncode:
+        raise RuntimeError(f"memory_predictor.py exited {res.returncode}: {(res.stderr or res.stdout)[-2000:]}")
+    out: dict[str, Any] = {"report": res.stdout[-3000:]}
+    video = dict(VIDEO_TINY) if args.tiny else dict(VIDEO_480P)
+    budget = 0.6e9 if args.tiny else 8e9
+    start = time.perf_counter()
+    gen = VideoGenerator.from_pretrained(folder, device=str(device), dtype=args.dtype, progress=False, offload="auto",
+                                         memory_budget=budget)
+    plan = gen.memory_guard.plan
+    out.update(plan=plan.describe(), plan_offload=plan.offload, plan_tiled=plan.vae_tiling, predicted=plan.peak,
+               budget=budget, plan_s=time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    gen.generate_video(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=2, guidance_scale=GUIDANCE, seed=SEED,
+                       **video)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        out["measured"] = torch.cuda.max_memory_allocated(device)
+        out["report"] += (f"\noffload = auto, memory_budget = {budget / 1e9:.0f} GB: {plan.describe()}; the request's "
+                          f"measured peak {out['measured'] / 2**30:.2f} GiB (max_memory_allocated, weights included)\n")
+    return out
+
+
 def part_sparse(args) -> dict:
     grid = ["3", "4", "4"] if args.tiny else ["21", "30", "52"]
     heads = ["2", "32"] if args.tiny else ["12", "128"]
@@ -738,6 +780,7 @@ PART_FUNCS = {
     "causal-1.3b": part_causal,
     "vae": part_vae,
     "offload-disk-1.3b": part_offload_disk,
+    "memory": part_memory,
     "dllm": part_dllm,
 }
 
@@ -855,7 +898,7 @@ def summary_rows(name: str, r: dict) -> list[str]:
                 f"{fmt(r.get('disk_allocated_gib', r.get('disk_peak_gib')), ' GiB')} vs "
                 f"{fmt(r['resident_peak_gib'], ' GiB')} (activations); host peak RSS "
                 f"{fmt(r['host_peak_rss_gib'], ' GiB')}; max abs diff {r['max_abs_diff']:.1e} |"]
-    if name in ("sparse", "concurrency", "kv-pool", "dllm"):
+    if name in ("sparse", "concurrency", "kv-pool", "dllm", "memory"):
         return [f"| {name} | see its report below | - | - | - | |"]
     return [f"| {name} | {json.dumps(r)[:200]} | | | | |"]
 

@@ -27,6 +27,11 @@ class InvalidInputError(ComposerError, ValueError):
     """A generation request cannot be run as given (bad size, frame count, step count, prompt...)."""
 
 
+class MemoryBudgetError(InvalidInputError):
+    """A request (or a model's placement) whose predicted memory does not fit the memory budget: refused before it
+    runs, with the numbers (composer/memory/)."""
+
+
 class OutputError(ComposerError, OSError):
     """The video could not be written (the disk filled up, the folder went away...); the target is untouched."""
 

@@ -142,6 +142,7 @@ class VideoGenerator:
         self.model_path = model_path
         self.family = family
         self._loop: RequestLoop | None = None  # submit_video's tasks (made on first use)
+        self.memory_guard = None  # offload = auto / memory_budget: each request checked first (composer/memory/)
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike | None = None, **runtime_kwargs: Any) -> VideoGenerator:
@@ -184,13 +185,23 @@ class VideoGenerator:
             logger.info("sampling defaults are %s's; if this folder is another family's model, name it with "
                         "model_family (--model-family) or in a composer.json next to its model_index.json "
                         "(docs/adding-a-model-family.md)", configs.family.name)
+        guard = None
+        if runtime.offload == "auto" or runtime.memory_budget is not None:
+            from composer.memory import planned_runtime
+
+            runtime, guard = planned_runtime(resolved, runtime, state)
         start = time.perf_counter()
         pipeline = pipeline_cls(index, configs.pipeline_config(), runtime)
         logger.info("model ready in %.1f s on %s", time.perf_counter() - start, runtime.torch_device)
         defaults = configs.sampling_param().with_folder_defaults(pipeline.sampling_defaults())
         if settings.sampling:  # the folder's composer.json over what its scheduler implies
             defaults = dataclasses.replace(defaults, **{k: getattr(stated, k) for k in settings.sampling})
-        return cls(pipeline, defaults, model_path, configs.family.name)
+        generator = cls(pipeline, defaults, model_path, configs.family.name)
+        if guard is not None:
+            generator.memory_guard = guard
+            if guard.plan.vae_tiling and hasattr(pipeline.modules.get("vae"), "enable_tiling"):
+                pipeline.modules["vae"].enable_tiling()
+        return generator
 
     def set_lora(self, paths: str | os.PathLike | list, scales: float | list[float] | None = None) -> str:
         """Replace the transformer's LoRA adapters with `paths` (one or more .safetensors files; scale 1.0 each
@@ -262,7 +273,18 @@ class VideoGenerator:
         sp, videos = self._request(prompt, sampling_param, segments, overrides)
         checked = sp if videos is None else dataclasses.replace(sp, prompt=videos.prompts)
         check_request(checked, ModelLimits.from_pipeline(self.pipeline), segments)
+        self._check_memory(sp, videos, segments)
         return sp, videos, priority
+
+    def _check_memory(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any) -> None:
+        """With a memory budget: refuse a request whose predicted peak does not fit (MemoryBudgetError), before it
+        starts."""
+        if self.memory_guard is None:
+            return
+        from composer.memory import request_key as memory_key
+
+        segments = list(segments) if segments is not None else None
+        self.memory_guard.check(new_batch(sp, videos), sp, memory_key(sp, videos, segments), segments)
 
     def submit_video(
         self,
@@ -457,6 +479,7 @@ class VideoGenerator:
         if sp.num_videos_per_prompt != 1:
             raise UnsupportedError("stream_video makes one video; leave num_videos_per_prompt at 1")
         check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
+        self._check_memory(sp, None, segments if isinstance(segments, list) else None)  # (a live source: unread)
         batch = self._new_batch(sp, None, cancel, priority)
         context = batch.get(RequestContext)
         context.target_fps = target_fps
@@ -534,29 +557,9 @@ class VideoGenerator:
     def _new_batch(self, sp: SamplingParam, videos: VideoRequests | None = None,
                    cancel: CancelToken | None = None, priority: int = 0) -> ForwardBatch:
         self._warn_ignored_settings(sp)
-        seed = sp.seed if sp.seed is not None else parallel_state.random_seed()
-        if videos is not None:  # one row per video
-            prompt, negative = videos.prompts, videos.negative_prompts
-        else:
-            prompt = [sp.prompt] if isinstance(sp.prompt, str) else sp.prompt  # None fails input validation
-            negative = [sp.negative_prompt] if isinstance(sp.negative_prompt, str) else sp.negative_prompt
-        batch = ForwardBatch(
-            prompt=prompt,
-            negative_prompt=negative,
-            height=sp.height,
-            width=sp.width,
-            num_frames=sp.num_frames,
-            num_inference_steps=sp.num_inference_steps,
-            guidance_scale=sp.guidance_scale,
-            flow_shift=sp.flow_shift,
-            seed=seed,
-        )
-        if isinstance(seed, int) and 0 <= seed < 2**63:
-            batch.generator = torch.Generator("cpu").manual_seed(seed)
-        if cancel is not None:
-            batch.attach(cancel)
-        key = request_key(sp, videos, priority) if self._planned else ""  # (hashes images: only where it is used)
-        batch.attach(RequestContext(priority=priority, cancel=cancel, key=key))
+        batch = new_batch(sp, videos, cancel, priority)
+        if self._planned:  # (hashes images: only where it is used)
+            batch.get(RequestContext).key = request_key(sp, videos, priority)
         return batch
 
     def _warn_ignored_settings(self, sp: SamplingParam) -> None:
@@ -567,6 +570,35 @@ class VideoGenerator:
             log_once(logger, "negative-prompt-ignored", f"negative_prompt is ignored: guidance_scale = "
                      f"{sp.guidance_scale} (<= 1) turns classifier-free guidance off; set guidance_scale > 1 to "
                      "use it", logging.WARNING)
+
+
+def new_batch(sp: SamplingParam, videos: VideoRequests | None = None, cancel: CancelToken | None = None,
+              priority: int = 0) -> ForwardBatch:
+    """The ForwardBatch of a request: its prompts (one row per video), size, steps, guidance and seed (a seed left
+    to chance drawn here), and its RequestContext."""
+    seed = sp.seed if sp.seed is not None else parallel_state.random_seed()
+    if videos is not None:  # one row per video
+        prompt, negative = videos.prompts, videos.negative_prompts
+    else:
+        prompt = [sp.prompt] if isinstance(sp.prompt, str) else sp.prompt  # None fails input validation
+        negative = [sp.negative_prompt] if isinstance(sp.negative_prompt, str) else sp.negative_prompt
+    batch = ForwardBatch(
+        prompt=prompt,
+        negative_prompt=negative,
+        height=sp.height,
+        width=sp.width,
+        num_frames=sp.num_frames,
+        num_inference_steps=sp.num_inference_steps,
+        guidance_scale=sp.guidance_scale,
+        flow_shift=sp.flow_shift,
+        seed=seed,
+    )
+    if isinstance(seed, int) and 0 <= seed < 2**63:
+        batch.generator = torch.Generator("cpu").manual_seed(seed)
+    if cancel is not None:
+        batch.attach(cancel)
+    batch.attach(RequestContext(priority=priority, cancel=cancel, key=""))
+    return batch
 
 
 def _checked_priority(priority: Any) -> int:

@@ -26,7 +26,7 @@ DTYPES: dict[str, str] = {
     "fp16": "float16",
     "float16": "float16",
 }
-OFFLOAD_MODES = ("none", "model", "layerwise", "disk")
+OFFLOAD_MODES = ("none", "model", "layerwise", "disk", "auto")
 COMPILE_MODES = ("none", "regional", "full")
 CFG_MODES = ("batched", "sequential")
 CACHE_MODES = ("none", "teacache", "dbcache")
@@ -166,7 +166,15 @@ class RuntimeArgs:
         default="none",
         metadata={"help": "none; model (each component on the device only while its stage runs); layerwise "
                           "(transformer blocks in host memory, streamed to the device one block ahead); disk "
-                          "(layerwise, blocks read from the memory-mapped safetensors files)", "choices": OFFLOAD_MODES},
+                          "(layerwise, blocks read from the memory-mapped safetensors files); auto (the cheapest of "
+                          "these whose predicted peak fits memory_budget; docs/memory.md)", "choices": OFFLOAD_MODES},
+    )
+    memory_budget: float | None = field(
+        default=None,
+        metadata={"help": "device memory composer may use, in bytes (e.g. 20e9) or as a fraction (0, 1] of the free "
+                          "device memory at load: offload = auto plans within it, and every request is checked "
+                          "against it before it runs (refused with the numbers when its predicted peak does not fit); "
+                          "default with offload = auto: 0.9"},
     )
     compile: str = field(
         default="none",
@@ -310,6 +318,11 @@ class RuntimeArgs:
 
             if (problem := budget_problem(self.kv_cache_memory)) is not None:
                 errors.append(f"kv_cache_memory = {self.kv_cache_memory!r}: expected {problem}")
+        if self.memory_budget is not None:
+            from composer.cache.kv_pool import budget_problem
+
+            if (problem := budget_problem(self.memory_budget)) is not None:
+                errors.append(f"memory_budget = {self.memory_budget!r}: expected {problem.replace('free device', 'free')}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             errors.append(f"max_batch_size = {self.max_batch_size}: expected a positive integer (or unset: no limit)")
         if not isinstance(self.stage_threads, int) or self.stage_threads < 1:
@@ -363,7 +376,7 @@ class RuntimeArgs:
         from composer.stages.validators import V
 
         ranges = {"cache_threshold": V.non_negative_number, "dist_timeout": V.positive_number}
-        own_check = {"kv_cache_memory"}  # validation_errors names its rule (NaN and inf included) once
+        own_check = {"kv_cache_memory", "memory_budget"}  # validation_errors names its rule (NaN and inf included) once
         errors = []
         for name, hint in field_types(type(self)).items():
             value = getattr(self, name)

@@ -191,9 +191,10 @@ class StreamingVideoDecoder:
 
     @staticmethod
     @torch.inference_mode()
-    def decode_together(decoders: list[StreamingVideoDecoder], chunks: list[torch.Tensor]) -> list[np.ndarray]:
+    def decode_frames_together(decoders: list[StreamingVideoDecoder], chunks: list[torch.Tensor]) -> torch.Tensor:
         """Each decoder's next chunk, decoded as one batch: the chunks' rows stacked, the decoders' causal caches
-        stacked entry by entry (equal `batch_key`s), and each decoder's rows of frames and cache handed back."""
+        stacked entry by entry (equal `batch_key`s), and each decoder's cache handed back; the uint8 frames
+        [rows, t, H, W, 3] of every chunk (on the CPU)."""
         vae = decoders[0].vae
         rows = [c.shape[0] for c in chunks]
         z = denormalize_latents(torch.cat(chunks).to(vae.device, vae.dtype), vae.config)
@@ -215,5 +216,10 @@ class StreamingVideoDecoder:
                     decoder.feat_cache[j] = part
         for decoder in decoders:
             decoder.first = False
-        frames = video_to_frames(torch.cat(outs, dim=2).clamp(-1.0, 1.0)).numpy()
-        return list(np.split(frames, np.cumsum(rows)[:-1]))
+        return video_to_frames(torch.cat(outs, dim=2).clamp(-1.0, 1.0))
+
+    @staticmethod
+    def decode_together(decoders: list[StreamingVideoDecoder], chunks: list[torch.Tensor]) -> list[np.ndarray]:
+        """Each decoder's next chunk, decoded as one batch (`decode_frames_together`), as numpy frames per decoder."""
+        frames = StreamingVideoDecoder.decode_frames_together(decoders, chunks).numpy()
+        return list(np.split(frames, np.cumsum([c.shape[0] for c in chunks])[:-1]))

@@ -1,0 +1,138 @@
+"""The memory predictor against measured peaks, over a grid of video sizes (docs/memory.md).
+
+For each size, in a fresh subprocess: the model folder loads, one small warmup video runs, then the measured video:
+
+- CUDA: its `torch.cuda.max_memory_allocated` (weights included: the peak of everything allocated), against the
+  prediction: the weights on the device (safetensors headers) + the request's activation peak (the pipeline's
+  twin on fake tensors, composer.memory);
+- CPU: the rise of the process's peak RSS over its RSS before the video (the weights are already resident, so this
+  is the activations and the frames), against the predicted activation peak. glibc keeps freed memory below its
+  mmap threshold for reuse, so RSS would measure the allocator's history as much as the tensors: the subprocess runs
+  with MALLOC_MMAP_THRESHOLD_=65536 (big blocks mapped and returned on free), as a memory-tight deployment would.
+
+Prints a row per size: predicted, measured, error (predicted / measured - 1), the prediction's own seconds; with
+`--json` writes them. Exit status 1 when an error exceeds `--tolerance` (default 0.15).
+
+    python benchmarks/memory_predictor.py                                   # a mid-size random Wan on CPU
+    python benchmarks/memory_predictor.py --model-path /path/to/Wan2.1-T2V-1.3B-Diffusers --device cuda \\
+        --sizes 17x480x832,33x480x832,81x480x832 --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+# A mid-size random Wan2.1 whose activations at these sizes dwarf the allocator's noise (VAE base_dim 32).
+MID = dict(num_layers=4, num_heads=4, head_dim=64, ffn_dim=1024, text_dim=64, text_heads=4, text_ff=128,
+           vae_base_dim=32)
+CPU_SIZES = "9x128x128,17x192x192,17x256x256"
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(args) -> dict:
+    """One size in this process: predicted and measured (see the module docstring)."""
+    import torch
+
+    from composer import VideoGenerator
+    from composer.memory import device_peak, request_key
+    from composer.prompt_lists import video_requests
+
+    frames, height, width = (int(x) for x in args.size.split("x"))
+    gen = VideoGenerator.from_pretrained(args.model_path, device=args.device, dtype=args.dtype, progress=False)
+    request = dict(num_inference_steps=args.steps, guidance_scale=args.guidance, seed=0)
+    gen.generate_video("warm up", num_frames=5, height=64, width=64, **request)
+
+    from composer.generator import new_batch
+    from composer.memory import MemoryPredictor
+
+    pipeline = gen.pipeline
+    predictor = MemoryPredictor(type(pipeline), pipeline.index, pipeline.config, pipeline.runtime)
+    sp = gen.sampling_param(prompt="a red fox running through fresh snow", num_frames=frames, height=height,
+                            width=width, **request)
+    videos = video_requests(sp.prompt, sp.negative_prompt, 1)
+    start = time.perf_counter()
+    predicted = predictor.request(new_batch(sp, videos), sp, key=request_key(sp, videos, None))
+    seconds = time.perf_counter() - start
+    device = pipeline.device
+    out = {"size": args.size, "device": str(device), "predict_s": seconds, "stages": predicted.describe()}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        gen.generate_video(sp.prompt, num_frames=frames, height=height, width=width, **request)
+        torch.cuda.synchronize(device)
+        out["measured"] = torch.cuda.max_memory_allocated(device)
+        out["predicted"] = device_peak(predictor, "none", predicted)[0]
+        out["what"] = "max_memory_allocated (weights included)"
+    else:
+        before = rss()
+        gen.generate_video(sp.prompt, num_frames=frames, height=height, width=width, **request)
+        out["measured"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        out["predicted"] = predicted.peak
+        out["what"] = "peak RSS rise (activations and frames)"
+    out["error"] = out["predicted"] / out["measured"] - 1
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None, help="a video model folder (default: a mid-size random Wan, built)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--sizes", default=None, help=f"FRAMESxHEIGHTxWIDTH,... (default on CPU: {CPU_SIZES})")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--guidance", type=float, default=5.0)
+    p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--json", default=None)
+    p.add_argument("--size", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    if args.size:  # the subprocess
+        print("RESULT " + json.dumps(measure(args)))
+        return 0
+    tmp = None
+    if args.model_path is None:
+        from composer.testing import build_tiny_wan
+
+        tmp = tempfile.TemporaryDirectory(prefix="composer-memory-")
+        args.model_path = str(build_tiny_wan(Path(tmp.name) / "mid-wan", **MID))
+    rows = []
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONUNBUFFERED": "1"}
+    print(f"{'size':>14} {'predicted':>11} {'measured':>11} {'error':>7} {'predict':>8}  stages (predicted)")
+    for size in (args.sizes or CPU_SIZES).split(","):
+        cmd = [sys.executable, __file__, "--size", size, "--model-path", args.model_path, "--device", args.device,
+               "--dtype", args.dtype, "--steps", str(args.steps), "--guidance", str(args.guidance)]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if res.returncode or line is None:
+            print(f"{size}: failed\n{res.stderr[-3000:]}")
+            return 2
+        row = json.loads(line[len("RESULT "):])
+        rows.append(row)
+        print(f"{size:>14} {row['predicted'] / 2**20:>9.1f}Mi {row['measured'] / 2**20:>9.1f}Mi "
+              f"{row['error']:>+7.1%} {row['predict_s']:>7.2f}s  {row['stages']}")
+    print(f"measured: {rows[0]['what']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"worst error {worst:.1%} (tolerance {args.tolerance:.0%})")
+    return 0 if worst <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

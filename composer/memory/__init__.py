@@ -1,0 +1,80 @@
+"""Memory planning: predict what a request needs before it runs (`predict`), pick the placement that fits a budget
+(`plan`). See docs/memory.md."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from composer.errors import ConfigError
+from composer.logging import get_logger
+from composer.memory.plan import (
+    HEADROOM,
+    MemoryGuard,
+    MemoryPlan,
+    device_peak,
+    plan_memory,
+    resolve_memory_budget,
+)
+from composer.memory.predict import MemoryPredictor, RequestMemory, fmt_bytes
+from composer.memory.trace import LiveBytes, fake_mode, traced_peak
+from composer.memory.weights import ComponentWeights, component_weights
+
+logger = get_logger(__name__)
+
+__all__ = ["HEADROOM", "ComponentWeights", "LiveBytes", "MemoryGuard", "MemoryPlan", "MemoryPredictor",
+           "RequestMemory", "component_weights", "device_peak", "fake_mode", "fmt_bytes", "plan_memory",
+           "planned_runtime", "request_key", "resolve_memory_budget", "traced_peak"]
+
+_IMAGE_FIELDS = ("image", "last_image", "reference_image", "video", "mask")
+
+
+def request_key(sampling: Any, videos: Any, segments: Any) -> tuple:
+    """What decides a request's shapes (requests with equal keys need the same memory)."""
+    rows = videos.count if videos is not None else 1
+    images = tuple(sorted(name for name in _IMAGE_FIELDS if getattr(sampling, name, None) is not None))
+    return (sampling.height, sampling.width, sampling.num_frames, rows, float(sampling.guidance_scale or 0.0),
+            sampling.negative_prompt is not None, len(segments) if segments else 0, images)
+
+
+def planned_runtime(resolved: Any, runtime: Any, parallel_state: Any) -> tuple[Any, MemoryGuard]:
+    """offload = auto / memory_budget, before the model loads: the plan (logged) for the folder's default video,
+    the runtime with its offload mode, and the guard that checks each request."""
+    from composer.generator import new_batch
+    from composer.prompt_lists import video_requests
+
+    if parallel_state is not None:
+        raise ConfigError("offload = auto and memory_budget plan one process's memory; under a parallel layout "
+                          "(torchrun, num_gpus) set offload yourself (docs/memory.md)")
+    index, configs = resolved.index, resolved.configs
+    predictor = MemoryPredictor(resolved.pipeline_cls, index, configs.pipeline_config().updated_from_folder(index.extra),
+                                runtime)
+    sampling = configs.sampling_param().with_folder_defaults(predictor.twin().sampling_defaults())
+    if resolved.settings.sampling:  # as VideoGenerator.from_pretrained makes its defaults
+        sampling = dataclasses.replace(sampling, **{k: getattr(resolved.stated, k) for k in resolved.settings.sampling})
+    sampling = sampling.updated(prompt="a memory plan", seed=0)
+    video = dict(num_frames=sampling.num_frames, height=sampling.height, width=sampling.width)
+    budget = resolve_memory_budget(runtime.memory_budget, runtime.torch_device)
+    streaming = getattr(resolved.pipeline_cls, "streams_video", None)
+
+    def make_request():
+        videos = video_requests(sampling.prompt, sampling.negative_prompt, 1)
+        return new_batch(sampling, videos), sampling, request_key(sampling, videos, None)
+
+    offload = runtime.offload
+    if offload == "auto" and (runtime.lora_path or runtime.quantize != "none"):
+        offload_modes_note = " (disk left out: LoRA and quantization need the blocks in memory)"
+    else:
+        offload_modes_note = ""
+    plan = plan_memory(predictor, make_request, budget, video, offload=offload,
+                       streaming=bool(streaming) or _streams(predictor),
+                       no_disk=bool(offload_modes_note))
+    logger.info("memory plan: %s%s; considered %s", plan.describe(), offload_modes_note, "; ".join(plan.considered))
+    if offload == "auto":
+        runtime = dataclasses.replace(runtime, offload=plan.offload)
+    return runtime, MemoryGuard(predictor, plan)
+
+
+def _streams(predictor: MemoryPredictor) -> bool:
+    twin = predictor.twin()
+    return bool(twin.can_stream)

@@ -1,0 +1,184 @@
+"""Memory planned before a model loads and before each request runs.
+
+`offload = auto` (with an optional `memory_budget`) picks the cheapest placement whose predicted peak fits the
+budget, for the family's default video (or the folder's): no offload, then model offload (each component on the
+device only while its stage runs), then layerwise (transformer blocks streamed from host memory), then disk (blocks
+streamed from the memory-mapped files, when host memory cannot hold them either); the VAE decodes tiled when its
+whole-video decode is what does not fit. Each request is then checked before it starts: one whose predicted peak
+exceeds the budget is refused with the numbers, instead of running out of memory halfway.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from composer.errors import MemoryBudgetError
+from composer.logging import get_logger
+from composer.memory.predict import MemoryPredictor, RequestMemory, fmt_bytes
+
+logger = get_logger(__name__)
+
+HEADROOM = 0.10  # the prediction leaves out allocator rounding and kernels' scratch (docs/memory.md): 10% kept free
+DEFAULT_FRACTION = 0.90  # offload = auto without memory_budget: this share of the device's free memory
+OFFLOAD_ORDER = ("none", "model", "layerwise", "disk")
+
+
+def device_total(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the device (host memory for the CPU)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return device_total(torch.device("cpu"))[0]
+
+
+def resolve_memory_budget(budget: float | int | None, device: torch.device) -> int:
+    """memory_budget as bytes: a number > 1 is bytes; a fraction in (0, 1] of the device's free memory now
+    (host memory for a CPU device); None: DEFAULT_FRACTION of it."""
+    if budget is not None and budget > 1:
+        return int(budget)
+    free, _ = device_total(device)
+    return int(free * (DEFAULT_FRACTION if budget is None else budget))
+
+
+def _denoisers(predictor: MemoryPredictor) -> list[str]:
+    return [n for n in predictor.weights if n.startswith("transformer")]
+
+
+def device_peak(predictor: MemoryPredictor, offload: str, request: RequestMemory) -> tuple[int, int]:
+    """(peak device bytes of `request` under `offload`, weights on the device at that peak)."""
+    weights = predictor.weights
+    denoisers = _denoisers(predictor)
+    if offload == "model":  # only the running stage's components are on the device
+        best = (0, 0)
+        for stage in request.stages:
+            on_device = sum(weights[n].total for n in stage.components if n in weights)
+            best = max(best, (on_device + stage.carried + stage.peak, on_device))
+        return best
+    if offload in ("layerwise", "disk"):
+        resident = sum(w.total for n, w in weights.items() if n not in denoisers)
+        resident += sum(weights[n].streamed() for n in denoisers)
+    else:
+        resident = sum(w.total for w in weights.values())
+    return resident + request.peak, resident
+
+
+def host_need(predictor: MemoryPredictor, offload: str) -> int:
+    """Host bytes the placement keeps in memory (model: every component; layerwise: the transformer blocks)."""
+    weights = predictor.weights
+    if offload == "model":
+        return sum(w.total for w in weights.values())
+    if offload == "layerwise":
+        return sum(sum(weights[n].blocks.values()) for n in _denoisers(predictor))
+    return 0
+
+
+@dataclass
+class MemoryPlan:
+    offload: str
+    vae_tiling: bool
+    budget: int
+    peak: int
+    weights_on_device: int
+    request: RequestMemory
+    video: dict[str, Any]
+    considered: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.budget / (1 + HEADROOM)
+
+    def describe(self) -> str:
+        return (f"offload {self.offload}{', VAE decode tiled' if self.vae_tiling else ''}: predicted peak "
+                f"{fmt_bytes(self.peak)} of a {self.video['num_frames']}x{self.video['height']}x{self.video['width']} "
+                f"video (weights on the device {fmt_bytes(self.weights_on_device)}; {self.request.describe()}), "
+                f"{'within' if self.fits else 'over'} a budget of {fmt_bytes(self.budget)} ({HEADROOM:.0%} kept free)")
+
+
+def plan_memory(predictor: MemoryPredictor, make_request, budget: int, video: dict[str, Any],
+                offload: str = "auto", streaming: bool = False, no_disk: bool = False) -> MemoryPlan:
+    """The cheapest placement (OFFLOAD_ORDER; on a CPU device only none or disk) whose predicted peak fits `budget`
+    with HEADROOM for the request `make_request()` gives (a fresh (batch, sampling, key) each call); the VAE
+    decode tiled when only that makes it fit. `offload` other than auto: that placement, checked. Raises
+    MemoryBudgetError when nothing fits."""
+    device = predictor.device
+    if offload != "auto":
+        modes = (offload,)
+    else:
+        modes = ("none", "disk") if device.type == "cpu" else OFFLOAD_ORDER
+        modes = tuple(m for m in modes if not (no_disk and m == "disk"))
+    usable = budget / (1 + HEADROOM)
+    host = host_available()
+    considered = []
+    requests: dict[bool, RequestMemory] = {}
+
+    def request_for(tiled: bool) -> RequestMemory:
+        if tiled not in requests:
+            batch, sampling, key = make_request()
+            requests[tiled] = predictor.request(batch, sampling, key=key, tiled_decode=tiled)
+        return requests[tiled]
+
+    tilings = (False,) if streaming or "vae" not in predictor.weights or offload != "auto" else (False, True)
+    best: MemoryPlan | None = None
+    for tiled in tilings:
+        for mode in modes:
+            request = request_for(tiled)
+            peak, on_device = device_peak(predictor, mode, request)
+            need = host_need(predictor, mode) if device.type == "cuda" else 0
+            considered.append(f"{mode}{' + tiled VAE' if tiled else ''}: {fmt_bytes(peak)}"
+                              f"{'' if need <= host else f' (host memory {fmt_bytes(need)} > {fmt_bytes(host)} free)'}")
+            if need > host:
+                continue
+            plan = MemoryPlan(mode, tiled, budget, peak, on_device, request, video, considered)
+            if peak <= usable:
+                return plan
+            if best is None or peak < best.peak:
+                best = plan
+    if best is not None and best.weights_on_device <= usable:
+        logger.warning(
+            "memory plan: no placement fits a %dx%dx%d video (the defaults) in the budget of %s; the smallest, %s, "
+            "is used and requests whose predicted peak does not fit will be refused. Predicted peaks: %s",
+            video["num_frames"], video["height"], video["width"], fmt_bytes(budget), best.offload, "; ".join(considered))
+        return best
+    raise MemoryBudgetError(
+        f"the weights alone do not fit the memory budget of {fmt_bytes(budget)} ({fmt_bytes(usable)} after "
+        f"{HEADROOM:.0%} headroom): predicted peaks of a {video['num_frames']}x{video['height']}x{video['width']} "
+        "video: " + "; ".join(considered) + ". Quantize the transformer (quantize=int8), use offload = layerwise or "
+        "disk, or raise memory_budget"
+    )
+
+
+class MemoryGuard:
+    """Checks each request against the plan before it runs (composer.generator)."""
+
+    def __init__(self, predictor: MemoryPredictor, plan: MemoryPlan):
+        self.predictor = predictor
+        self.plan = plan
+
+    def check(self, batch, sampling, key: tuple, segments: Any = None) -> RequestMemory:
+        request = self.predictor.request(batch, sampling, segments, key=key, tiled_decode=self.plan.vae_tiling)
+        peak, on_device = device_peak(self.predictor, self.plan.offload, request)
+        usable = self.plan.budget / (1 + HEADROOM)
+        if peak > usable:
+            raise MemoryBudgetError(
+                f"this request needs about {fmt_bytes(peak)} of {self.predictor.device.type} memory (weights "
+                f"{fmt_bytes(on_device)}; {request.describe()}), more than the budget of {fmt_bytes(self.plan.budget)} "
+                f"allows ({fmt_bytes(usable)} after {HEADROOM:.0%} headroom, offload {self.plan.offload}): lower "
+                "height, width, num_frames or the number of videos, or raise memory_budget"
+            )
+        return request
