@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 def fake_mode():
@@ -74,11 +74,28 @@ class LiveBytes(TorchDispatchMode):
             with _disable_current_modes():
                 out = func(*args, **kwargs)
         else:
+            if self.device_type == "cuda":
+                args, kwargs = self._same_device(func, args, kwargs)
             out = func(*args, **kwargs)
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
                 self._count(value)
         return out
+
+    def _same_device(self, func, args, kwargs):
+        """A small tensor the twin made on the host (a timestep embedding's table, say) where the real run has it
+        on the device: moved to the device for the operator, as the real run's would be. Copies between devices
+        are left as they are."""
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor) and a.dim() > 0]
+        if not any(t.device.type == "cuda" for t in tensors) or not any(t.device.type == "cpu" for t in tensors):
+            return args, kwargs
+        device = next(t.device for t in tensors if t.device.type == "cuda")
+        flat = [a.to(device) if isinstance(a, torch.Tensor) and a.dim() > 0 and a.device.type == "cpu" else a
+                for a in flat]
+        return tree_unflatten(flat, spec)
 
     @contextmanager
     def mark(self) -> Iterator[Callable[[], int]]:
