@@ -84,6 +84,9 @@ def test_the_twin_predicts_the_request_stage_by_stage_without_touching_the_model
     big = gen.sampling_param(prompt="a fox", num_frames=17, height=128, width=128)
     a = predictor.request(new_batch(small), small, key=("small",))
     b = predictor.request(new_batch(big), big, key=("big",))
+    for module in predictor.twin().modules.values():  # the twin's modules live where the real ones do
+        if isinstance(module, torch.nn.Module):
+            assert all(t.device == pipeline.device for t in [*module.parameters(), *module.buffers()])
     names = [s.name for s in a.stages]
     assert names == ["TextEncodingStage", "DenoisingStage", "DecodingStage"]
     decode = {s.name: s.peak for s in b.stages}["DecodingStage"]
@@ -122,11 +125,11 @@ def _request(denoise: float, decode: float) -> RequestMemory:
 
 
 @pytest.mark.parametrize("budget_gib, expected", [
-    # weights: text encoder 2, VAE 0.25, transformer 0.5 + 20 blocks of 0.5 GiB; 10% of the budget kept free
+    # weights: text encoder 2, VAE 0.25, transformer 0.5 + 20 blocks of 0.5 GiB; 15% of the budget kept free
     (40, ("none", False)),  # 12.75 GiB of weights + 4.125 of denoising activations: 16.9 GiB
     (17, ("model", False)),  # one component at a time: the transformer's 10.5 + 4.125 = 14.6 GiB
-    (9, ("layerwise", False)),  # 2 + 0.25 + 0.5 + two blocks + 4.125 = 7.9 GiB
-    (15, ("none", True)),  # a 14 GiB whole-video decode that fits nowhere, 0.5 GiB tiled
+    (10, ("layerwise", False)),  # 2 + 0.25 + 0.5 + two blocks + 4.125 = 7.9 GiB
+    (16, ("none", True)),  # a 14 GiB whole-video decode that fits nowhere, 0.5 GiB tiled
 ])
 def test_offload_auto_takes_the_cheapest_placement_that_fits(monkeypatch, budget_gib, expected):
     import composer.memory.plan as plan_module
@@ -138,7 +141,7 @@ def test_offload_auto_takes_the_cheapest_placement_that_fits(monkeypatch, budget
     video = dict(num_frames=81, height=480, width=832)
     plan = plan_memory(stub, lambda: (None, None, ("k",)), budget_gib * 2**30, video)
     assert (plan.offload, plan.vae_tiling) == expected
-    assert plan.peak <= budget_gib * 2**30 / 1.1 and plan.fits
+    assert plan.peak <= budget_gib * 2**30 / 1.15 and plan.fits
     assert f"offload {expected[0]}" in plan.describe()
 
 

@@ -69,7 +69,7 @@ class RequestMemory:
                          if s.carried + s.peak > 0)
 
 
-def _fake_component(spec, folder: Path, dtype: torch.dtype | None, device: torch.device) -> Any:
+def _fake_component(spec, folder: Path, dtype: torch.dtype | None) -> Any:
     """A module built from its folder's config under the active fake mode (no weights read), in `dtype`; None for
     components that are not modules (tokenizers, schedulers, image processors: the real ones are used)."""
     from composer.loader.components import ComponentLoader, ComposerModelLoader
@@ -92,14 +92,13 @@ def _fake_component(spec, folder: Path, dtype: torch.dtype | None, device: torch
         return None
     if not isinstance(module, torch.nn.Module):
         return None
-    # on the device, parameters in the loading dtype (buffers keep theirs, as loading keeps them); .data is set
-    # in place: Module.to would swap fake parameters, which it refuses
-    for param in module.parameters():
-        param.data = param.data.to(device, dtype if dtype is not None and param.is_floating_point() else None)
-    for owner in module.modules():
-        for name, buf in list(owner._buffers.items()):
-            if buf is not None:
-                owner._buffers[name] = buf.to(device)
+    # parameters in the loading dtype (buffers keep theirs, as loading keeps them). The module is built on its
+    # device (the caller's torch.device context): a fake tensor's device cannot be changed through .data, and
+    # Module.to would swap fake parameters, which it refuses; a dtype can.
+    if dtype is not None:
+        for param in module.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
     return module.eval().requires_grad_(False)
 
 
@@ -157,8 +156,9 @@ class MemoryPredictor:
                     for name in self.required_modules:
                         spec = self.index.component(name)
                         folder = self.folder / name
-                        with predictor._mode:  # fake parameters; the rest of the twin is built for real
-                            module = _fake_component(spec, folder, predictor._module_dtype(name), self.device)
+                        # fake parameters, made on the device; the rest of the twin is built for real
+                        with predictor._mode, torch.device(self.device):
+                            module = _fake_component(spec, folder, predictor._module_dtype(name))
                         if module is None:
                             module = ComponentLoader.for_spec(spec, folder).load(folder, spec, self.device, None)
                         modules[name] = module
