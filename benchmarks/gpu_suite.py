@@ -33,7 +33,8 @@ Parts (sizes as on the GPU; `--tiny` shrinks the models and videos, same code):
   at Self-Forcing's setting: 480x832, 81 frames, 3 latent frames a block, 4 steps, KV cache; time to first frame,
   frames/s end to end and for denoising alone, the block and per-block decode latencies, KV cache bytes, peak memory.
 - vae: the released Wan VAE decoding 81x480x832 (21 latent frames): the whole video at once (composer's
-  DecodingStage, fp32 = composer's default vae_dtype, and in the suite's dtype), diffusers' own tiling, and
+  DecodingStage, fp32 = composer's default vae_dtype, and in the suite's dtype), diffusers' own tiling, composer's
+  exact tiling (`vae_tile_size = 32`: trunk on whole frames, the last two up blocks in tiles with a halo), and
   composer's streaming decode of Self-Forcing's blocks (3 latent frames each, the causal cache carried): seconds,
   peak memory and the uint8 difference against the whole decode.
 - offload-disk-1.3b: the disk tier (`offload = disk`: blocks read from the memory-mapped safetensors files one
@@ -571,7 +572,12 @@ def part_vae(args) -> dict:
     import torch
     from diffusers import AutoencoderKLWan
 
-    from composer.stages.decoding import DecodingStage, StreamingVideoDecoder, video_to_frames
+    from composer.stages.decoding import (
+        DecodingStage,
+        StreamingVideoDecoder,
+        denormalize_latents,
+        video_to_frames,
+    )
 
     device = torch.device(args.device)
     _, video = sizes(args.tiny, "1.3b")
@@ -611,8 +617,15 @@ def part_vae(args) -> dict:
             finally:
                 vae.disable_tiling()
 
+        def exact_tiled(z=z, dtype=dtype):  # composer's exact tiles (RuntimeArgs.vae_tile_size): 32 latent pixels a side
+            from composer.stages.vae_tiling import decode_tiled
+
+            with torch.inference_mode():
+                return video_to_frames(decode_tiled(vae, denormalize_latents(z.to(dtype), vae.config),
+                                                    tile=32 if not args.tiny else 4)).numpy()[0]
+
         whole()  # warmup
-        for label, fn in (("whole", whole), ("tiled", tiled), ("streamed", streamed)):
+        for label, fn in (("whole", whole), ("tiled", tiled), ("exact-tiled", exact_tiled), ("streamed", streamed)):
             row: dict[str, Any] = {}
             with peak_memory(device, row, "peak_gib"):
                 start = time.perf_counter()
@@ -884,7 +897,7 @@ def summary_rows(name: str, r: dict) -> list[str]:
     if name == "vae":
         rows, m = [], r["modes"]
         for label, x in m.items():
-            whole = m.get("whole-" + label.split("-", 1)[1], x)
+            whole = m.get("whole-" + label.rsplit("-", 1)[1], x)
             extra = f"; blocks {fmt(median(x['block_s']), ' s')} median" if "block_s" in x else ""
             rows.append(f"| {name} | decode {r['num_frames']}x{r['height']}x{r['width']}, {label} | {fmt(x['s'], ' s')} "
                         f"| whole {fmt(whole['s'], ' s')} | {x['s'] / whole['s']:.2f} (time) | peak "

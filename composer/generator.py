@@ -197,10 +197,7 @@ class VideoGenerator:
         if settings.sampling:  # the folder's composer.json over what its scheduler implies
             defaults = dataclasses.replace(defaults, **{k: getattr(stated, k) for k in settings.sampling})
         generator = cls(pipeline, defaults, model_path, configs.family.name)
-        if guard is not None:
-            generator.memory_guard = guard
-            if guard.plan.vae_tiling and hasattr(pipeline.modules.get("vae"), "enable_tiling"):
-                pipeline.modules["vae"].enable_tiling()
+        generator.memory_guard = guard
         return generator
 
     def set_lora(self, paths: str | os.PathLike | list, scales: float | list[float] | None = None) -> str:

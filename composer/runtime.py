@@ -86,6 +86,12 @@ class RuntimeArgs:
         default=None, metadata={"help": "text encoder precision (default: same as --dtype)"}
     )
     vae_dtype: str = field(default="fp32", metadata={"help": "VAE precision (fp32 keeps decode quality)"})
+    vae_tile_size: int | None = field(
+        default=None,
+        metadata={"help": "decode whole videos in spatial tiles of this many latent pixels a side: less memory, the "
+                          "same frames (Wan VAE: exact tiles with a halo, docs/memory.md; other VAEs: diffusers' own "
+                          "tiling, approximate); default: whole frames (offload = auto may choose 32)"},
+    )
     attention_backend: str = field(
         default="auto",
         metadata={"help": "attention backend; auto: the fastest one usable here (flash-attn when installed, else SDPA)",
@@ -323,6 +329,9 @@ class RuntimeArgs:
 
             if (problem := budget_problem(self.memory_budget)) is not None:
                 errors.append(f"memory_budget = {self.memory_budget!r}: expected {problem.replace('free device', 'free')}")
+        if self.vae_tile_size is not None and self.vae_tile_size < 1:
+            errors.append(f"vae_tile_size = {self.vae_tile_size}: expected a positive number of latent pixels (or "
+                          "unset: whole frames)")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             errors.append(f"max_batch_size = {self.max_batch_size}: expected a positive integer (or unset: no limit)")
         if not isinstance(self.stage_threads, int) or self.stage_threads < 1:

@@ -72,6 +72,10 @@ def planned_runtime(resolved: Any, runtime: Any, parallel_state: Any) -> tuple[A
     logger.info("memory plan: %s%s; considered %s", plan.describe(), offload_modes_note, "; ".join(plan.considered))
     if offload == "auto":
         runtime = dataclasses.replace(runtime, offload=plan.offload)
+    if plan.vae_tiling and runtime.vae_tile_size is None:
+        from composer.stages.vae_tiling import DEFAULT_TILE
+
+        runtime = dataclasses.replace(runtime, vae_tile_size=DEFAULT_TILE)
     return runtime, MemoryGuard(predictor, plan)
 
 

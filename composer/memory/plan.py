@@ -4,7 +4,7 @@
 budget, for the family's default video (or the folder's): no offload, then model offload (each component on the
 device only while its stage runs), then layerwise (transformer blocks streamed from host memory), then disk (blocks
 streamed from the memory-mapped files, when host memory cannot hold them either); the VAE decodes tiled when its
-whole-video decode is what does not fit. Each request is then checked before it starts: one whose predicted peak
+whole-video decode is what does not fit (exact tiles for the Wan VAE: the same frames). Each request is then checked before it starts: one whose predicted peak
 exceeds the budget is refused with the numbers, instead of running out of memory halfway.
 """
 
@@ -134,6 +134,7 @@ def plan_memory(predictor: MemoryPredictor, make_request, budget: int, video: di
         return requests[tiled]
 
     tilings = (False,) if streaming or "vae" not in predictor.weights or offload != "auto" else (False, True)
+    # (a stream decodes block by block, whole frames: composer/stages/decoding.py)
     best: MemoryPlan | None = None
     for tiled in tilings:
         for mode in modes:

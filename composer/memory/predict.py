@@ -221,14 +221,15 @@ class MemoryPredictor:
             StreamingVideoDecoder.decode_frames_together([StreamingVideoDecoder(stage.vae)],
                                                          [latents[:, :, :per_block]])
             return
-        vae = stage.vae
-        saved = getattr(vae, "use_tiling", False)
+        from composer.stages.vae_tiling import DEFAULT_TILE
+
+        saved = stage.tile_size
         if tiled:
-            vae.enable_tiling()
+            stage.tile_size = saved or DEFAULT_TILE
         try:
             video_to_frames(stage.decode(latents))
         finally:
-            vae.use_tiling = saved
+            stage.tile_size = saved
 
     @staticmethod
     def _stream(stage, batch: ForwardBatch, block_frames: list[int]) -> ForwardBatch:

@@ -224,6 +224,8 @@ class ComposedPipeline:
 
     def add_stage(self, stage: Stage) -> None:
         stage.check_values = self.runtime.verify_values
+        if hasattr(stage, "tile_size") and stage.tile_size is None:
+            stage.tile_size = self.runtime.vae_tile_size
         self.stages.append(stage)
         if self.concurrency == "batch" and hasattr(stage, "share_decodes"):
             stage.share_decodes(lambda: self.gate.busy)

@@ -16,7 +16,10 @@ from composer.engine.batcher import CallBatcher, module_lock
 from composer.engine.loop import Blocking, is_wait, wait_for
 from composer.errors import InvalidInputError, StageVerificationError, UnsupportedError
 from composer.stages.base import Stage
+from composer.logging import get_logger
 from composer.stages.validators import V, VerificationResult
+
+logger = get_logger(__name__)
 
 
 def denormalize_latents(latents: torch.Tensor, vae_config) -> torch.Tensor:
@@ -48,8 +51,9 @@ class DecodingStage(Stage):
     streams_from_upstream = True  # decodes a streaming denoiser's blocks
     concurrent = True  # its decodes go through the batcher, which holds the VAE's lock
 
-    def __init__(self, vae: torch.nn.Module):
+    def __init__(self, vae: torch.nn.Module, tile_size: int | None = None):
         self.vae = vae
+        self.tile_size = tile_size  # latent pixels a side (RuntimeArgs.vae_tile_size; the pipeline sets it)
         self.batcher = CallBatcher(self._decode_many, lock=module_lock(vae))
 
     def share_decodes(self, active) -> None:
@@ -69,7 +73,29 @@ class DecodingStage(Stage):
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         latents = denormalize_latents(latents.to(self.vae.device, self.vae.dtype), self.vae.config)
+        if self.tile_size:
+            from composer.stages.vae_tiling import decode_tiled, supports_exact_tiling
+
+            if supports_exact_tiling(self.vae):
+                return decode_tiled(self.vae, latents, tile=self.tile_size)
+            return self._diffusers_tiled(latents)
         return self.vae.decode(latents, return_dict=False)[0]
+
+    def _diffusers_tiled(self, latents: torch.Tensor) -> torch.Tensor:
+        """A VAE without composer's exact tiling: diffusers' own (tiles blended at their seams: approximate)."""
+        from composer.logging import log_once
+
+        if not hasattr(self.vae, "enable_tiling"):
+            raise UnsupportedError(f"vae_tile_size is set but {type(self.vae).__name__} cannot decode in tiles")
+        log_once(logger, f"diffusers-tiling-{type(self.vae).__name__}", f"vae_tile_size: {type(self.vae).__name__} "
+                 "decodes with diffusers' own tiling (its tiles are blended at the seams: the frames differ a little "
+                 "from a whole decode; composer's exact tiling covers the Wan VAE)")
+        saved = getattr(self.vae, "use_tiling", False)
+        self.vae.enable_tiling()
+        try:
+            return self.vae.decode(latents, return_dict=False)[0]
+        finally:
+            self.vae.use_tiling = saved
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         latents = batch.latents

@@ -1,0 +1,144 @@
+"""Exact tiled decoding for the Wan VAE (AutoencoderKLWan: Wan2.1 and Wan2.2).
+
+diffusers' `enable_tiling()` decodes overlapping tiles independently and blends their seams: each tile's mid-block
+attention sees only its own tile, so the frames change (up to 47 uint8 levels at 480p, docs/gpu.md). composer
+splits the decoder where it stops being global:
+
+- the trunk (post_quant_conv, conv_in, the mid block with its attention over the whole latent frame, and the first
+  up blocks) runs on whole frames, at resolutions where it is cheap;
+- the head (the last two up blocks, norm_out, conv_out: convolutions, nearest upsampling and a per-position RMS norm,
+  all local) runs tile by tile, each tile taken with a halo as wide as the head's receptive field, its own causal
+  temporal cache carried from frame to frame, and only its interior kept.
+
+Every output pixel then sees exactly the inputs it sees in the whole decode: the frames equal the untiled decode up
+to the float rounding of convolutions over other shapes (tested <= 1 uint8 level). The halo costs compute (the last
+two blocks' receptive field is 2.5 latent pixels: 20 output pixels); the peak memory is the head's activations of one
+tile instead of one whole frame, at the resolutions where they are largest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+CACHE_T = 2  # the Wan VAE keeps the last two frames of each causal convolution's input
+DEFAULT_TILE = 32  # latent pixels a side: the memory planner's choice (256 output pixels, as diffusers' tiles)
+
+
+def supports_exact_tiling(vae) -> bool:
+    decoder = getattr(vae, "decoder", None)
+    return (type(vae).__name__ == "AutoencoderKLWan" and decoder is not None
+            and all(hasattr(decoder, n) for n in ("conv_in", "mid_block", "up_blocks", "norm_out", "conv_out")))
+
+
+def head_radius(decoder: nn.Module, trunk_blocks: int) -> float:
+    """The head's spatial receptive-field radius in pixels of its input (the trunk's output): each k x k
+    convolution adds (k // 2) pixels at its resolution, i.e. (k // 2) / scale input pixels, the scale doubling at
+    each nearest upsampling."""
+    radius, scale = 0.0, 1.0
+    head = [*decoder.up_blocks[trunk_blocks:], decoder.norm_out, decoder.conv_out]
+    for module in (m for part in head for m in part.modules()):
+        if isinstance(module, nn.Upsample):
+            factor = module.scale_factor
+            scale *= float(factor[-1] if isinstance(factor, (tuple, list)) else factor)
+        elif isinstance(module, (nn.Conv2d, nn.Conv3d)):
+            if module.stride[-1] != 1:
+                raise ValueError(f"a strided convolution in the VAE decoder's head ({module}): cannot tile it")
+            radius += (module.kernel_size[-1] // 2) / scale
+    return radius
+
+
+def _causal_conv(conv: nn.Module, x: torch.Tensor, cache: list, idx: list[int]) -> torch.Tensor:
+    """One cached causal convolution step, as diffusers' WanDecoder3d runs conv_in and conv_out."""
+    i = idx[0]
+    cache_x = x[:, :, -CACHE_T:].clone()
+    if cache_x.shape[2] < 2 and cache[i] is not None:
+        cache_x = torch.cat([cache[i][:, :, -1:].to(cache_x.device), cache_x], dim=2)
+    x = conv(x, cache[i])
+    cache[i] = cache_x
+    idx[0] += 1
+    return x
+
+
+def _trunk(decoder: nn.Module, x: torch.Tensor, cache: list, first_chunk: bool, blocks: int) -> torch.Tensor:
+    idx = [0]
+    x = _causal_conv(decoder.conv_in, x, cache, idx)
+    x = decoder.mid_block(x, feat_cache=cache, feat_idx=idx)
+    for up_block in decoder.up_blocks[:blocks]:
+        x = up_block(x, feat_cache=cache, feat_idx=idx, first_chunk=first_chunk)
+    return x
+
+
+def _head(decoder: nn.Module, x: torch.Tensor, cache: list, first_chunk: bool, blocks: int) -> torch.Tensor:
+    idx = [0]
+    for up_block in decoder.up_blocks[blocks:]:
+        x = up_block(x, feat_cache=cache, feat_idx=idx, first_chunk=first_chunk)
+    x = decoder.nonlinearity(decoder.norm_out(x))
+    return _causal_conv(decoder.conv_out, x, cache, idx)
+
+
+def _spans(size: int, tile: int) -> list[tuple[int, int]]:
+    """[start, end) spans of at most `tile` covering `size`, as even as possible."""
+    count = max(1, math.ceil(size / tile))
+    edges = [round(i * size / count) for i in range(count + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(count)]
+
+
+def default_trunk_blocks(vae) -> int:
+    """Up blocks run on whole frames: all but the last two (whose activations, at the top resolutions, are the
+    decode's peak), so the tiles' halo spans only the last two blocks' receptive field."""
+    return max(0, len(vae.decoder.up_blocks) - 2)
+
+
+@torch.inference_mode()
+def decode_tiled(vae, z: torch.Tensor, tile: int = 32, trunk_blocks: int | None = None) -> torch.Tensor:
+    """The Wan VAE's decode of latents `z` [B, C, F, h, w] (already denormalized) with the head in spatial tiles
+    of at most `tile` latent pixels a side (each with a halo as wide as the head's receptive field, rounded up);
+    `trunk_blocks`: up blocks run on whole frames (default: `default_trunk_blocks`). Returns the video
+    [B, 3, T, H, W] clamped to [-1, 1], as `vae.decode` does."""
+    if not supports_exact_tiling(vae):
+        raise TypeError(f"exact tiled decoding needs the Wan VAE (AutoencoderKLWan), got {type(vae).__name__}")
+    if tile < 1:
+        raise ValueError(f"tile = {tile}: expected a positive number of latent pixels")
+    decoder = vae.decoder
+    blocks = default_trunk_blocks(vae) if trunk_blocks is None else trunk_blocks
+    x = vae.post_quant_conv(z)
+    frames = x.shape[2]
+    count = vae._cached_conv_counts["decoder"]
+    trunk_cache: list = [None] * count
+    tile_caches: dict[tuple[int, int], list] = {}
+    out: torch.Tensor | None = None
+    time_index = 0
+    for i in range(frames):
+        trunk = _trunk(decoder, x[:, :, i:i + 1], trunk_cache, i == 0, blocks)
+        height, width = trunk.shape[-2:]
+        trunk_scale = width // x.shape[-1]  # trunk pixels per latent pixel
+        halo = math.ceil(head_radius(decoder, blocks))
+        step = tile * trunk_scale
+        t = None
+        for r0, r1 in _spans(height, step):
+            for c0, c1 in _spans(width, step):
+                top, left = max(0, r0 - halo), max(0, c0 - halo)
+                bottom, right = min(height, r1 + halo), min(width, c1 + halo)
+                cache = tile_caches.setdefault((r0, c0), [None] * count)
+                piece = _head(decoder, trunk[:, :, :, top:bottom, left:right], cache, i == 0, blocks)
+                scale = piece.shape[-1] // (right - left)
+                t = piece.shape[2]
+                if out is None:  # the first latent frame makes one frame, each later one `temporal`
+                    temporal = int(getattr(vae.config, "scale_factor_temporal", None) or 4)
+                    out = piece.new_empty(piece.shape[0], piece.shape[1], t + (frames - 1) * temporal,
+                                          height * scale, width * scale)
+                if time_index + t > out.shape[2]:  # a VAE of another temporal layout: grow
+                    out = torch.cat([out, out.new_empty(*out.shape[:2], time_index + t - out.shape[2],
+                                                        *out.shape[3:])], dim=2)
+                out[:, :, time_index:time_index + t, r0 * scale:r1 * scale, c0 * scale:c1 * scale] = \
+                    piece[:, :, :, (r0 - top) * scale:(r1 - top) * scale, (c0 - left) * scale:(c1 - left) * scale]
+        time_index += t
+    out = out[:, :, :time_index]
+    if vae.config.patch_size is not None:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        out = unpatchify(out, patch_size=vae.config.patch_size)
+    return out.clamp(-1.0, 1.0)

@@ -1,0 +1,69 @@
+"""Exact tiled decoding of the Wan VAE (composer/stages/vae_tiling.py): the trunk (mid block and first up blocks) on
+whole frames, the last two up blocks in tiles with a halo as wide as their receptive field: the frames equal the
+whole decode, where diffusers' blended tiles differ."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from composer import VideoGenerator
+from composer.stages.decoding import video_to_frames
+from composer.stages.vae_tiling import decode_tiled, default_trunk_blocks, head_radius
+from composer.testing import build_tiny_wan
+
+
+def wan_vae(**kwargs):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(**kwargs).eval()
+
+
+def uint8_diff(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((video_to_frames(a).int() - video_to_frames(b).int()).abs().max())
+
+
+@pytest.mark.parametrize("kwargs, tile", [
+    (dict(base_dim=16, num_res_blocks=1), 4),  # Wan2.1's layout, small; tiles of 4 latent pixels
+    (dict(base_dim=16, num_res_blocks=1, z_dim=48, is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+          scale_factor_spatial=16, dim_mult=[1, 2, 4, 4], temperal_downsample=[False, True, True],
+          latents_mean=[0.0] * 48, latents_std=[1.0] * 48), 3),  # Wan2.2 TI2V's: residual up blocks, patchified
+])
+def test_tiled_decode_equals_the_whole_decode(kwargs, tile):
+    vae = wan_vae(**kwargs)
+    z = torch.randn(1, vae.config.z_dim, 3, 10, 14, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        whole = vae.decode(z, return_dict=False)[0]
+    tiled = decode_tiled(vae, z, tile=tile)
+    assert tiled.shape == whole.shape
+    assert float((tiled - whole).abs().max()) < 1e-4 and uint8_diff(tiled, whole) <= 1
+    # a tile as large as the frame is the whole decode's arithmetic
+    assert float((decode_tiled(vae, z, tile=64) - whole).abs().max()) < 1e-5
+
+
+def test_the_halo_is_needed_and_diffusers_tiling_is_not_exact():
+    vae = wan_vae(base_dim=16, num_res_blocks=1)
+    blocks = default_trunk_blocks(vae)
+    assert blocks == 2 and head_radius(vae.decoder, blocks) > 2  # the last two up blocks' receptive field
+    z = torch.randn(1, 16, 2, 40, 40, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        whole = vae.decode(z, return_dict=False)[0]
+        vae.enable_tiling(tile_sample_min_height=128, tile_sample_min_width=128, tile_sample_stride_height=96,
+                          tile_sample_stride_width=96)
+        theirs = vae.decode(z, return_dict=False)[0]
+        vae.disable_tiling()
+    ours = decode_tiled(vae, z, tile=16)
+    assert uint8_diff(ours, whole) <= 1
+    assert uint8_diff(theirs, whole) > 1  # blended independent tiles: not the whole decode
+
+
+def test_vae_tile_size_gives_the_same_video(tmp_path):
+    folder = build_tiny_wan(tmp_path / "wan")
+    video = dict(num_frames=9, height=96, width=128, num_inference_steps=2, seed=4)
+    whole = VideoGenerator.from_pretrained(str(folder), device="cpu", progress=False).generate_video("a fox", **video)
+    tiled_gen = VideoGenerator.from_pretrained(str(folder), device="cpu", vae_tile_size=4, progress=False)
+    assert tiled_gen.pipeline.stage("DecodingStage").tile_size == 4
+    tiled = tiled_gen.generate_video("a fox", **video)
+    assert int(np.abs(tiled.frames.astype(int) - whole.frames.astype(int)).max()) <= 1
