@@ -699,7 +699,7 @@ def part_memory(args) -> dict:
 
     device = torch.device(args.device)
     folder = shared_folder(args)
-    sizes = "5x64x64,9x64x96" if args.tiny else "17x480x832,81x480x832,81x720x1280"
+    sizes = "5x64x64" if args.tiny else "17x480x832,81x480x832,81x720x1280"
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "memory_predictor.py"), "--model-path", str(folder),
            "--device", args.device, "--dtype", args.dtype, "--sizes", sizes, "--steps", "2", "--tolerance", "1"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS["memory"][0] * args.budget_scale)

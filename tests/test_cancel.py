@@ -156,7 +156,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("stream", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize("stream", [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)])
 def test_cli_exits_130_on_ctrl_c_without_a_traceback(tiny_wan_dir, tiny_causal_dir, tmp_path, stream):
     folder = tiny_causal_dir if stream else tiny_wan_dir
     # far longer than the test uncancelled: 200 steps x 2 layers x 0.2 s, or 20 causal blocks x 5 passes x 2 x 0.2 s

@@ -75,6 +75,7 @@ def test_library_progress_bars_are_off_within_the_block_and_restored():
     assert state() == before
 
 
+@pytest.mark.slow  # (subprocess launches: the full tier)
 def test_usage_errors_exit_1_and_version_prints():
     bad = composer_process("generate", "--no-such-flag")
     assert bad.returncode == 1 and "unrecognized arguments: --no-such-flag" in bad.stderr

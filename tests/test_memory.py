@@ -182,6 +182,7 @@ def test_offload_auto_on_the_cpu_keeps_the_model_resident_and_logs_the_plan(wan_
     assert "predicted peak" in line and "within a budget" in line and "Decoding" in line
 
 
+@pytest.mark.slow
 def test_a_causal_stream_is_predicted_with_its_kv_cache_and_checked():
     gen = VideoGenerator.from_pretrained("shapes-causal", device="cpu", memory_budget=100e6, progress=False)
     assert gen.memory_guard.plan.fits  # 33x64x64 by default

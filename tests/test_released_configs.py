@@ -37,3 +37,24 @@ def test_every_released_config_builds_on_meta(name):
     billions = sum(p.numel() for p in model.parameters()) / 1e9
     expected = {"wan2.1-t2v-1.3b": 1.4, "wan2.1-t2v-14b": 14.3, "wan2.2-ti2v-5b": 5.0, "hunyuanvideo": 12.8}[name]
     assert abs(billions - expected) / expected < 0.06, billions
+
+
+@pytest.mark.slow
+def test_the_self_forcing_1_3b_causal_model_at_its_real_size():
+    """The Self-Forcing 1.3B (the 1.3B DiT as composer's block-causal model): its first block, alone in the video,
+    attends to itself only, so it predicts what diffusers' full-attention DiT predicts on the same tensors; and the
+    settings are Self-Forcing's (3 latent frames a block, four steps)."""
+    from composer.testing.released import SELF_FORCING_1_3B
+
+    theirs = released_dit(SELF_FORCING_1_3B["base"])
+    ours = composer_twin(theirs, causal=True)
+    assert type(ours).__name__ == "CausalWanTransformer3DModel"
+    g = torch.Generator("cpu").manual_seed(1)
+    block = torch.randn(1, 16, SELF_FORCING_1_3B["num_frames_per_block"], 4, 4, generator=g)
+    text = torch.randn(1, 12, 4096, generator=g)
+    t = torch.tensor([1000.0])
+    with torch.no_grad():
+        expected = theirs(block, t, text, return_dict=False)[0]
+        got = ours(block, t, text)
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert SELF_FORCING_1_3B["denoising_step_list"] == [1000, 750, 500, 250]

@@ -43,6 +43,7 @@ def test_tiled_decode_equals_the_whole_decode(kwargs, tile):
     assert float((decode_tiled(vae, z, tile=64) - whole).abs().max()) < 1e-5
 
 
+@pytest.mark.slow
 def test_the_halo_is_needed_and_diffusers_tiling_is_not_exact():
     vae = wan_vae(base_dim=16, num_res_blocks=1)
     blocks = default_trunk_blocks(vae)
@@ -67,3 +68,20 @@ def test_vae_tile_size_gives_the_same_video(tmp_path):
     assert tiled_gen.pipeline.stage("DecodingStage").tile_size == 4
     tiled = tiled_gen.generate_video("a fox", **video)
     assert int(np.abs(tiled.frames.astype(int) - whole.frames.astype(int)).max()) <= 1
+
+
+@pytest.mark.slow
+def test_the_vae_benchmark_runs(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "vae.py"
+    out = tmp_path / "vae.json"
+    run = subprocess.run([sys.executable, str(script), "--families", "wan2.1", "--ways", "exact-tiled,streamed", "--size",
+                          "5x64x64", "--tile", "4", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = {r["way"]: r for r in json.loads(out.read_text())}
+    assert rows["exact-tiled"]["max_uint8_diff"] <= 1 and rows["streamed"]["max_uint8_diff"] == 0
+    assert all(r["peak"] > 0 and r["traced"] > 0 for r in rows.values())

@@ -15,8 +15,8 @@ from composer.batch import ForwardBatch, LatentBlock, VideoChunk
 from composer.engine.batcher import CallBatcher, module_lock
 from composer.engine.loop import Blocking, is_wait, wait_for
 from composer.errors import InvalidInputError, StageVerificationError, UnsupportedError
-from composer.stages.base import Stage
 from composer.logging import get_logger
+from composer.stages.base import Stage
 from composer.stages.validators import V, VerificationResult
 
 logger = get_logger(__name__)

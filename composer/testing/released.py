@@ -4,7 +4,8 @@ Speed does not depend on the weights' values: a figure measured on these is the 
 figures on random weights say little, and docs/ quote them as such). The configs are those of the released
 diffusers folders' transformer/config.json:
 
-    wan2.1-t2v-1.3b     Wan-AI/Wan2.1-T2V-1.3B-Diffusers (also Self-Forcing / CausVid 1.3B: the same DiT)
+    wan2.1-t2v-1.3b     Wan-AI/Wan2.1-T2V-1.3B-Diffusers (also Self-Forcing / CausVid 1.3B: the same DiT;
+                        `composer_twin(model, causal=True)` is the causal model, SELF_FORCING_1_3B its settings)
     wan2.1-t2v-14b      Wan-AI/Wan2.1-T2V-14B-Diffusers
     wan2.2-ti2v-5b      Wan-AI/Wan2.2-TI2V-5B-Diffusers (48 latent channels: Wan2.2's VAE)
     hunyuanvideo        hunyuanvideo-community/HunyuanVideo (diffusers' defaults are the release's)
@@ -107,17 +108,98 @@ def released_dit(name: str, device: torch.device | str = "cpu", dtype: torch.dty
     return model.to(device).eval()
 
 
-def composer_twin(theirs: torch.nn.Module) -> torch.nn.Module:
-    """composer's Wan DiT holding the very tensors of diffusers' `theirs` (no copy)."""
+# Self-Forcing 1.3B (gdhe17/Self-Forcing, the released `self_forcing_dmd.pt`): the Wan2.1-T2V-1.3B DiT, converted to
+# composer's CausalWanTransformer3DModel by `composer convert self-forcing` with these settings (its defaults).
+SELF_FORCING_1_3B = dict(base="wan2.1-t2v-1.3b", num_frames_per_block=3, denoising_step_list=[1000, 750, 500, 250],
+                         warp_denoising_step=True, timestep_shift=5.0, local_attn_size=-1, sink_size=0)
+
+
+def composer_twin(theirs: torch.nn.Module, causal: bool = False) -> torch.nn.Module:
+    """composer's Wan DiT holding the very tensors of diffusers' `theirs` (no copy); `causal`: the block-causal
+    CausalWanTransformer3DModel (what a Self-Forcing / CausVid checkpoint of the same DiT converts to)."""
     from composer.loader.weights import apply_rules
     from composer.models.wan.config import WanTransformerConfig
     from composer.models.wan.mapping import DIFFUSERS_TO_COMPOSER
     from composer.models.wan.transformer import WanTransformer3DModel
 
     config = WanTransformerConfig.from_dict(dict(theirs.config))
+    if causal:
+        from composer.models.wan.causal import CausalWanTransformer3DModel as cls
+    else:
+        cls = WanTransformer3DModel
     with torch.device("meta"):
-        ours = WanTransformer3DModel(config)
+        ours = cls(config)
     state = {apply_rules(k, DIFFUSERS_TO_COMPOSER): v for k, v in theirs.state_dict().items()}
     state = {k: v for k, v in state.items() if k in ours.state_dict()}
     ours.load_state_dict(state, assign=True, strict=True)
     return ours.eval()
+
+
+def write_released_transformer(name: str, folder, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                               shard_bytes: int = 2 * 2**30) -> int:
+    """Write the released `name`'s transformer as a diffusers component folder (config.json, sharded safetensors
+    and their index), its values as `seeded_init`'s, one tensor in memory at a time: the 14B's 28 GB folder is
+    written without ever holding the model. Returns the parameter count."""
+    import json
+    from pathlib import Path
+
+    import diffusers
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    class_name, config = RELEASED[name]
+    cls = getattr(diffusers, class_name)
+    with torch.device("meta"):
+        model = cls(**config)
+    if any(True for _ in model.buffers()) and any(k not in dict(model.named_parameters()) for k in model.state_dict()):
+        raise NotImplementedError(f"{class_name} has persistent buffers: write it with save_pretrained instead")
+    generator = torch.Generator("cpu").manual_seed(seed)
+    pool = torch.empty(POOL, dtype=torch.float32).uniform_(-0.035, 0.035, generator=generator)
+    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or [])
+    shard: dict[str, torch.Tensor] = {}
+    shards: list[dict[str, torch.Tensor]] = []
+    size = count = 0
+    for pname, param in model.named_parameters():
+        leaf = pname.rsplit(".", 1)[-1]
+        if "norm" in pname and leaf == "weight":
+            values = torch.ones(param.shape)
+        elif leaf == "bias":
+            values = torch.zeros(param.shape)
+        else:
+            start = int(torch.randint(0, POOL, (1,), generator=generator))
+            flat = torch.cat([pool[start:], pool[:start]])
+            n = param.numel()
+            values = (flat.repeat(-(-n // POOL))[:n] if n > POOL else flat[:n]).view(param.shape)
+        target = torch.float32 if keep.intersection(pname.split(".")) else dtype
+        shard[pname] = values.to(target).contiguous()
+        size += shard[pname].numel() * shard[pname].element_size()
+        count += param.numel()
+        if size >= shard_bytes:
+            shards.append(shard)
+            _write_shard(folder, shards, save_file)
+            shard, size = {}, 0
+    if shard:
+        shards.append(shard)
+        _write_shard(folder, shards, save_file)
+    total = len(shards)
+    weight_map, files = {}, sorted(folder.glob("part-*.safetensors"))
+    for i, path in enumerate(files):
+        final = folder / f"diffusion_pytorch_model-{i + 1:05d}-of-{total:05d}.safetensors"
+        path.rename(final)
+        from composer.memory.weights import read_header
+
+        weight_map.update({k: final.name for k in read_header(final)})
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": sum(f.stat().st_size for f in folder.glob("*.safetensors"))},
+                    "weight_map": weight_map}, indent=1))
+    (folder / "config.json").write_text(json.dumps({"_class_name": class_name, **{
+        k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}}, indent=1))
+    return count
+
+
+def _write_shard(folder, shards: list, save_file) -> None:
+    """Write the newest shard (kept in memory until then) and drop its tensors."""
+    index = len(shards)
+    save_file(shards[-1], str(folder / f"part-{index:05d}.safetensors"))
+    shards[-1] = {}

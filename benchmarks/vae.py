@@ -1,0 +1,213 @@
+"""VAE decode per family: whole video, composer's exact tiles, diffusers' tiles, streamed blocks (docs/memory.md).
+
+Each family's VAE is built at its released config with random weights (speed and memory do not depend on them), the
+same seeded latents decoded each way, every (family, way) in a fresh subprocess so that its peak is its own:
+
+- whole: `vae.decode` (composer's DecodingStage without tiling);
+- exact-tiled: composer's `vae_tile_size` (the Wan VAE: trunk on whole frames, the last two up blocks in tiles of
+  `--tile` latent pixels with a halo; composer/stages/vae_tiling.py);
+- diffusers-tiled: diffusers' `enable_tiling()` (its default 256-pixel tiles, blended seams);
+- streamed: composer's per-block decode of a causal stream (3 latent frames a block, the causal cache carried);
+  the Wan2.1 VAE only (what the causal models use).
+
+Per row: seconds, the peak (CUDA: `max_memory_allocated` above the weights; CPU: the rise of peak RSS, the process
+run with MALLOC_MMAP_THRESHOLD_=65536 so freed memory leaves it), the peak the memory predictor's fake trace gives
+for the same call, and the max uint8 difference against the whole decode. Not built: the decode split over the ranks
+of a sequence-parallel group.
+
+    python benchmarks/vae.py                                  # CPU, 5x256x256, every family
+    python benchmarks/vae.py --device cuda --size 81x480x832 --families wan2.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+# The released VAE configs (vae/config.json of the releases; diffusers' defaults where they are the release's).
+FAMILIES = {
+    "wan2.1": ("AutoencoderKLWan", {}),
+    "wan2.2": ("AutoencoderKLWan", dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4],
+                                        num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True],
+                                        is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                                        scale_factor_spatial=16, scale_factor_temporal=4,
+                                        latents_mean=[0.0] * 48, latents_std=[1.0] * 48)),  # (the release's own
+    # per-channel statistics are 48 numbers each; any do for timing)
+    "hunyuanvideo": ("AutoencoderKLHunyuanVideo", {}),
+}
+WAYS = ("whole", "exact-tiled", "diffusers-tiled", "streamed")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def build(family: str, device, dtype, fake: bool = False):
+    """The family's VAE; `fake`: built under the caller's fake mode and device (a fake parameter's dtype is changed
+    in place: Module.to cannot swap fake parameters)."""
+    import diffusers
+    import torch
+
+    cls_name, config = FAMILIES[family]
+    torch.manual_seed(0)
+    vae = getattr(diffusers, cls_name)(**config)
+    if fake:
+        for param in vae.parameters():
+            param.data = param.data.to(dtype)
+        return vae.eval()
+    return vae.to(device, dtype).eval()
+
+
+def latents_for(vae, size: str):
+    import torch
+
+    frames, height, width = (int(x) for x in size.split("x"))
+    spatial = int(getattr(vae.config, "scale_factor_spatial", None) or getattr(vae, "spatial_compression_ratio", 8))
+    temporal = int(getattr(vae.config, "scale_factor_temporal", None) or getattr(vae, "temporal_compression_ratio", 4))
+    channels = vae.config.z_dim if hasattr(vae.config, "z_dim") else vae.config.latent_channels
+    shape = (1, channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)
+    return torch.randn(shape, generator=torch.Generator("cpu").manual_seed(0))
+
+
+def decoder_for(way: str, vae, tile: int):
+    """A function of the DiT's (normalized) latents -> video [B, 3, T, H, W]; None when the way does not apply."""
+    import torch
+
+    from composer.stages.decoding import StreamingVideoDecoder, denormalize_latents
+    from composer.stages.vae_tiling import decode_tiled, supports_exact_tiling
+
+    def raw(z):
+        return denormalize_latents(z, vae.config)
+
+    if way == "whole":
+        return lambda z: vae.decode(raw(z), return_dict=False)[0]
+    if way == "exact-tiled":
+        return (lambda z: decode_tiled(vae, raw(z), tile=tile)) if supports_exact_tiling(vae) else None
+    if way == "diffusers-tiled":
+        if not hasattr(vae, "enable_tiling"):
+            return None
+
+        def tiled(z):
+            vae.enable_tiling()
+            try:
+                return vae.decode(raw(z), return_dict=False)[0]
+            finally:
+                vae.disable_tiling()
+
+        return tiled
+    if way == "streamed":
+        if type(vae).__name__ != "AutoencoderKLWan" or vae.config.patch_size is not None:
+            return None
+
+        def streamed(z):  # frames back as a [-1, 1] video, for the comparison
+            decoder = StreamingVideoDecoder(vae)
+            chunks = [StreamingVideoDecoder.decode_frames_together([decoder], [z[:, :, i:i + 3]])
+                      for i in range(0, z.shape[2], 3)]
+            frames = torch.cat(chunks, dim=1)  # uint8 [B, T, H, W, 3]
+            return frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+
+        return streamed
+    raise ValueError(way)
+
+
+def measure(args) -> dict:
+    import torch
+
+    from composer.memory import traced_peak
+    from composer.memory.trace import fake_mode
+    from composer.stages.decoding import video_to_frames
+
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    vae = build(args.family, device, dtype)
+    z = latents_for(vae, args.size).to(device, dtype)
+    out = {"family": args.family, "way": args.way, "latents": list(z.shape)}
+    fn = decoder_for(args.way, vae, args.tile)
+    if fn is None:
+        return {**out, "skipped": True}
+    with torch.inference_mode():
+        # no warmup and the reference after: a CPU process's peak RSS is its lifetime's, so the way measured runs
+        # first (on CUDA the peak is reset; its first call's kernel selection is in its seconds)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        else:
+            base = rss()
+        start = time.perf_counter()
+        video = fn(z)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out["seconds"] = time.perf_counter() - start
+        if device.type == "cuda":
+            out["peak"] = torch.cuda.max_memory_allocated(device) - base
+        else:
+            out["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+        frames = video_to_frames(video)
+        del video
+        reference = video_to_frames(decoder_for("whole", vae, args.tile)(z))
+    out["max_uint8_diff"] = int((frames.int() - reference.int()).abs().max())
+    # the predictor's view of the same call: a fake twin of this VAE
+    mode = fake_mode()
+    with mode, torch.device(device):
+        twin = build(args.family, device, dtype, fake=True)
+    twin_fn = decoder_for(args.way, twin, args.tile)
+    fake_z = z.clone()
+    out["traced"], _ = traced_peak(lambda: twin_fn(fake_z), mode=mode, device=device)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--size", default="5x256x256", help="FRAMESxHEIGHTxWIDTH of the video")
+    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--ways", default=",".join(WAYS))
+    p.add_argument("--tile", type=int, default=16,
+                   help="exact-tiled: latent pixels a side (default 16; the memory planner uses 32)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--family", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--way", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.family:
+        print("RESULT " + json.dumps(measure(args)))
+        return 0
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    rows = []
+    print(f"{args.device} {args.dtype}, video {args.size}, exact tiles of {args.tile} latent pixels")
+    print(f"{'family':<13} {'way':<16} {'seconds':>8} {'peak':>10} {'traced':>10} {'uint8 diff':>10}")
+    for family in args.families.split(","):
+        for way in args.ways.split(","):
+            cmd = [sys.executable, __file__, "--family", family, "--way", way, "--device", args.device, "--dtype",
+                   args.dtype, "--size", args.size, "--tile", str(args.tile)]
+            res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if res.returncode or line is None:
+                print(f"{family:<13} {way:<16} failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
+                continue
+            row = json.loads(line[len("RESULT "):])
+            rows.append(row)
+            if row.get("skipped"):
+                print(f"{family:<13} {way:<16} {'(does not apply)':>8}")
+                continue
+            print(f"{family:<13} {way:<16} {row['seconds']:>8.2f} {row['peak'] / 2**20:>8.1f}Mi "
+                  f"{row['traced'] / 2**20:>8.1f}Mi {row['max_uint8_diff']:>10}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
