@@ -48,14 +48,14 @@ def test_the_halo_is_needed_and_diffusers_tiling_is_not_exact():
     vae = wan_vae(base_dim=16, num_res_blocks=1)
     blocks = default_trunk_blocks(vae)
     assert blocks == 2 and head_radius(vae.decoder, blocks) > 2  # the last two up blocks' receptive field
-    z = torch.randn(1, 16, 2, 40, 40, generator=torch.Generator().manual_seed(2))
+    z = torch.randn(1, 16, 2, 24, 24, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         whole = vae.decode(z, return_dict=False)[0]
-        vae.enable_tiling(tile_sample_min_height=128, tile_sample_min_width=128, tile_sample_stride_height=96,
-                          tile_sample_stride_width=96)
+        vae.enable_tiling(tile_sample_min_height=96, tile_sample_min_width=96, tile_sample_stride_height=64,
+                          tile_sample_stride_width=64)
         theirs = vae.decode(z, return_dict=False)[0]
         vae.disable_tiling()
-    ours = decode_tiled(vae, z, tile=16)
+    ours = decode_tiled(vae, z, tile=8)
     assert uint8_diff(ours, whole) <= 1
     assert uint8_diff(theirs, whole) > 1  # blended independent tiles: not the whole decode
 

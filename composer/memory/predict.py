@@ -132,15 +132,11 @@ class MemoryPredictor:
             self.weights[name] = component_weights(folder, name, self._module_dtype(name), quantize)
 
     def _module_dtype(self, name: str) -> torch.dtype | None:
-        if name == "vae":
-            return self.runtime.vae_torch_dtype
-        if name.startswith("text_encoder"):
-            return self.runtime.text_encoder_torch_dtype
-        if name.startswith("transformer"):
-            return self.runtime.torch_dtype
-        if name.startswith("image_encoder"):
-            return self.runtime.text_encoder_torch_dtype
-        return None
+        """The pipeline class's own rule (`module_dtype`: it reads only the runtime), on an unbuilt instance."""
+        if not hasattr(self, "_dtype_rule"):
+            self._dtype_rule = self.pipeline_cls.__new__(self.pipeline_cls)
+            self._dtype_rule.runtime = self.runtime
+        return self._dtype_rule.module_dtype(name)
 
     # -- the twin ------------------------------------------------------------------------------------
     def twin(self):
