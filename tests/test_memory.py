@@ -217,3 +217,28 @@ def test_the_predictor_is_within_15_percent_of_measured_peaks_on_the_cpu(tmp_pat
     rows = json.loads(out.read_text())
     assert len(rows) == 2 and all(abs(r["error"]) <= 0.15 for r in rows), rows
     assert rows[1]["measured"] > 2 * rows[0]["measured"]  # the grid spans sizes that differ
+
+
+@pytest.mark.parametrize("family", [pytest.param("wan-i2v", marks=pytest.mark.slow),
+                                    pytest.param("wan22-a14b", marks=pytest.mark.slow), "hunyuan"])
+def test_every_family_is_planned_stage_by_stage(tmp_path, family):
+    """The twin runs each family's own stages: an image model planned with a stand-in first frame, Wan2.2's two
+    experts each with its own stage, HunyuanVideo's template text encoder."""
+    from PIL import Image
+
+    from composer.testing import build_tiny_hunyuan
+    from composer.testing.tiny_wan22 import build_tiny_wan22_a14b
+    from composer.testing.tiny_wan_i2v import build_tiny_wan_i2v
+
+    build = {"wan-i2v": build_tiny_wan_i2v, "wan22-a14b": build_tiny_wan22_a14b, "hunyuan": build_tiny_hunyuan}
+    folder = build[family](tmp_path / family)
+    gen = VideoGenerator.from_pretrained(str(folder), device="cpu", memory_budget=0.5, progress=False)
+    extra = {"image": Image.new("RGB", (64, 64), (10, 200, 30))} if family == "wan-i2v" else {}
+    gen.generate_video("a fox", num_frames=5, height=64, width=64, num_inference_steps=2, seed=1, **extra)
+    request = next(r for k, r in gen.memory_guard.predictor._cache.items() if k[:3] == (64, 64, 5))
+    names = " ".join(s.name for s in request.stages)
+    expected = {"wan-i2v": ["ImageEncodingStage", "ImageToVideoDenoisingStage"],
+                "wan22-a14b": ["DenoisingStage(transformer)", "DenoisingStage(transformer_2)"],
+                "hunyuan": ["TemplateTextEncodingStage", "DenoisingStage"]}[family]
+    assert all(e in names for e in expected), names
+    assert request.peak > 0 and gen.memory_guard.plan.offload == "none"

@@ -53,6 +53,10 @@ def planned_runtime(resolved: Any, runtime: Any, parallel_state: Any) -> tuple[A
     if resolved.settings.sampling:  # as VideoGenerator.from_pretrained makes its defaults
         sampling = dataclasses.replace(sampling, **{k: getattr(resolved.stated, k) for k in resolved.settings.sampling})
     sampling = sampling.updated(prompt="a memory plan", seed=0)
+    if hasattr(sampling, "image") and sampling.image is None:  # an image model's request: a stand-in first frame of
+        from PIL import Image  # the video's size (only shapes count)
+
+        sampling = sampling.updated(image=Image.new("RGB", (sampling.width, sampling.height), (128, 128, 128)))
     video = dict(num_frames=sampling.num_frames, height=sampling.height, width=sampling.width)
     budget = resolve_memory_budget(runtime.memory_budget, runtime.torch_device)
     streaming = getattr(resolved.pipeline_cls, "streams_video", None)
@@ -82,3 +86,4 @@ def planned_runtime(resolved: Any, runtime: Any, parallel_state: Any) -> tuple[A
 def _streams(predictor: MemoryPredictor) -> bool:
     twin = predictor.twin()
     return bool(twin.can_stream)
+

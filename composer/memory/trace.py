@@ -19,6 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+REAL_LIMIT = 1 << 20  # bytes: bookkeeping outputs up to this size are computed for real (see LiveBytes)
+
 
 def fake_mode():
     """A FakeTensorMode that accepts real tensors as inputs (a tokenizer's ids, a scheduler's timesteps: converted
@@ -67,11 +69,22 @@ class LiveBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.real_bookkeeping and not any(_is_fake(a) for a in tree_flatten((args, kwargs))[0]):
             # no fake input (a factory, or maths on real tensors): a scheduler's timesteps, a seeded noise draw.
-            # Run for real, so code that reads their values (float(t), .item()) works; fake weights keep every
-            # model computation fake.
+            # Run for real when its output is small, so code that reads their values (float(t), .item()) works;
+            # fake weights keep every model computation fake. A large one (an attention mask over a 720p video's
+            # tokens) stays fake: it is shapes only, as it must be to cost nothing.
             from torch.utils._python_dispatch import _disable_current_modes
 
-            with _disable_current_modes():
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if inputs:  # maths on real tensors: real while they are small (their outputs are alike)
+                real = sum(t.numel() * t.element_size() for t in inputs) <= REAL_LIMIT
+            else:  # a factory: its output's size from a fake run first
+                out = func(*args, **kwargs)
+                real = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                           if isinstance(t, torch.Tensor)) <= REAL_LIMIT
+            if real:
+                with _disable_current_modes():
+                    out = func(*args, **kwargs)
+            elif inputs:
                 out = func(*args, **kwargs)
         else:
             if self.device_type == "cuda":
