@@ -92,12 +92,29 @@ def default_trunk_blocks(vae) -> int:
     return max(0, len(vae.decoder.up_blocks) - 2)
 
 
+def _tiles(height: int, width: int, step: int, at_least: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The (row span, column span) tiles of a height x width grid, at most `step` a side, and at least `at_least` of
+    them (smaller tiles along the longer side until there are: every rank of a split decode gets one)."""
+    rows, cols = _spans(height, step), _spans(width, step)
+    while len(rows) * len(cols) < at_least and (len(rows) < height or len(cols) < width):
+        if (len(cols) < width and width / len(cols) >= height / len(rows)) or len(rows) >= height:
+            cols = _spans(width, -(-width // (len(cols) + 1)))
+        else:
+            rows = _spans(height, -(-height // (len(rows) + 1)))
+    return [(r, c) for r in rows for c in cols]
+
+
 @torch.inference_mode()
-def decode_tiled(vae, z: torch.Tensor, tile: int = 32, trunk_blocks: int | None = None) -> torch.Tensor:
+def decode_tiled(vae, z: torch.Tensor, tile: int = 32, trunk_blocks: int | None = None, group=None) -> torch.Tensor:
     """The Wan VAE's decode of latents `z` [B, C, F, h, w] (already denormalized) with the head in spatial tiles
     of at most `tile` latent pixels a side (each with a halo as wide as the head's receptive field, rounded up);
     `trunk_blocks`: up blocks run on whole frames (default: `default_trunk_blocks`). Returns the video
-    [B, 3, T, H, W] clamped to [-1, 1], as `vae.decode` does."""
+    [B, 3, T, H, W] clamped to [-1, 1], as `vae.decode` does.
+
+    `group` (a torch.distributed process group of several ranks, e.g. a sequence-parallel group): the decode split
+    over its ranks. Every rank runs the trunk (latent resolution: cheap) and the head of its share of the tiles
+    (tile k on rank k mod size), then the tiles are summed into every rank's video (each pixel comes from one rank,
+    the others add zeros: the sum is exact); every rank of the group must call it with the same latents."""
     if not supports_exact_tiling(vae):
         raise TypeError(f"exact tiled decoding needs the Wan VAE (AutoencoderKLWan), got {type(vae).__name__}")
     if tile < 1:
@@ -111,6 +128,11 @@ def decode_tiled(vae, z: torch.Tensor, tile: int = 32, trunk_blocks: int | None 
     tile_caches: dict[tuple[int, int], list] = {}
     out: torch.Tensor | None = None
     time_index = 0
+    rank, size = 0, 1
+    if group is not None:
+        import torch.distributed as dist
+
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
     for i in range(frames):
         trunk = _trunk(decoder, x[:, :, i:i + 1], trunk_cache, i == 0, blocks)
         height, width = trunk.shape[-2:]
@@ -118,25 +140,35 @@ def decode_tiled(vae, z: torch.Tensor, tile: int = 32, trunk_blocks: int | None 
         halo = math.ceil(head_radius(decoder, blocks))
         step = tile * trunk_scale
         t = None
-        for r0, r1 in _spans(height, step):
-            for c0, c1 in _spans(width, step):
-                top, left = max(0, r0 - halo), max(0, c0 - halo)
-                bottom, right = min(height, r1 + halo), min(width, c1 + halo)
-                cache = tile_caches.setdefault((r0, c0), [None] * count)
-                piece = _head(decoder, trunk[:, :, :, top:bottom, left:right], cache, i == 0, blocks)
-                scale = piece.shape[-1] // (right - left)
-                t = piece.shape[2]
-                if out is None:  # the first latent frame makes one frame, each later one `temporal`
-                    temporal = int(getattr(vae.config, "scale_factor_temporal", None) or 4)
-                    out = piece.new_empty(piece.shape[0], piece.shape[1], t + (frames - 1) * temporal,
-                                          height * scale, width * scale)
-                if time_index + t > out.shape[2]:  # a VAE of another temporal layout: grow
-                    out = torch.cat([out, out.new_empty(*out.shape[:2], time_index + t - out.shape[2],
-                                                        *out.shape[3:])], dim=2)
-                out[:, :, time_index:time_index + t, r0 * scale:r1 * scale, c0 * scale:c1 * scale] = \
-                    piece[:, :, :, (r0 - top) * scale:(r1 - top) * scale, (c0 - left) * scale:(c1 - left) * scale]
+        tiles = _tiles(height, width, step, size)
+        if len(tiles) < size:
+            raise ValueError(f"a {height}x{width} frame has fewer pixels than the {size} ranks to split it over")
+        for k, ((r0, r1), (c0, c1)) in enumerate(tiles):
+            if k % size != rank:
+                continue
+            top, left = max(0, r0 - halo), max(0, c0 - halo)
+            bottom, right = min(height, r1 + halo), min(width, c1 + halo)
+            cache = tile_caches.setdefault((r0, c0), [None] * count)
+            piece = _head(decoder, trunk[:, :, :, top:bottom, left:right], cache, i == 0, blocks)
+            scale = piece.shape[-1] // (right - left)
+            t = piece.shape[2]
+            if out is None:  # the first latent frame makes one frame, each later one `temporal`
+                temporal = int(getattr(vae.config, "scale_factor_temporal", None) or 4)
+                out = piece.new_zeros(piece.shape[0], piece.shape[1], t + (frames - 1) * temporal,
+                                      height * scale, width * scale)
+            if time_index + t > out.shape[2]:  # a VAE of another temporal layout: grow
+                out = torch.cat([out, out.new_zeros(*out.shape[:2], time_index + t - out.shape[2],
+                                                    *out.shape[3:])], dim=2)
+            out[:, :, time_index:time_index + t, r0 * scale:r1 * scale, c0 * scale:c1 * scale] = \
+                piece[:, :, :, (r0 - top) * scale:(r1 - top) * scale, (c0 - left) * scale:(c1 - left) * scale]
         time_index += t
     out = out[:, :, :time_index]
+    if size > 1:  # each pixel from its tile's rank, zeros elsewhere: the sum is every rank's whole video
+        import torch.distributed as dist
+
+        summed = out.float() if out.dtype not in (torch.float32, torch.float64) else out
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+        out = summed.to(out.dtype)
     if vae.config.patch_size is not None:
         from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
