@@ -453,13 +453,6 @@ def part_offload(args) -> dict:
     return out
 
 
-def psnr(a, b) -> float:
-    import numpy as np
-
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else float(10 * np.log10(255**2 / mse))
-
-
 def uint8_diff(a, b) -> int | None:
     import numpy as np
 
@@ -481,6 +474,10 @@ def part_cache(args) -> dict:
     import torch
 
     from composer import VideoGenerator
+
+    if str(REPO_ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from step_cache import psnr
 
     device = torch.device(args.device)
     _, video = sizes(args.tiny, "1.3b")

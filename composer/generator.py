@@ -281,7 +281,8 @@ class VideoGenerator:
         from composer.memory import request_key as memory_key
 
         segments = list(segments) if segments is not None else None
-        self.memory_guard.check(new_batch(sp, videos), sp, memory_key(sp, videos, segments), segments)
+        shaped = sp if sp.seed is not None else sp.updated(seed=0)  # (the twin's batch: no seed drawn for it)
+        self.memory_guard.check(new_batch(shaped, videos), shaped, memory_key(sp, videos, segments), segments)
 
     def submit_video(
         self,

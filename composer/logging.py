@@ -151,3 +151,34 @@ def _switch(is_on, turn_on, turn_off):
         return value
 
     return switch
+
+
+_muted = threading.local()
+
+
+class _MutedThread(logging.Filter):
+    """Drops records below WARNING logged by a thread inside `quiet_this_thread()`; other threads log as before."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not getattr(_muted, "on", False)
+
+
+_MUTED_FILTER = _MutedThread()
+
+
+@contextmanager
+def quiet_this_thread() -> Iterator[None]:
+    """composer's INFO lines from this thread kept out while inside (work that repeats what was logged once, e.g.
+    the memory predictor building a twin of the pipeline); warnings still show, and no other thread is touched."""
+    get_logger(__name__)  # (composer's handler installed)
+    top = logging.getLogger("composer")
+    handlers = list(top.handlers) + (list(logging.getLogger().handlers) if top.propagate else [])
+    for handler in handlers:
+        if _MUTED_FILTER not in handler.filters:
+            handler.addFilter(_MUTED_FILTER)
+    previous = getattr(_muted, "on", False)
+    _muted.on = True
+    try:
+        yield
+    finally:
+        _muted.on = previous

@@ -242,3 +242,43 @@ def test_every_family_is_planned_stage_by_stage(tmp_path, family):
                 "hunyuan": ["TemplateTextEncodingStage", "DenoisingStage"]}[family]
     assert all(e in names for e in expected), names
     assert request.peak > 0 and gen.memory_guard.plan.offload == "none"
+
+
+def test_the_twin_quiets_only_its_own_thread(caplog):
+    import threading
+
+    from composer.logging import get_logger, quiet_this_thread
+
+    log = get_logger("composer.test_quiet")
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("composer").addHandler(handler)
+    try:
+        with quiet_this_thread():
+            log.info("from the quiet thread")
+            log.warning("a warning still shows")
+            other = threading.Thread(target=lambda: log.info("from another thread"))
+            other.start()
+            other.join()
+        log.info("after")
+    finally:
+        logging.getLogger("composer").removeHandler(handler)
+    assert seen == ["a warning still shows", "from another thread", "after"]
+
+
+@pytest.mark.slow
+def test_budgeted_requests_at_once_each_equal_their_solo_run(wan_folder):
+    from concurrent.futures import ThreadPoolExecutor
+
+    plain = VideoGenerator.from_pretrained(str(wan_folder), device="cpu", progress=False)
+    gen = VideoGenerator.from_pretrained(str(wan_folder), device="cpu", memory_budget=300e6, progress=False)
+    sizes = [dict(VIDEO, seed=s, height=h) for s, h in ((1, 64), (2, 96), (3, 64))]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda v: gen.generate_video("a fox", **v), sizes))
+    for video, result in zip(sizes, results):
+        np.testing.assert_array_equal(result.frames, plain.generate_video("a fox", **video).frames)

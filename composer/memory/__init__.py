@@ -59,20 +59,16 @@ def planned_runtime(resolved: Any, runtime: Any, parallel_state: Any) -> tuple[A
         sampling = sampling.updated(image=Image.new("RGB", (sampling.width, sampling.height), (128, 128, 128)))
     video = dict(num_frames=sampling.num_frames, height=sampling.height, width=sampling.width)
     budget = resolve_memory_budget(runtime.memory_budget, runtime.torch_device)
-    streaming = getattr(resolved.pipeline_cls, "streams_video", None)
 
     def make_request():
         videos = video_requests(sampling.prompt, sampling.negative_prompt, 1)
         return new_batch(sampling, videos), sampling, request_key(sampling, videos, None)
 
     offload = runtime.offload
-    if offload == "auto" and (runtime.lora_path or runtime.quantize != "none"):
-        offload_modes_note = " (disk left out: LoRA and quantization need the blocks in memory)"
-    else:
-        offload_modes_note = ""
+    no_disk = offload == "auto" and bool(runtime.lora_path or runtime.quantize != "none")  # (hooks.py refuses both)
     plan = plan_memory(predictor, make_request, budget, video, offload=offload,
-                       streaming=bool(streaming) or _streams(predictor),
-                       no_disk=bool(offload_modes_note))
+                       streaming=predictor.twin().can_stream, no_disk=no_disk)
+    offload_modes_note = " (disk left out: LoRA and quantization need the blocks in memory)" if no_disk else ""
     logger.info("memory plan: %s%s; considered %s", plan.describe(), offload_modes_note, "; ".join(plan.considered))
     if offload == "auto":
         runtime = dataclasses.replace(runtime, offload=plan.offload)
@@ -81,9 +77,4 @@ def planned_runtime(resolved: Any, runtime: Any, parallel_state: Any) -> tuple[A
 
         runtime = dataclasses.replace(runtime, vae_tile_size=DEFAULT_TILE)
     return runtime, MemoryGuard(predictor, plan)
-
-
-def _streams(predictor: MemoryPredictor) -> bool:
-    twin = predictor.twin()
-    return bool(twin.can_stream)
 

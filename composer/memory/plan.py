@@ -27,16 +27,8 @@ DEFAULT_FRACTION = 0.90  # offload = auto without memory_budget: this share of t
 OFFLOAD_ORDER = ("none", "model", "layerwise", "disk")
 
 
-def device_total(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of the device (host memory for the CPU)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total)
-    page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-
-
 def host_available() -> int:
+    """Host memory the system can still give (MemAvailable; free pages where /proc is missing)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -44,16 +36,15 @@ def host_available() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return device_total(torch.device("cpu"))[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def resolve_memory_budget(budget: float | int | None, device: torch.device) -> int:
-    """memory_budget as bytes: a number > 1 is bytes; a fraction in (0, 1] of the device's free memory now
-    (host memory for a CPU device); None: DEFAULT_FRACTION of it."""
-    if budget is not None and budget > 1:
-        return int(budget)
-    free, _ = device_total(device)
-    return int(free * (DEFAULT_FRACTION if budget is None else budget))
+    """memory_budget as bytes, by kv_cache_memory's rule (a number > 1: bytes; a fraction in (0, 1] of the device's
+    free memory now, host memory for a CPU device); None: DEFAULT_FRACTION of it."""
+    from composer.cache.kv_pool import resolve_budget
+
+    return resolve_budget(DEFAULT_FRACTION if budget is None else budget, device)
 
 
 def _denoisers(predictor: MemoryPredictor) -> list[str]:

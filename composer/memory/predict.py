@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from composer.batch import ForwardBatch
-from composer.logging import get_logger
+from composer.logging import get_logger, quiet_this_thread
 from composer.memory.trace import LiveBytes, fake_mode
 from composer.memory.weights import ComponentWeights, component_weights
 
@@ -162,8 +162,7 @@ class MemoryPredictor:
 
             Twin.__name__ = f"Twin{self.pipeline_cls.__name__}"
             self._mode = fake_mode()
-            quiet = _QuietLogs()
-            with quiet:
+            with quiet_this_thread():
                 self._twin = Twin(self.index, self.config, twin_runtime(self.runtime))
         return self._twin
 
@@ -181,7 +180,7 @@ class MemoryPredictor:
             result = RequestMemory(tiled_decode=tiled_decode)
             tracker = LiveBytes(self.device)
             block_frames: list[int] = []
-            with torch.inference_mode(), _QuietLogs():
+            with torch.inference_mode(), quiet_this_thread():
                 twin.prepare(batch, sampling, list(segments) if segments is not None else None)
                 for stage in twin.stages:
                     components = tuple(n for n, m in twin.modules.items()
@@ -249,19 +248,3 @@ class MemoryPredictor:
             batch.latents = torch.cat(blocks, dim=2)
             block_frames.append(blocks[0].shape[2])
         return batch
-
-
-class _QuietLogs:
-    """composer's INFO lines of building and running a twin (the same the real pipeline logged) kept out."""
-
-    def __enter__(self):
-        import logging
-
-        self._logger = logging.getLogger("composer")
-        self._level = self._logger.level
-        self._logger.setLevel(logging.WARNING)
-        return self
-
-    def __exit__(self, *exc):
-        self._logger.setLevel(self._level)
-        return False
