@@ -369,12 +369,13 @@ class RuntimeArgs:
         if self.cache_max_consecutive is not None and self.cache_max_consecutive < 1:
             errors.append(f"cache_max_consecutive = {self.cache_max_consecutive}: expected a positive integer "
                           "(or unset: no limit)")
-        import torch
-
         try:
             device = self.torch_device
-            if device.type == "cuda" and not torch.cuda.is_available():
-                errors.append(f"device = {self.device!r}: CUDA is not available on this machine (use 'cpu' or 'auto')")
+            from composer.platform import platform_for
+
+            if device.type != "cpu" and not platform_for(device).is_available():
+                kind = "CUDA" if device.type == "cuda" else device.type
+                errors.append(f"device = {self.device!r}: {kind} is not available on this machine (use 'cpu' or 'auto')")
         except RuntimeError as exc:
             errors.append(f"device = {self.device!r}: {exc}")
         return errors
@@ -401,14 +402,16 @@ class RuntimeArgs:
         import torch
 
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            from composer.platform import accelerator_device
+
+            return accelerator_device()
         return torch.device(self.device)
 
     @property
     def torch_dtype(self):
-        """The transformer's dtype ("auto": bf16 on CUDA, fp32 elsewhere)."""
+        """The transformer's dtype ("auto": bf16 on an accelerator, fp32 on the CPU)."""
         if self.dtype == "auto":
-            return to_torch_dtype("bf16" if self.torch_device.type == "cuda" else "fp32")
+            return to_torch_dtype("bf16" if self.torch_device.type != "cpu" else "fp32")
         return to_torch_dtype(self.dtype)
 
     @property

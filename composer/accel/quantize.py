@@ -64,17 +64,20 @@ def check_supported(runtime: Any) -> None:
     _torchao()
     if runtime.quantize != "fp8":
         return
+    from composer.platform import platform_for
+
     device = runtime.torch_device
+    platform = platform_for(device)
     if device.type != "cuda":
-        have = (f"no CUDA GPU (device = {runtime.device!r})" if not torch.cuda.is_available()
+        have = (f"no CUDA GPU (device = {runtime.device!r})" if not platform_for("cuda").is_available()
                 else f"device = {runtime.device!r}, not a CUDA GPU")
         raise ConfigError(f"quantize = fp8 needs a GPU with fp8 support (compute capability 8.9+): this machine "
                           f"has {have}; use quantize = int8")
-    capability = torch.cuda.get_device_capability(device)
+    capability = platform.capability(device)
     if capability < FP8_MIN_CAPABILITY:
         raise ConfigError(
             f"quantize = fp8 needs a GPU with fp8 support (compute capability 8.9+): this machine has "
-            f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]}); use "
+            f"{platform.device_name(device)} (compute capability {capability[0]}.{capability[1]}); use "
             "quantize = int8")
 
 

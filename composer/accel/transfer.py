@@ -1,11 +1,12 @@
 """How weights travel between host memory and the compute device.
 
-Offloading code never calls CUDA itself: it asks a `Transfer` to stage host copies, to start loading a group
+Offloading code never calls a device API itself: it asks a `Transfer` to stage host copies, to start loading a group
 of tensors (`load` -> `Pending`), to make the compute wait for them (`wait`) and to drop them (`release`).
 
 - `SyncTransfer`: a plain blocking `.to(device)`; on the CPU a load is the host tensor itself (no copy).
-- `CudaTransfer`: pinned host copies, loads issued on a side stream and fenced with events, so a block's
-  copy overlaps the previous block's compute.
+- `StreamTransfer`: pinned host copies, loads issued on a side stream and fenced with events, so a block's
+  copy overlaps the previous block's compute (CUDA and every accelerator whose platform has streams:
+  composer/platform/).
 - `RecordingTransfer`: for tests; real, separate copies on the CPU and a log of load / wait / evict events.
 """
 
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 
+from composer.platform import platform_for
+
 
 @dataclass
 class Pending:
@@ -24,7 +27,7 @@ class Pending:
 
     key: Hashable
     tensors: list[torch.Tensor]
-    event: Any = None  # a torch.cuda.Event on CUDA
+    event: Any = None  # the platform's event, on a device with streams
 
 
 class Transfer:
@@ -53,38 +56,33 @@ class SyncTransfer(Transfer):
     """Blocking copies; free on the CPU, where the device tensor is the host tensor."""
 
 
-class CudaTransfer(Transfer):
+class StreamTransfer(Transfer):
     """Pinned host copies; loads on a side stream, fenced by events, so copies overlap compute."""
 
     def __init__(self, device: torch.device | str):
         super().__init__(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.stream = torch.cuda.Stream(self.device)
+        self.platform = platform_for(self.device)
+        self.device = self.platform.default_device(self.device.index)
+        self.stream = self.platform.new_stream(self.device)
 
     def stage(self, tensor: torch.Tensor) -> torch.Tensor:
         # Only page-locked memory can be copied asynchronously; pageable copies block the host and go through
         # a driver staging buffer at a fraction of the bandwidth.
-        if tensor.device.type == "cpu" and tensor.is_pinned():
-            return tensor
-        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
-        host.copy_(tensor)
-        return host
+        return self.platform.pinned(tensor)
 
     def load(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> Pending:
-        with torch.cuda.stream(self.stream):
+        with self.platform.on_stream(self.stream):
             out = [t.to(self.device, non_blocking=True) for t in tensors]
-            event = torch.cuda.Event()
-            event.record(self.stream)
+            event = self.platform.record_event(self.stream)
         return Pending(key, out, event)
 
     def wait(self, pending: Pending) -> list[torch.Tensor]:
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(pending.event)
+        compute = self.platform.current_stream(self.device)
+        self.platform.wait_event(compute, pending.event)
         # The memory was allocated on the side stream: tell the caching allocator the compute stream uses it,
         # or it could hand the memory out again while kernels that read these weights are still queued.
         for tensor in pending.tensors:
-            tensor.record_stream(compute)
+            self.platform.keep_alive_on(tensor, compute)
         return pending.tensors
 
 
@@ -123,8 +121,9 @@ class RecordingTransfer(Transfer):
 
 
 def transfer_for(device: torch.device | str) -> Transfer:
-    """The transfer a device wants: side-stream copies on CUDA, plain ones elsewhere."""
+    """The transfer a device wants: side-stream copies where its platform has streams (CUDA, other
+    accelerators), plain ones elsewhere (the host)."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return CudaTransfer(device)
+    if platform_for(device).async_copies:
+        return StreamTransfer(device)
     return SyncTransfer(device)

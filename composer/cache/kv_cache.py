@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from composer.errors import InvalidInputError
+from composer.platform import platform_for
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,13 @@ class KVCache:
         self.offload = offload  # on a CPU device the copies are no-ops, but the same code path runs
         storage = torch.device("cpu") if self.offload else self.device
         shape = (spec.batch_size, spec.slots * spec.tokens_per_frame, spec.num_heads, spec.head_dim)
-        pin = self.offload and torch.cuda.is_available()
-        self.keys = [torch.zeros(shape, dtype=dtype, device=storage, pin_memory=pin) for _ in range(spec.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=storage, pin_memory=pin) for _ in range(spec.num_layers)]
+        if self.offload:  # page-locked host memory where the device has it, so copies to it are asynchronous
+            host = platform_for(self.device)
+            self.keys = [host.empty_host(shape, dtype) for _ in range(spec.num_layers)]
+            self.values = [host.empty_host(shape, dtype) for _ in range(spec.num_layers)]
+        else:
+            self.keys = [torch.zeros(shape, dtype=dtype, device=storage) for _ in range(spec.num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=storage) for _ in range(spec.num_layers)]
         self.end_frame = 0  # frames [0, end_frame) have been written
         self._pass: tuple[int, int] | None = None  # (start, end) of the pass in progress
 

@@ -47,6 +47,7 @@ import torch
 
 from composer.cache.kv_cache import KVCache, KVCacheSpec
 from composer.errors import InvalidInputError
+from composer.platform import platform_for
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -76,10 +77,10 @@ class _Arena:
         """Normal tensors, never inference tensors (the arena may grow inside a stream's inference mode): its
         pages are written in place in and outside inference mode (a stream's passes, a fork's copy-on-write from a
         session, load)."""
-        pin = self.offload and torch.cuda.is_available()
         with torch.inference_mode(False):
-            return torch.zeros((self.layers, pages, *self.page_shape), dtype=self.dtype, device=self.storage,
-                               pin_memory=pin)
+            if self.offload:  # page-locked where the device has such host memory: its copies are asynchronous
+                return platform_for(self.device).empty_host((self.layers, pages, *self.page_shape), self.dtype)
+            return torch.zeros((self.layers, pages, *self.page_shape), dtype=self.dtype, device=self.storage)
 
     @property
     def capacity(self) -> int:
@@ -369,12 +370,7 @@ def resolve_budget(budget: int | float | None, device: torch.device) -> int | No
     if (problem := budget_problem(budget)) is not None:
         raise InvalidInputError(f"kv_cache_memory = {budget!r}: expected {problem}")
     if isinstance(budget, float) and budget <= 1.0:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-        else:
-            import os
-
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free, _ = platform_for(device).memory_info(device)  # the host's available memory for a CPU device
         return int(free * budget)
     return int(budget)
 
@@ -536,10 +532,9 @@ class PagedKVCache(KVCache):
                     or any(arena.refs[p] != 1 for p in self.own.flatten().tolist())):
                 return False
             idx = self.own.flatten().to(arena.keys.device)
-            pin = torch.cuda.is_available() and arena.keys.device.type == "cuda"
+            platform = platform_for(arena.keys.device)
             keys, values = arena.keys.index_select(1, idx), arena.values.index_select(1, idx)
-            self.swapped = (keys.to("cpu").pin_memory() if pin else keys.cpu(),
-                            values.to("cpu").pin_memory() if pin else values.cpu())
+            self.swapped = (platform.pinned(keys), platform.pinned(values))
             arena.caches.discard(self)
             arena.unref(self.own.flatten().tolist())
             self.pool.swaps += 1

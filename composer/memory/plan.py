@@ -10,7 +10,6 @@ exceeds the budget is refused with the numbers, instead of running out of memory
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 from composer.errors import MemoryBudgetError
 from composer.logging import get_logger
 from composer.memory.predict import MemoryPredictor, RequestMemory, fmt_bytes
+from composer.platform import platform_for
 
 logger = get_logger(__name__)
 
@@ -28,15 +28,8 @@ OFFLOAD_ORDER = ("none", "model", "layerwise", "disk")
 
 
 def host_available() -> int:
-    """Host memory the system can still give (MemAvailable; free pages where /proc is missing)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """Host memory the system can still give (the host platform's free memory: MemAvailable)."""
+    return platform_for("cpu").memory_info()[0]
 
 
 def resolve_memory_budget(budget: float | int | None, device: torch.device) -> int:
@@ -131,7 +124,7 @@ def plan_memory(predictor: MemoryPredictor, make_request, budget: int, video: di
         for mode in modes:
             request = request_for(tiled)
             peak, on_device = device_peak(predictor, mode, request)
-            need = host_need(predictor, mode) if device.type == "cuda" else 0
+            need = host_need(predictor, mode) if device.type != "cpu" else 0
             considered.append(f"{mode}{' + tiled VAE' if tiled else ''}: {fmt_bytes(peak)}"
                               f"{'' if need <= host else f' (host memory {fmt_bytes(need)} > {fmt_bytes(host)} free)'}")
             if need > host:

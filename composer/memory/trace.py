@@ -87,7 +87,7 @@ class LiveBytes(TorchDispatchMode):
             elif inputs:
                 out = func(*args, **kwargs)
         else:
-            if self.device_type == "cuda":
+            if self.device_type != "cpu":
                 args, kwargs = self._same_device(func, args, kwargs)
             out = func(*args, **kwargs)
         for value in tree_flatten(out)[0]:
@@ -103,9 +103,10 @@ class LiveBytes(TorchDispatchMode):
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
         tensors = [a for a in flat if isinstance(a, torch.Tensor) and a.dim() > 0]
-        if not any(t.device.type == "cuda" for t in tensors) or not any(t.device.type == "cpu" for t in tensors):
+        on_device = [t.device for t in tensors if t.device.type == self.device_type]
+        if not on_device or not any(t.device.type == "cpu" for t in tensors):
             return args, kwargs
-        device = next(t.device for t in tensors if t.device.type == "cuda")
+        device = on_device[0]
         flat = [a.to(device) if isinstance(a, torch.Tensor) and a.dim() > 0 and a.device.type == "cpu" else a
                 for a in flat]
         return tree_unflatten(flat, spec)

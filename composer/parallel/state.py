@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from composer.errors import ConfigError
 from composer.logging import get_logger, set_rank
+from composer.platform import accelerator_device, platform_for
 
 logger = get_logger(__name__)
 
@@ -234,8 +235,7 @@ def init_parallel(runtime: Any) -> ParallelState | None:
                 f"{layout.describe()} needs {layout.world_size} processes: launch with `torchrun --nproc-per-node="
                 f"{layout.world_size} ...`, or pass num_gpus={layout.world_size} to VideoGenerator.from_pretrained"
             )
-        on_gpu = torch.cuda.is_available() and (runtime.device == "auto" or runtime.device.startswith("cuda"))
-        backend = "nccl" if on_gpu else "gloo"
+        backend = platform_for(runtime.torch_device).dist_backend  # nccl on CUDA, gloo on the host
         dist.init_process_group(backend, timeout=timedelta(seconds=runtime.dist_timeout))
         _OWNS_PROCESS_GROUP = True
         atexit.register(shutdown)
@@ -263,13 +263,17 @@ def init_parallel(runtime: Any) -> ParallelState | None:
 
 
 def _rank_device(device: str, local_rank: int) -> torch.device:
-    """`auto` / `cuda` -> cuda:LOCAL_RANK where CUDA is available; an explicit `cuda:i` or `cpu` is kept."""
-    if device in ("auto", "cuda") and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+    """`auto` / `cuda` (any accelerator's bare type) -> that accelerator's device LOCAL_RANK where it is
+    available; an explicit `cuda:i` or `cpu` is kept."""
+    wanted = accelerator_device() if device == "auto" else torch.device(device)
+    if wanted.type != "cpu" and (device == "auto" or wanted.index is None):
+        platform = platform_for(wanted)
+        if platform.is_available():
+            platform.set_device(local_rank)
+            return torch.device(wanted.type, local_rank)
     if device == "auto":
         return torch.device("cpu")
-    return torch.device(device)
+    return wanted
 
 
 def _quiet_other_ranks(state: ParallelState) -> None:

@@ -270,8 +270,9 @@ def format_bytes(n: int) -> str:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    from composer.platform import platform_for
+
+    platform_for(device).synchronize(device)
 
 
 class CausalDenoisingStage(Stage):
