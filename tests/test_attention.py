@@ -30,7 +30,9 @@ def test_the_registry_is_the_backend_modules_and_the_only_list_of_names(capsys):
         main(["generate", "--help"])
     assert f"(one of: {', '.join(backend_choices())})" in " ".join(capsys.readouterr().out.split())
     assert main(["models"]) == 0
-    assert ", ".join(backend_names()) in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert all(f"\n  {name}: " in listed for name in backend_names())  # each with its capabilities
+    assert "sdpa: priority 0; devices any, mask, lse" in listed
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="checks the fallback without flash-attn")

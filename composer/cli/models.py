@@ -35,8 +35,10 @@ def run(args: argparse.Namespace) -> int:
     print("Model classes (checkpoint _class_name -> class):")
     for name, entry in sorted(model_entry_points().items()):
         print(f"  {name} -> {entry.module}.{entry.class_name}")
-    from composer.models.attention.backends import backend_names
+    from composer.models.attention.backends import describe_backends
 
-    print("Attention backends (--attention-backend; auto: the usable one with the highest priority):")
-    print(f"  {', '.join(backend_names())}  (composer/models/attention/backends/, one module each)")
+    print("Attention backends (--attention-backend; auto: the usable exact one with the highest priority; "
+          "composer/models/attention/backends/ and plug-ins):")
+    for name, what in describe_backends():
+        print(f"  {name}: {what}")
     return 0

@@ -7,7 +7,7 @@
 `tensor`: tensor parallelism (attention heads and FFN hidden units split over the ranks, weights loaded as slices);
 `cfg`: the two guidance branches on two rank groups;
 `workers`: `VideoGenerator.from_pretrained(..., num_gpus=N)`'s worker processes.
-Model code does not import this package: the parallel hook (composer/accel/parallel.py) sets a model's
-`sequence_parallel` and its attention modules' `parallel`, and a model states what tensor parallelism splits as
-data (`tensor_parallel_plan`).
+Model code does not import this package: the parallel hook (composer/accel/parallel.py) fills a model's block
+runner from its declared `token_plan` (composer/models/runner.py) and sets its attention modules' `parallel`, and
+a model states what tensor parallelism splits as data (`tensor_parallel_plan`).
 """

@@ -3,13 +3,13 @@
 Each rank holds a contiguous shard of q, k, v ([batch, seq_shard, heads, head_dim]). The K/V shards travel
 round the ring (P - 1 steps: send to the next rank, receive from the previous one), and each rank attends its
 queries to every visiting block. A block gives a partial output and its log-sum-exp; the partials are merged
-exactly in fp32 (out = sum_i exp(lse_i - lse) out_i, lse = logsumexp_i lse_i). The LSE is computed here from
-the scores, never read from an SDPA kernel: the CPU SDPA path does not return it.
+exactly in fp32 (out = sum_i exp(lse_i - lse) out_i, lse = logsumexp_i lse_i). A block's kernel and its LSE come
+from the attention backend registry (a backend declaring `lse` in its capabilities), never from private kernel
+calls here; the explicit fp32 scores are the fallback and the reference.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from composer.errors import InvalidInputError
-from composer.logging import get_logger, log_once
+from composer.logging import get_logger
 
 logger = get_logger(__name__)
 
@@ -28,29 +28,32 @@ def block_attention(
     value: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    backend=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `query` [B, Sq, H, D] to one key block [B, Sk, H, D], with its log-sum-exp.
 
     Returns (out [B, H, Sq, D], lse [B, H, Sq]), both fp32. `attn_mask` is boolean (True: attend) and
     broadcasts to [B, H, Sq, Sk]. A row that may see no key of the block has lse = -inf and out = 0, so that
-    it weighs nothing in the merge. A fused kernel that returns the LSE runs where there is one (torch's flash
-    attention on CPU; flash / memory-efficient attention on CUDA): no [Sq, Sk] score matrix is materialised.
-    Elsewhere, or if the kernel refuses the inputs, the scores are computed explicitly in fp32.
+    it weighs nothing in the merge. The kernel comes from the attention backend registry: `backend`'s own
+    `attention_with_lse` where its capabilities declare one and take the inputs (flash-attn), else SDPA's fused
+    kernels (no [Sq, Sk] score matrix); where no kernel takes them, the scores are computed explicitly in fp32.
     """
+    from composer.models.attention.backends import attention_with_lse
+
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if k.shape[2] == 0 or q.shape[2] == 0:  # an empty shard (fused kernels fail on it): nothing to attend
-        out = q.new_zeros(q.shape, dtype=torch.float32)
-        return out, torch.full(q.shape[:3], float("-inf"), device=q.device)
-    fused = _fused(q, k, v, attn_mask, scale)
+    if key.shape[1] == 0 or query.shape[1] == 0:  # an empty shard (fused kernels fail on it): nothing to attend
+        out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], query.shape[3]), dtype=torch.float32)
+        return out, torch.full(out.shape[:3], float("-inf"), device=query.device)
+    fused = attention_with_lse(backend, query, key, value, attn_mask, scale)
     if fused is not None:
         out, lse = fused
+        out = out.transpose(1, 2)
         if attn_mask is not None:  # kernels give fully masked rows lse 0 (or NaN): make them weigh nothing
             seen = attn_mask.any(dim=-1).expand(lse.shape)
             lse = torch.where(seen, lse, torch.full_like(lse, float("-inf")))
             out = torch.where(seen.unsqueeze(-1), out, torch.zeros_like(out))
         return out, lse
-    return _explicit(q, k, v, attn_mask, scale)
+    return _explicit(*(t.transpose(1, 2) for t in (query, key, value)), attn_mask, scale)
 
 
 def _explicit(q, k, v, attn_mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,41 +67,6 @@ def _explicit(q, k, v, attn_mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
     safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     probs = torch.exp(scores - safe_lse.unsqueeze(-1))
     return torch.matmul(probs, v), lse
-
-
-_FUSED_FAILED: set[str] = set()
-
-
-def _fused(q, k, v, attn_mask, scale) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(out fp32, lse fp32) from a fused SDPA kernel that returns the log-sum-exp, or None (none for these
-    inputs: the caller computes the scores itself). q/k/v are [B, H, S, D]."""
-    device = q.device.type
-    if device in _FUSED_FAILED:
-        return None
-    bias = None
-    if attn_mask is not None:  # additive, in q's dtype, broadcast as the kernels want it
-        bias = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
-    try:
-        aten = torch.ops.aten
-        if device == "cpu":
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                        scale=scale)
-        elif device == "cuda" and bias is None and q.dtype in (torch.float16, torch.bfloat16):
-            out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
-        elif device == "cuda":
-            if bias is not None:
-                bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False,
-                                                                    scale=scale)[:2]
-        else:
-            return None
-    except (RuntimeError, NotImplementedError, AttributeError) as exc:
-        _FUSED_FAILED.add(device)
-        log_once(logger, f"ring-fused-{device}", f"ring attention: no fused kernel with log-sum-exp on {device} "
-                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); computing the scores "
-                 "explicitly (more memory per block)", logging.WARNING)
-        return None
-    return out.float(), lse[..., :q.shape[2]].float()  # the efficient kernel may pad the LSE's last dim
 
 
 def merge_partials(
@@ -128,6 +96,7 @@ class RingAttention:
     def __init__(self, group: dist.ProcessGroup | None = None, scale: float | None = None):
         self.group = group if group is not None else dist.group.WORLD
         self.scale = scale
+        self.backend = None  # the attention backend whose LSE kernel computes each block (None: SDPA's)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         return self.forward(*args, **kwargs)
@@ -149,9 +118,12 @@ class RingAttention:
         value: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         kv_lengths: Sequence[int] | None = None,
+        backend=None,
     ) -> torch.Tensor:
         """Ring attention of this rank's shards; `kv_lengths` (every rank's K/V shard length) skips the
-        all-gather that otherwise finds them."""
+        all-gather that otherwise finds them; `backend` (default: the one set on this ring, else SDPA) computes
+        each block with its log-sum-exp."""
+        backend = backend if backend is not None else self.backend
         _check_shards(query, key, value)
         world = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
@@ -192,7 +164,7 @@ class RingAttention:
             start, length = offsets[source], lengths[source]
             mask = attn_mask[..., start:start + length] if attn_mask is not None else None
             block_out, block_lse = block_attention(
-                query, kv[0, :, :length], kv[1, :, :length], mask, self.scale
+                query, kv[0, :, :length], kv[1, :, :length], mask, self.scale, backend
             )
             if out is None:
                 out, lse = block_out, block_lse

@@ -65,9 +65,10 @@ def _rank(group: dist.ProcessGroup | None) -> int:
 class SequenceParallel:
     """Splits a model's tokens over `ulysses` x `ring` ranks and computes attention across them.
 
-    Set on a model as `model.sequence_parallel` (the model calls `split` after patchify and `gather` before
-    unpatchify) and on each `Attention` module as `attention.parallel` (which calls `attention`). `sp_group`
-    holds every rank of both, ordered part p = ring index x U + ulysses index.
+    Set on a model's block runner (composer/models/runner.py: the runner calls `split` before the blocks, and a hook
+    on the model's `token_plan.gather_at` module calls `gather`) and on each `Attention` module as
+    `attention.parallel` (which calls `attention`). `sp_group` holds every rank of both, ordered part
+    p = ring index x U + ulysses index.
     """
 
     def __init__(self, ulysses_group: dist.ProcessGroup | None, ring_group: dist.ProcessGroup | None,
@@ -156,7 +157,7 @@ class SequenceParallel:
                 key, value = kv_cache.update(key, value)
             out = run_attention(backend, query, key, value, attn_mask)
         else:
-            out = self._ring(query, key, value, attn_mask, kv_cache, info)
+            out = self._ring(backend, query, key, value, attn_mask, kv_cache, info)
         if u > 1:
             out = self._scatter_heads(out, info)
         return out
@@ -179,7 +180,7 @@ class SequenceParallel:
         if u > 1:
             video = [self._gather_heads(t, info) for t in video]
         q, k, v = (torch.cat([a, b], dim=1) for a, b in zip(video, text))
-        out = run_attention(backend, q, k, v, attn_mask)
+        out = run_attention(backend, q, k, v, attn_mask, joint_text=text_len)
         out_video, out_text = out[:, :-text_len], out[:, -text_len:]
         if u > 1:
             out_video = self._scatter_heads(out_video, info)
@@ -208,7 +209,7 @@ class SequenceParallel:
         x = x.unflatten(2, (u, info.part)).transpose(1, 2).flatten(1, 3)  # [B, U * F * part, H/U, d]
         return heads_to_seq(x.contiguous(), self.ulysses_group)
 
-    def _ring(self, query, key, value, attn_mask, kv_cache, info: TokenSplit) -> torch.Tensor:
+    def _ring(self, backend, query, key, value, attn_mask, kv_cache, info: TokenSplit) -> torch.Tensor:
         """Ring attention over shards of `width` tokens per frame; padded keys masked by position."""
         width = info.part * self.ulysses  # tokens per frame in each ring rank's shard
         ring_index = _rank(self.ring_group)
@@ -225,7 +226,7 @@ class SequenceParallel:
             keep = [valid < info.valid(i * self.ulysses, self.ulysses) for i in range(self.ring)]
             mask = torch.cat([k.repeat(key_frames) for k in keep])[None]  # [1, R * key_frames * width]
         lengths = [key.shape[1]] * self.ring
-        return self.ring_attention(query, key, value, attn_mask=mask, kv_lengths=lengths)
+        return self.ring_attention(query, key, value, attn_mask=mask, kv_lengths=lengths, backend=backend)
 
     def _ring_mask(self, attn_mask: torch.Tensor, info: TokenSplit, width: int, ring_index: int) -> torch.Tensor:
         """A mask over the natural token order [S, S] -> this ring rank's query rows over every ring rank's keys,
@@ -254,17 +255,23 @@ class SequenceParallel:
 
 
 def apply_sequence_parallel(model: torch.nn.Module, sp: SequenceParallel) -> int:
-    """Make `model` (with a `sequence_parallel` slot) split its tokens over `sp`, and every self-attention
+    """Make `model` (a class with a `token_plan`) split its tokens over `sp` (its block runner splits them, a hook
+    on the plan's `gather_at` module gathers them), and every self-attention
     `Attention` module compute across the ranks; returns how many attention modules were wrapped. Raises
     ConfigError when Ulysses cannot split the model's heads."""
     from composer.models.attention import Attention
+    from composer.models.runner import runner_of, token_plan_of
 
-    if not hasattr(type(model), "sequence_parallel"):
-        raise ConfigError(f"{type(model).__name__} does not support sequence parallelism (no sequence_parallel slot)")
+    plan = token_plan_of(model)
+    if plan is None:
+        raise ConfigError(f"{type(model).__name__} does not support sequence parallelism (it declares no token_plan: "
+                          "composer/models/runner.py)")
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
     if heads is not None:
         sp.check_heads(heads)
-    model.sequence_parallel = sp
+    runner = runner_of(model)
+    runner.sequence_parallel = sp
+    runner.attach_gather(model, plan)
     count = 0
     for module in model.modules():
         if isinstance(module, Attention) and module.role == "self":

@@ -75,7 +75,8 @@ class Attention(nn.Module):
         elif self.parallel is not None and self.role == "self":
             return self.parallel.attention(self.backend, query, key, value, attn_mask)
         grid = token_grid if self.role == "self" else None
-        return run_attention(self.backend, query, key, value, attn_mask, grid)
+        return run_attention(self.backend, query, key, value, attn_mask, grid,
+                             joint_text=joint_text if self.role == "self" else 0)
 
     def extra_repr(self) -> str:
         return f"role={self.role}, backend={self.backend_name}"

@@ -38,12 +38,13 @@ from composer.models.hunyuan.blocks import (
 from composer.models.hunyuan.config import HunyuanVideoTransformerConfig
 from composer.models.hunyuan.mapping import DIFFUSERS_TO_COMPOSER
 from composer.models.layers.rotary import rope_frequencies
+from composer.models.runner import RunsBlocks, TokenPlan
 
 # The released model embeds the guidance scale as a timestep: guidance x 1000 (the reference pipeline's factor).
 GUIDANCE_EMBED_FACTOR = 1000.0
 
 
-class HunyuanVideoTransformer3DModel(nn.Module):
+class HunyuanVideoTransformer3DModel(RunsBlocks, nn.Module):
     """HunyuanVideo T2V DiT. Loads diffusers `HunyuanVideoTransformer3DModel` checkpoints."""
 
     class_names = ("HunyuanVideoTransformer3DModel",)
@@ -54,12 +55,11 @@ class HunyuanVideoTransformer3DModel(nn.Module):
     # The repeated blocks, in run order (20 dual-stream then 40 single-stream in the 13B model): what regional
     # compile, layerwise / disk offload, quantization and the cancel points act on.
     repeated_blocks = ("transformer_blocks", "single_transformer_blocks")
-    # Set by the step-cache hook (composer.accel.step_cache / dbcache): runs or skips blocks of the whole block
-    # sequence (dual-stream then single-stream) over the joint tokens [video; text]. None: every block runs.
-    step_cache = None
-    # Set by the parallel hook (composer.parallel.sequence.SequenceParallel, Ulysses): each rank keeps its part of
-    # every frame's video tokens and the whole text; joint attention gathers heads across ranks. None: one device.
-    sequence_parallel = None
+    # The declarative split/gather plan (composer/models/runner.py): under sequence parallelism (Ulysses) each rank
+    # keeps its part of every frame's video tokens and the whole text (joint attention gathers heads across ranks),
+    # and proj_out's output is gathered back. A step cache runs or skips blocks of the whole block sequence
+    # (dual-stream then single-stream) over the joint tokens [video; text].
+    token_plan = TokenPlan(gather_at="proj_out", whole=("text",))
     # No `tensor_parallel_plan` (see docs/adding-a-model-family.md): a single-stream block's proj_out reads
     # [attention | MLP], which a plain row split cannot shard; tensor parallelism refuses this model.
 
@@ -166,30 +166,24 @@ class HunyuanVideoTransformer3DModel(nn.Module):
         rotary = self.rotary(grid, x.device)
         text = self.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
         key_mask = self.joint_key_mask(x.shape[1], encoder_attention_mask)  # over the whole video, then the text
-        shards = self.sequence_parallel
-        if shards is not None:  # this rank's part of every frame (the text stays whole), split once for all blocks
-            x, rotary = shards.split(x, rotary, frames=grid[0])
+        # this rank's part of every frame (the text stays whole), once for all blocks
+        x, rotary = self.runner.enter(x, rotary, frames=grid[0])
 
         blocks = [*self.transformer_blocks, *self.single_transformer_blocks]
-        if self.step_cache is None:
-            for block in blocks:
+        video_len = x.shape[1]
+
+        def run_blocks(joint: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
+            x, text = joint[:, :video_len], joint[:, video_len:]
+            for block in blocks[start:end]:
                 x, text = block(x, text, temb, rotary, key_mask)
-        else:  # a step cache keeps / reuses residuals of the joint tokens over a range of blocks
-            video_len = x.shape[1]
+            return torch.cat([x, text], dim=1)
 
-            def run_blocks(joint: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
-                x, text = joint[:, :video_len], joint[:, video_len:]
-                for block in blocks[start:end]:
-                    x, text = block(x, text, temb, rotary, key_mask)
-                return torch.cat([x, text], dim=1)
-
-            joint = self.step_cache.run_blocks(run_blocks, torch.cat([x, text], dim=1), len(blocks))
-            x = joint[:, :video_len]
+        # a step cache keeps / reuses residuals of the joint tokens over a range of blocks
+        x = self.runner.run_blocks(run_blocks, torch.cat([x, text], dim=1), len(blocks))[:, :video_len]
 
         scale, shift = self.norm_out.modulation(temb)
+        # proj_out's output is the whole sequence again (token_plan's gather, under sequence parallelism)
         x = self.proj_out(self.norm_out.norm(x) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1))
-        if shards is not None:  # gathered once, after the (narrow) output projection
-            x = shards.gather(x)
         return self.unpatchify(x, grid)
 
 

@@ -27,6 +27,7 @@ from composer.models.attention import Attention
 from composer.models.layers.embeddings import MLPEmbedder, sinusoidal_timestep_embedding
 from composer.models.layers.norm import FP32LayerNorm
 from composer.models.layers.rotary import apply_rotary, rope_frequencies
+from composer.models.runner import RunsBlocks, TokenPlan
 from composer.models.wan.config import WanTransformerConfig
 from composer.models.wan.mapping import DIFFUSERS_TO_COMPOSER, ORIGINAL_TO_COMPOSER
 
@@ -250,7 +251,7 @@ def check_timestep_layout(timestep: torch.Tensor, batch: int, grid: tuple[int, i
                                "per latent frame (a conditioning-frame mask is constant over each frame)")
 
 
-class WanTransformer3DModel(nn.Module):
+class WanTransformer3DModel(RunsBlocks, nn.Module):
     """Wan2.1 / Wan2.2 DiT. Loads diffusers `WanTransformer3DModel` checkpoints and the original Wan release's."""
 
     class_names = ("WanTransformer3DModel", "WanModel")
@@ -261,13 +262,11 @@ class WanTransformer3DModel(nn.Module):
     # checkpoint naming -> composer naming (see composer/loader/weights.py)
     param_name_mappings = {"diffusers": DIFFUSERS_TO_COMPOSER, "original": ORIGINAL_TO_COMPOSER}
     ignored_checkpoint_keys = (r"\.norm_added_q\.",)
-    # Set by the parallel hook (composer.parallel.sequence.SequenceParallel): splits the tokens over the
-    # sequence-parallel ranks after patchify (RoPE and per-frame modulation then act on the local part) and
-    # gathers them before unpatchify. None on one device.
-    sequence_parallel = None
-    # Set by the step-cache hook (composer.accel.step_cache): decides per call whether the repeated blocks run or
-    # an earlier step's residual stands in for them. None: every block runs.
-    step_cache = None
+    # The declarative split/gather plan (composer/models/runner.py): under sequence parallelism each rank keeps its
+    # part of every frame from patchify on (RoPE and per-frame modulation act on the local part), and proj_out's
+    # (narrow) output is gathered back before unpatchify. The hooks fill the block runner; the forward below
+    # only hands it the tokens and the blocks.
+    token_plan = TokenPlan(gather_at="proj_out")
     # Kept in fp32 whatever the load dtype, as the reference keeps them.
     keep_in_fp32 = (
         r"^condition_embedder\.time_embedder\.", r"scale_shift_table$", r"^blocks\.\d+\.norm2\.",
@@ -388,12 +387,11 @@ class WanTransformer3DModel(nn.Module):
                  kv_cache=None, image=None) -> torch.Tensor:
         x, grid = self.patchify(hidden_states)
         rotary = self.rotary(grid, x.device, frame_offset)
-        shards = self.sequence_parallel
-        check_timestep_layout(timestep, x.shape[0], grid, sharded=shards is not None)
-        if shards is not None:  # this rank's part of every frame, split once for all blocks
-            x, rotary = shards.split(x, rotary, frames=grid[0])
+        runner = self.runner
+        check_timestep_layout(timestep, x.shape[0], grid, sharded=not runner.holds_whole_sequence)
+        x, rotary = runner.enter(x, rotary, frames=grid[0])  # this rank's tokens, once for all blocks
         # the token grid, for a windowed attention backend: only a pass holding every token of the grid
-        token_grid = grid if shards is None and kv_cache is None else None
+        token_grid = grid if runner.holds_whole_sequence and kv_cache is None else None
         if cross_kv is None:
             context = self.condition_embedder.embed_text(encoder_hidden_states)
             contexts = [context] * len(self.blocks)
@@ -411,14 +409,13 @@ class WanTransformer3DModel(nn.Module):
             return x
 
         # a step cache (composer.accel.step_cache) may reuse an earlier step's residual instead of the blocks
-        x = run_blocks(x) if self.step_cache is None else self.step_cache.run_blocks(run_blocks, x, len(self.blocks))
+        x = runner.run_blocks(run_blocks, x, len(self.blocks))
 
         # output norm + modulation, per frame (or token) when timesteps are per frame (or token)
         shift, scale = (self.scale_shift_table.unsqueeze(1) + temb.unsqueeze(2)).chunk(2, dim=2)  # [B, T, 1, D]
         h = x.unflatten(1, (temb.shape[1], -1))
+        # proj_out's output is the whole sequence again (token_plan's gather, under sequence parallelism)
         x = self.proj_out((self.norm_out(h.float()) * (1 + scale) + shift).flatten(1, 2).type_as(x))
-        if shards is not None:  # gathered once, after the (narrow) output projection
-            x = shards.gather(x)
         return self.unpatchify(x, grid)
 
 

@@ -1,44 +1,50 @@
-"""flash-attn 2 or 3 (`pip install composer[flash]`): CUDA, fp16/bf16, no mask, head_dim <= 256."""
+"""flash-attn 2 or 3 (`pip install composer[flash]`): CUDA, fp16/bf16, no mask, head_dim <= 256; returns the
+log-sum-exp for ring attention."""
 
 from __future__ import annotations
 
 import torch
 
+from composer.models.attention.backends._base import AttentionBackend, Capabilities
 
-class Backend:
+
+class Backend(AttentionBackend):
     name = "flash"
     priority = 10  # preferred by `auto` when installed
+    capabilities = Capabilities(devices=("cuda",), dtypes=(torch.float16, torch.bfloat16), mask=False, lse=True,
+                                max_head_dim=256)
 
-    def __init__(self, fn):
+    def __init__(self, fn, version: int = 2):
         self._fn = fn
+        self.version = version
 
     @classmethod
     def load(cls) -> Backend:
         try:
             from flash_attn import flash_attn_func  # noqa: PLC0415 - optional GPU-only dependency
+            return cls(flash_attn_func, 2)
         except ImportError:
             try:
                 from flash_attn_interface import flash_attn_func  # flash-attn 3  # noqa: PLC0415
             except ImportError as exc:
                 raise ImportError("flash-attn is not installed") from exc
-        return cls(flash_attn_func)
-
-    def unusable_reason(
-        self, query: torch.Tensor, attn_mask: torch.Tensor | None, token_grid: tuple[int, int, int] | None = None
-    ) -> str | None:
-        if query.device.type != "cuda":
-            return f"inputs are on {query.device.type}"
-        if query.dtype not in (torch.float16, torch.bfloat16):
-            return f"dtype is {query.dtype} (flash-attn needs fp16 or bf16)"
-        if attn_mask is not None:
-            return "an attention mask is given"
-        if query.shape[-1] > 256:
-            return f"head_dim {query.shape[-1]} > 256"
-        return None
+            return cls(flash_attn_func, 3)
 
     def __call__(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-        token_grid: tuple[int, int, int] | None = None,
+        token_grid: tuple[int, int, int] | None = None, **kwargs,
     ) -> torch.Tensor:
         out = self._fn(query, key, value)
         return out[0] if isinstance(out, tuple) else out
+
+    def attention_with_lse(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(out [B, Sq, H, D] fp32, lse [B, H, Sq] fp32): both versions return the softmax LSE with
+        `return_attn_probs=True` (flash-attn 2: (out, lse, probs); 3: (out, lse))."""
+        if attn_mask is not None or self.unusable_reason(query, None) is not None:
+            return None
+        result = self._fn(query, key, value, softmax_scale=scale, return_attn_probs=True)
+        out, lse = result[0], result[1]
+        return out.float(), lse[..., :query.shape[1]].float()

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from composer.logging import get_logger, log_once
+from composer.models.attention.backends._base import Capabilities
 
 logger = get_logger(__name__)
 
@@ -155,6 +156,7 @@ def flex_matches_sdpa(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 class Backend:
     name = "sliding_window"
     priority = -10  # approximate attention: never chosen by `auto`, only by name
+    capabilities = Capabilities(exact=False)
 
     def __init__(self, window: tuple[int, ...] | None = None, flex: str = "auto"):
         if flex not in ("auto", "always", "never"):
