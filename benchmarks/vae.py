@@ -8,7 +8,13 @@ same seeded latents decoded each way, every (family, way) in a fresh subprocess 
   `--tile` latent pixels with a halo; composer/stages/vae_tiling.py);
 - diffusers-tiled: diffusers' `enable_tiling()` (its default 256-pixel tiles, blended seams);
 - streamed: composer's per-block decode of a causal stream (3 latent frames a block, the causal cache carried);
-  the Wan2.1 VAE only (what the causal models use).
+  the Wan2.1 VAE only (what the causal models use);
+- taehv (with `--taehv FILE`): the tiny TAEHV preview decoder of that released weights file
+  (github.com/madebyollin/taehv; composer's `preview_decoder`, composer/models/taehv.py) on the same latents, 3
+  latent frames a call with its memory carried (as a causal stream decodes them); its
+  row adds the PSNR of its frames against the full VAE's whole decode: its quality cost. The PSNR means something
+  only with the released VAE (`--vae-path`) and real latents (`--latents`, e.g. a saved `GenerationResult.latents`);
+  against random VAE weights and Gaussian latents it only shows that the comparison runs.
 
 Per row: seconds, the peak (CUDA: `max_memory_allocated` above the weights; CPU: the rise of peak RSS, the process
 run with MALLOC_MMAP_THRESHOLD_=65536 so freed memory leaves it), the peak the memory predictor's fake trace gives
@@ -17,6 +23,8 @@ of a sequence-parallel group.
 
     python benchmarks/vae.py                                  # CPU, 5x256x256, every family
     python benchmarks/vae.py --device cuda --size 81x480x832 --families wan2.1
+    python benchmarks/vae.py --device cuda --families wan2.1 --ways whole,taehv --taehv taew2_1.pth \
+        --vae-path Wan-AI/Wan2.1-T2V-1.3B-Diffusers --latents latents.pt    # the preview decoder's quality cost
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ FAMILIES = {
     # per-channel statistics are 48 numbers each; any do for timing)
     "hunyuanvideo": ("AutoencoderKLHunyuanVideo", {}),
 }
-WAYS = ("whole", "exact-tiled", "diffusers-tiled", "streamed")
+WAYS = ("whole", "exact-tiled", "diffusers-tiled", "streamed")  # and "taehv" with --taehv
 
 
 def rss() -> int:
@@ -53,15 +61,29 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def build(family: str, device, dtype, fake: bool = False):
-    """The family's VAE; `fake`: built under the caller's fake mode and device (a fake parameter's dtype is changed
-    in place: Module.to cannot swap fake parameters)."""
+def vae_folder(path: str) -> Path:
+    """A model folder's `vae/` (or a VAE folder itself); a hub id: its `vae/` files, downloaded or from the cache."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(path, allow_patterns=["vae/*"]))
+    return folder / "vae" if (folder / "vae").is_dir() else folder
+
+
+def build(family: str, device, dtype, fake: bool = False, vae_path: str | None = None):
+    """The family's VAE (random weights at its released config, or the released weights of `vae_path`); `fake`:
+    built under the caller's fake mode and device (a fake parameter's dtype is changed in place: Module.to cannot
+    swap fake parameters)."""
     import diffusers
     import torch
 
     cls_name, config = FAMILIES[family]
+    cls = getattr(diffusers, cls_name)
+    if vae_path and not fake:
+        return cls.from_pretrained(vae_folder(vae_path), torch_dtype=dtype).to(device).eval()
     torch.manual_seed(0)
-    vae = getattr(diffusers, cls_name)(**config)
+    vae = cls.from_config(cls.load_config(vae_folder(vae_path))) if vae_path else cls(**config)
     if fake:
         for param in vae.parameters():
             param.data = param.data.to(dtype)
@@ -69,9 +91,14 @@ def build(family: str, device, dtype, fake: bool = False):
     return vae.to(device, dtype).eval()
 
 
-def latents_for(vae, size: str):
+def latents_for(vae, size: str, path: str | None = None):
+    """Seeded Gaussian latents of the video size, or the latents saved at `path` ([B, C, T, h, w] or [C, T, h, w],
+    the DiT's normalized latents, as `GenerationResult.latents`)."""
     import torch
 
+    if path:
+        z = torch.load(path, map_location="cpu", weights_only=True)
+        return (z if z.ndim == 5 else z[None]).float()
     frames, height, width = (int(x) for x in size.split("x"))
     spatial = int(getattr(vae.config, "scale_factor_spatial", None) or getattr(vae, "spatial_compression_ratio", 8))
     temporal = int(getattr(vae.config, "scale_factor_temporal", None) or getattr(vae, "temporal_compression_ratio", 4))
@@ -121,6 +148,29 @@ def decoder_for(way: str, vae, tile: int):
     raise ValueError(way)
 
 
+def preview_decoder_for(path: str, z, device, dtype):
+    """The TAEHV preview decoder of the weights file at `path` as a function of the DiT's latents -> video in [-1, 1]
+    (it takes those latents as they are: no denormalization); None when the file is for other latents."""
+    import torch
+
+    from composer.models.taehv import load_preview_decoder
+
+    preview = load_preview_decoder(path, device=device, dtype=dtype)
+    if preview.config.latent_channels != z.shape[1]:
+        return None
+
+    def previews(latents):
+        """3 latent frames a call, the memory carried: as a causal stream decodes them (the frames of one call
+        over the whole video, at a fraction of its activations)."""
+        state, parts = None, []
+        for start in range(0, latents.shape[2], 3):
+            video, state = preview.decode(latents[:, :, start:start + 3], state)
+            parts.append(video)
+        return torch.cat(parts, dim=2) * 2.0 - 1.0
+
+    return previews
+
+
 def measure(args) -> dict:
     import torch
 
@@ -130,10 +180,13 @@ def measure(args) -> dict:
 
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    vae = build(args.family, device, dtype)
-    z = latents_for(vae, args.size).to(device, dtype)
+    vae = build(args.family, device, dtype, vae_path=args.vae_path)
+    z = latents_for(vae, args.size, args.latents).to(device, dtype)
     out = {"family": args.family, "way": args.way, "latents": list(z.shape)}
-    fn = decoder_for(args.way, vae, args.tile)
+    if args.way == "taehv":
+        fn = preview_decoder_for(args.taehv, z, device, dtype)
+    else:
+        fn = decoder_for(args.way, vae, args.tile)
     if fn is None:
         return {**out, "skipped": True}
     with torch.inference_mode():
@@ -158,10 +211,16 @@ def measure(args) -> dict:
         del video
         reference = video_to_frames(decoder_for("whole", vae, args.tile)(z))
     out["max_uint8_diff"] = int((frames.int() - reference.int()).abs().max())
+    if args.way == "taehv":  # its quality cost; the predictor does not model the preview decoder
+        from step_cache import psnr
+
+        out["psnr_db"] = psnr(frames.numpy(), reference.numpy())
+        out["traced"] = None
+        return out
     # the predictor's view of the same call: a fake twin of this VAE
     mode = fake_mode()
     with mode, torch.device(device):
-        twin = build(args.family, device, dtype, fake=True)
+        twin = build(args.family, device, dtype, fake=True, vae_path=args.vae_path)
     twin_fn = decoder_for(args.way, twin, args.tile)
     fake_z = z.clone()
     out["traced"], _ = traced_peak(lambda: twin_fn(fake_z), mode=mode, device=device)
@@ -177,6 +236,15 @@ def main() -> int:
     p.add_argument("--ways", default=",".join(WAYS))
     p.add_argument("--tile", type=int, default=16,
                    help="exact-tiled: latent pixels a side (default 16; the memory planner uses 32)")
+    p.add_argument("--taehv", default=None, metavar="FILE",
+                   help="a TAEHV weights file (taew2_1.pth, taew2_2.pth, ...): adds the way 'taehv', the preview "
+                        "decoder's time, peak and PSNR against the full VAE's whole decode")
+    p.add_argument("--vae-path", default=None,
+                   help="the released VAE's weights (a model folder, its vae/ folder, or a cached hub id) instead of "
+                        "random ones: needed for a meaningful --taehv PSNR (give one family with --families)")
+    p.add_argument("--latents", default=None, metavar="FILE",
+                   help="decode these latents (torch.save of [B, C, T, h, w], the DiT's normalized latents, e.g. a "
+                        "GenerationResult.latents) instead of Gaussian ones of --size")
     p.add_argument("--json", default=None)
     p.add_argument("--family", default=None, help=argparse.SUPPRESS)
     p.add_argument("--way", default=None, help=argparse.SUPPRESS)
@@ -186,12 +254,27 @@ def main() -> int:
         return 0
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     rows = []
-    print(f"{args.device} {args.dtype}, video {args.size}, exact tiles of {args.tile} latent pixels")
-    print(f"{'family':<13} {'way':<16} {'seconds':>8} {'peak':>10} {'traced':>10} {'uint8 diff':>10}")
+    ways = args.ways.split(",")
+    if args.taehv and "taehv" not in ways:
+        ways.append("taehv")
+    if "taehv" in ways and not args.taehv:
+        p.error("the way 'taehv' needs --taehv FILE")
+    extra = []  # the options each measuring subprocess needs too
+    for name, flag in (("taehv", "--taehv"), ("vae_path", "--vae-path"), ("latents", "--latents")):
+        if getattr(args, name):
+            extra += [flag, getattr(args, name)]
+    print(f"{args.device} {args.dtype}, video {args.latents or args.size}, exact tiles of {args.tile} latent pixels, "
+          f"{'the VAE of ' + args.vae_path if args.vae_path else 'random VAE weights'}")
+    if args.taehv and not (args.vae_path and args.latents):
+        print("NOTE: the taehv PSNR below is meaningless: it compares against "
+              f"{'a VAE with random weights' if not args.vae_path else 'the VAE'}"
+              f"{' on Gaussian latents' if not args.latents else ''}; give --vae-path and --latents to measure the "
+              "preview decoder's quality cost")
+    print(f"{'family':<13} {'way':<16} {'seconds':>8} {'peak':>10} {'traced':>10} {'uint8 diff':>10} {'PSNR':>8}")
     for family in args.families.split(","):
-        for way in args.ways.split(","):
+        for way in ways:
             cmd = [sys.executable, __file__, "--family", family, "--way", way, "--device", args.device, "--dtype",
-                   args.dtype, "--size", args.size, "--tile", str(args.tile)]
+                   args.dtype, "--size", args.size, "--tile", str(args.tile), *extra]
             res = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
             if res.returncode or line is None:
@@ -202,8 +285,10 @@ def main() -> int:
             if row.get("skipped"):
                 print(f"{family:<13} {way:<16} {'(does not apply)':>8}")
                 continue
+            traced = "-" if row["traced"] is None else f"{row['traced'] / 2**20:.1f}Mi"
+            quality = f"{row['psnr_db']:.2f}dB" if "psnr_db" in row else ""
             print(f"{family:<13} {way:<16} {row['seconds']:>8.2f} {row['peak'] / 2**20:>8.1f}Mi "
-                  f"{row['traced'] / 2**20:>8.1f}Mi {row['max_uint8_diff']:>10}")
+                  f"{traced:>10} {row['max_uint8_diff']:>10} {quality:>8}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -92,6 +92,13 @@ class RuntimeArgs:
                           "same frames (Wan VAE: exact tiles with a halo, docs/memory.md; other VAEs: diffusers' own "
                           "tiling, approximate); default: whole frames (offload = auto may choose 32)"},
     )
+    preview_decoder: str | None = field(
+        default=None,
+        metadata={"help": "causal streams: decode each block's frames with this tiny TAEHV decoder weights file "
+                          "(.pth or .safetensors from github.com/madebyollin/taehv: taew2_1 for Wan2.1 latents) "
+                          "instead of the VAE: cheaper previews of lower quality; whole videos still use the VAE "
+                          "(docs/memory.md)"},
+    )
     attention_backend: str = field(
         default="auto",
         metadata={"help": "attention backend; auto: the fastest one usable here (flash-attn when installed, else SDPA)",
@@ -332,6 +339,10 @@ class RuntimeArgs:
         if self.vae_tile_size is not None and self.vae_tile_size < 1:
             errors.append(f"vae_tile_size = {self.vae_tile_size}: expected a positive number of latent pixels (or "
                           "unset: whole frames)")
+        if self.preview_decoder is not None and not Path(self.preview_decoder).expanduser().is_file():
+            what = "a folder" if Path(self.preview_decoder).expanduser().is_dir() else "no such file"
+            errors.append(f"preview_decoder = {self.preview_decoder!r}: expected an existing TAEHV weights file (.pth "
+                          f"or .safetensors); {what}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             errors.append(f"max_batch_size = {self.max_batch_size}: expected a positive integer (or unset: no limit)")
         if not isinstance(self.stage_threads, int) or self.stage_threads < 1:

@@ -226,6 +226,8 @@ class ComposedPipeline:
         stage.check_values = self.runtime.verify_values
         if hasattr(stage, "tile_size") and stage.tile_size is None:
             stage.tile_size = self.runtime.vae_tile_size
+        if getattr(self.runtime, "preview_decoder", None) and getattr(stage, "preview_decoder", False) is None:
+            stage.use_preview_decoder(self.runtime.preview_decoder, self.device)  # loaded once, here
         self.stages.append(stage)
         if self.concurrency == "batch" and hasattr(stage, "share_decodes"):
             stage.share_decodes(lambda: self.gate.busy)

@@ -51,10 +51,36 @@ class DecodingStage(Stage):
     streams_from_upstream = True  # decodes a streaming denoiser's blocks
     concurrent = True  # its decodes go through the batcher, which holds the VAE's lock
 
-    def __init__(self, vae: torch.nn.Module, tile_size: int | None = None):
+    def __init__(self, vae: torch.nn.Module, tile_size: int | None = None,
+                 preview_decoder: torch.nn.Module | None = None):
         self.vae = vae
         self.tile_size = tile_size  # latent pixels a side (RuntimeArgs.vae_tile_size; the pipeline sets it)
+        # RuntimeArgs.preview_decoder, loaded once by the pipeline (`use_preview_decoder`): a causal stream's blocks
+        # decode through this tiny decoder (composer/models/taehv.py) instead of the VAE; whole videos keep the VAE
+        self.preview_decoder = preview_decoder
         self.batcher = CallBatcher(self._decode_many, lock=module_lock(vae))
+
+    def use_preview_decoder(self, path: str, device: torch.device) -> None:
+        """Load the TAEHV weights file at `path` (RuntimeArgs.preview_decoder) for streamed previews, in the VAE's
+        dtype on `device`, and check that it decodes this VAE's latents (channels, spatial and temporal factors)."""
+        from composer.models.taehv import load_preview_decoder
+
+        model = load_preview_decoder(path, device=device, dtype=self.vae.dtype)
+        cfg, vae_cfg = model.config, self.vae.config
+        vae_channels = getattr(vae_cfg, "z_dim", None) or getattr(vae_cfg, "latent_channels", None)
+        vae_spatial = getattr(vae_cfg, "scale_factor_spatial", None) or getattr(self.vae, "spatial_compression_ratio",
+                                                                                None)
+        vae_temporal = getattr(vae_cfg, "scale_factor_temporal", None) or getattr(
+            self.vae, "temporal_compression_ratio", None)
+        problems = [f"{what}: {mine} in the file, {theirs} for this model's VAE"
+                    for what, mine, theirs in (("latent channels", cfg.latent_channels, vae_channels),
+                                               ("spatial factor", cfg.spatial_scale, vae_spatial),
+                                               ("temporal factor", cfg.temporal_scale, vae_temporal))
+                    if theirs is not None and int(theirs) != mine]
+        if problems:
+            raise InvalidInputError(f"preview_decoder = {path!r} ({cfg.describe()}) is not for this model's latents: "
+                                    + "; ".join(problems))
+        self.preview_decoder = model
 
     def share_decodes(self, active) -> None:
         """Concurrent requests: wait up to 5 ms for other requests' decodes while `active()` (the pipeline's running
@@ -110,6 +136,8 @@ class DecodingStage(Stage):
             latents = [p[1] for p in payloads]
             frames = video_to_frames(self.decode(torch.cat(latents))).numpy()
             return list(np.split(frames, np.cumsum([x.shape[0] for x in latents])[:-1]))
+        if payloads[0][0] == "preview":
+            return PreviewStreamDecoder.decode_together([p[1] for p in payloads], [p[2] for p in payloads])
         return StreamingVideoDecoder.decode_together([p[1] for p in payloads], [p[2] for p in payloads])
 
     # -- streaming: frames per latent block, as the denoiser finishes them -----------------------------
@@ -121,11 +149,21 @@ class DecodingStage(Stage):
 
     def stream(self, batch: ForwardBatch, upstream: Iterator[LatentBlock] | None) -> Iterator[VideoChunk]:
         """The start frames (when the request has start latents), then each upstream block's frames: the
-        VAE's temporal cache is carried from chunk to chunk, so the frames equal a whole-video decode."""
+        VAE's temporal cache is carried from chunk to chunk, so the frames equal a whole-video decode. With a
+        preview decoder (RuntimeArgs.preview_decoder) the blocks go through it instead, its per-block memory carried
+        the same way (its frames equal its own whole-video decode)."""
         if upstream is None:
             raise UnsupportedError("streaming decode needs a streaming denoiser before it")
         resumed = batch.get(StreamDecodeState, None)  # a forked or resumed session goes on from its decoder
-        state = resumed or StreamDecodeState(StreamingVideoDecoder(self.vae, self.batcher))
+        if resumed is None and self.preview_decoder is not None:
+            from composer.logging import log_once
+
+            log_once(logger, "preview-decoder", "preview_decoder: streamed frames are previews from the tiny TAEHV "
+                     f"decoder ({self.preview_decoder.config.describe()}), of lower quality than the VAE's; whole "
+                     "videos are still decoded by the VAE (docs/memory.md, Preview decoder)")
+            state = StreamDecodeState(PreviewStreamDecoder(self.preview_decoder, self.batcher))
+        else:
+            state = resumed or StreamDecodeState(StreamingVideoDecoder(self.vae, self.batcher))
         state.decoder.batcher = self.batcher
         batch.attach(state)
 
@@ -159,16 +197,23 @@ class StreamDecodeState:
     """A stream's decoder between chunks (its causal cache) and the frames it has made: what a session forks
     and snapshots."""
 
-    decoder: StreamingVideoDecoder
+    decoder: StreamingVideoDecoder | PreviewStreamDecoder
     frame_index: int = 0
 
     def fork(self) -> StreamDecodeState:
         """An independent copy (cache entries are replaced, never written in place, so they can be shared)."""
+        if isinstance(self.decoder, PreviewStreamDecoder):
+            return StreamDecodeState(self.decoder.fork(), self.frame_index)
         twin = copy.copy(self.decoder)
         twin.feat_cache = list(self.decoder.feat_cache)
         return StreamDecodeState(twin, self.frame_index)
 
     def export(self) -> dict[str, Any]:
+        if isinstance(self.decoder, PreviewStreamDecoder):
+            raise UnsupportedError("a session snapshot keeps the VAE's stream decoder state, and this session decodes "
+                                   "through the tiny preview decoder (preview_decoder is set): snapshots are not "
+                                   "supported with it; load the model without preview_decoder to snapshot sessions "
+                                   "(fork works with it)")
         return {"feat_cache": [e.cpu() if isinstance(e, torch.Tensor) else e for e in self.decoder.feat_cache],
                 "first": self.decoder.first, "frame_index": self.frame_index}
 
@@ -249,3 +294,51 @@ class StreamingVideoDecoder:
         """Each decoder's next chunk, decoded as one batch (`decode_frames_together`), as numpy frames per decoder."""
         frames = StreamingVideoDecoder.decode_frames_together(decoders, chunks).numpy()
         return list(np.split(frames, np.cumsum([c.shape[0] for c in chunks])[:-1]))
+
+
+class PreviewStreamDecoder:
+    """Decodes a causal stream's latents chunk by chunk with the tiny preview decoder (RuntimeArgs.preview_decoder,
+    composer/models/taehv.py), carrying its memory (each memory block's last input) between chunks, so the
+    concatenated frames equal its whole-video decode. Frame counts are the VAE's: the first latent frame gives 1
+    frame, every later one 4 (the decoder drops its first 3 outputs)."""
+
+    def __init__(self, model: torch.nn.Module, batcher: CallBatcher | None = None):
+        from composer.models.taehv import PreviewDecoderState
+
+        self.model = model
+        self.batcher = batcher
+        self.state = PreviewDecoderState()
+
+    def fork(self) -> PreviewStreamDecoder:
+        twin = copy.copy(self)
+        twin.state = self.state.fork()
+        return twin
+
+    def batch_key(self, latents: torch.Tensor) -> tuple:
+        """Decoders whose next chunks share this key decode as one batch: the same chunk shape and the same point of
+        their streams (memory present or not, leading frames still to drop or not)."""
+        trim = self.model.config.frames_to_trim
+        return ("preview", tuple(latents.shape[1:]), latents.dtype, min(self.state.frames_made, trim + 1),
+                tuple(sorted(self.state.memory)))
+
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Latents [B, C, f, h, w] (the next f latent frames) -> uint8 frames [B, t, H, W, 3]."""
+        if self.batcher is None:
+            return self.decode_together([self], [latents])[0]
+        return self.batcher.submit(self.batch_key(latents), ("preview", self, latents), rows=latents.shape[0])
+
+    @staticmethod
+    @torch.inference_mode()
+    def decode_together(decoders: list[PreviewStreamDecoder], chunks: list[torch.Tensor]) -> list[np.ndarray]:
+        """Each decoder's next chunk as one batch (equal `batch_key`s: their memories stacked row-wise and handed
+        back split); the latents as the DiT makes them (the preview decoder takes the normalized latents, no
+        `denormalize_latents`: composer/models/taehv.py); numpy uint8 frames per decoder."""
+        from composer.models.taehv import PreviewDecoderState
+
+        rows = [c.shape[0] for c in chunks]
+        state = decoders[0].state if len(decoders) == 1 else PreviewDecoderState.stack([d.state for d in decoders])
+        video, state = decoders[0].model.decode(torch.cat(chunks), state)
+        for decoder, part in zip(decoders, [state] if len(decoders) == 1 else state.split(rows)):
+            decoder.state = part
+        frames = video_to_frames(video * 2.0 - 1.0).numpy()  # [0, 1] -> the VAE's [-1, 1]
+        return list(np.split(frames, np.cumsum(rows)[:-1]))
