@@ -18,8 +18,11 @@ same seeded latents decoded each way, every (family, way) in a fresh subprocess 
 
 Per row: seconds, the peak (CUDA: `max_memory_allocated` above the weights; CPU: the rise of peak RSS, the process
 run with MALLOC_MMAP_THRESHOLD_=65536 so freed memory leaves it), the peak the memory predictor's fake trace gives
-for the same call, and the max uint8 difference against the whole decode. Not built: the decode split over the ranks
-of a sequence-parallel group.
+for the same call, and the max uint8 difference against the whole decode.
+
+- split-2 (CPU): composer's exact tiles split over 2 gloo ranks (`decode_tiled(..., group=)`, what a sequence-parallel
+  layout with `vae_tile_size` runs): every rank runs the trunk and half the tiles, one all-reduce; each rank with half
+  the cores. Seconds and peak are rank 0's (its RSS rise: its own process).
 
     python benchmarks/vae.py                                  # CPU, 5x256x256, every family
     python benchmarks/vae.py --device cuda --size 81x480x832 --families wan2.1
@@ -53,7 +56,7 @@ FAMILIES = {
     # per-channel statistics are 48 numbers each; any do for timing)
     "hunyuanvideo": ("AutoencoderKLHunyuanVideo", {}),
 }
-WAYS = ("whole", "exact-tiled", "diffusers-tiled", "streamed")  # and "taehv" with --taehv
+WAYS = ("whole", "exact-tiled", "diffusers-tiled", "streamed", "split-2")  # and "taehv" with --taehv
 
 
 def rss() -> int:
@@ -171,8 +174,68 @@ def preview_decoder_for(path: str, z, device, dtype):
     return previews
 
 
+def _split_rank(rank: int, world: int, opts: dict, out_file: str) -> None:
+    """One rank of the split-N way: the exact tiles shared over the gloo group of the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from composer.stages.decoding import denormalize_latents, video_to_frames
+    from composer.stages.vae_tiling import decode_tiled
+
+    ns = argparse.Namespace(**opts)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[ns.dtype]
+    vae = build(ns.family, torch.device("cpu"), dtype, vae_path=ns.vae_path)
+    z = latents_for(vae, ns.size, ns.latents).to(dtype)
+    with torch.inference_mode():
+        base = rss()
+        dist.barrier()
+        start = time.perf_counter()
+        video = decode_tiled(vae, denormalize_latents(z, vae.config), tile=ns.tile, group=dist.group.WORLD)
+        seconds = time.perf_counter() - start
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+        if rank != 0:
+            return
+        frames = video_to_frames(video)
+        del video
+        reference = video_to_frames(decoder_for("whole", vae, ns.tile)(z))
+    Path(out_file).write_text(json.dumps({"seconds": seconds, "peak": peak, "latents": list(z.shape),
+                                          "max_uint8_diff": int((frames.int() - reference.int()).abs().max())}))
+
+
+def measure_split(args, ranks: int) -> dict:
+    """The split-N way: N gloo ranks on this machine, each with its share of the cores."""
+    import tempfile
+
+    from composer.stages.vae_tiling import supports_exact_tiling
+    from composer.testing.distributed import spawn
+
+    out = {"family": args.family, "way": args.way}
+    if args.device != "cpu" or not supports_exact_tiling(_meta_vae(args.family)):
+        return {**out, "skipped": True}
+    opts = {k: getattr(args, k) for k in ("family", "dtype", "size", "tile", "vae_path", "latents")}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "rank0.json"
+        spawn(_split_rank, ranks, opts, str(result), timeout_s=3600, collective_timeout_s=3600,
+              threads=max(1, (os.cpu_count() or ranks) // ranks))
+        row = json.loads(result.read_text())
+    return {**out, **row, "traced": None}
+
+
+def _meta_vae(family: str):
+    """The family's VAE class on the meta device (what kind of decoder it has, without weights)."""
+    import diffusers
+    import torch
+
+    cls_name, config = FAMILIES[family]
+    with torch.device("meta"):
+        return getattr(diffusers, cls_name)(**config)
+
+
 def measure(args) -> dict:
     import torch
+
+    if args.way.startswith("split-"):
+        return measure_split(args, int(args.way.split("-")[1]))
 
     from composer.memory import traced_peak
     from composer.memory.trace import fake_mode

@@ -161,3 +161,53 @@ def test_every_layout_gives_the_same_video(folders, tmp_path_factory, one_thread
             diff = (videos[a]["frames"].int() - videos[b]["frames"].int()).abs().max().item()
             assert diff <= 1, f"{a} vs {b}: frames differ by {diff}"
     assert len(names) == 1 + sum("t2v" in jobs for _, jobs in LAYOUTS.values())
+
+
+# -- tiled VAE decodes split over the sequence-parallel ranks --------------------------------------------------
+TILE = 4  # latent pixels: the 6 x 10 latent frame is 6 tiles, shared by the ranks
+
+
+def _tiled_worker(rank, world, folder, out_dir):
+    """Two requests at once on every rank (threads), each decoded in exact tiles split over the two ranks: rank 0
+    plans every decode, so the ranks' all-reduces meet whatever order their threads run in."""
+    import threading
+
+    from composer import VideoGenerator
+
+    gen = VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False, ulysses_degree=2, vae_tile_size=TILE)
+    results, errors = {}, []
+
+    def run(seed):
+        try:
+            results[seed] = gen.generate_video(**{**REQUEST, "seed": seed})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    split = gen.pipeline.stage("DecodingStage").split_group is not None
+    torch.save({"split": split, **{seed: torch.from_numpy(r.frames) for seed, r in results.items()}},
+               f"{out_dir}/tiled-rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_tiled_decodes_split_over_the_ranks_equal_one_process(folders, tmp_path_factory, one_thread):
+    """ulysses 2 with vae_tile_size: each rank decodes its share of the tiles (one all-reduce); two concurrent
+    requests' videos equal one process's tiled decode of each, on both ranks."""
+    from composer import VideoGenerator
+
+    out = tmp_path_factory.mktemp("tiled")
+    spawn(_tiled_worker, 2, folders["wan"], str(out), timeout_s=300)
+    one = VideoGenerator.from_pretrained(folders["wan"], dtype="fp32", progress=False, vae_tile_size=TILE)
+    for rank in range(2):
+        got = torch.load(out / f"tiled-rank{rank}.pt")
+        assert got["split"], f"rank {rank} did not split its decodes"
+        for seed in (1, 2):
+            expected = one.generate_video(**{**REQUEST, "seed": seed}).frames
+            diff = np.abs(got[seed].numpy().astype(int) - expected.astype(int)).max()
+            assert diff <= 1, f"rank {rank}, seed {seed}: frames differ by {diff}"

@@ -14,7 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from composer.errors import ConfigError
+from composer.logging import get_logger
 from composer.parallel import state as parallel_state
+
+logger = get_logger(__name__)
 
 
 class ParallelHook:
@@ -68,6 +71,16 @@ class ParallelHook:
         from composer.parallel.plan import plan_channel
 
         plan_channel(runtime.dist_timeout).register(scheduler)
+
+    def configure_stage(self, stage, runtime: Any) -> None:
+        """A decoding stage with exact VAE tiling (vae_tile_size) splits its tiles over the sequence-parallel ranks,
+        each decode planned by rank 0 (composer/parallel/plan.py)."""
+        if self.state.layout.sp > 1 and hasattr(stage, "split_over_ranks"):
+            from composer.parallel.plan import plan_channel
+
+            if stage.split_over_ranks(self.state.group("sp"), plan_channel(runtime.dist_timeout)):
+                logger.info("%s: tiled VAE decodes split over the %d sequence-parallel ranks", stage.name,
+                            self.state.layout.sp)
 
     def configure_engine(self, engine) -> None:
         if self.state.layout.cfg > 1:

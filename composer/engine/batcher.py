@@ -5,6 +5,11 @@ ends, every waiting call with the same key (up to `max_rows` rows) runs as one b
 for partners at most `settle_s` (and at most a quarter of a recent run's time), and only while `active()` says other
 requests are running.
 
+Under a parallel layout whose decodes hold collectives (a VAE decode split over the ranks), rank 0 plans every call:
+its batcher announces each batch (the calls' `plan_key`s: request key and position, the same on every rank) on the
+process's PlanChannel (composer/parallel/plan.py), in one order with the transformer calls, and the other ranks run
+exactly those batches (`run_planned`), so their collectives meet.
+
 `module_lock(module)`: one lock per module object, shared by everything in the process that must not run a
 module's stateful calls concurrently (diffusers' Wan VAE keeps its causal cache on the module).
 """
@@ -39,6 +44,7 @@ class _Call:
     payload: Any
     rows: int
     seq: int
+    plan_key: Any = None  # the call's identity on every rank of a parallel layout (planned batchers)
     result: Any = None
     error: BaseException | None = None
     done: bool = False
@@ -62,14 +68,22 @@ class CallBatcher:
         self._pending: list[_Call] = []
         self._running = False
         self._seq = itertools.count()
+        # A parallel layout's PlanChannel when the calls hold collectives (set by the parallel hook): rank 0 plans
+        # each batch, the other ranks run the batches it names.
+        self.planner: Any = None
+        self.plan_index: int | None = None
 
-    def submit(self, key: Any, payload: Any, rows: int = 1) -> Any:
-        call = _Call(key, payload, rows, next(self._seq))
+    def submit(self, key: Any, payload: Any, rows: int = 1, plan_key: Any = None) -> Any:
+        """`plan_key`: what names this call on every rank (a request key and a position), for planned batchers."""
+        call = _Call(key, payload, rows, next(self._seq), plan_key)
         arrived = time.monotonic()
         with self._cv:
             self._pending.append(call)
             self._cv.notify_all()
             while not call.done:
+                if self.planner is not None and not self.planner.leader:
+                    self._follow(call)
+                    continue
                 if self._running:
                     self._cv.wait()
                     continue
@@ -101,22 +115,86 @@ class CallBatcher:
         self._cv.release()
         started = time.perf_counter()
         try:
-            try:
-                with self.lock if self.lock is not None else nullcontext():
-                    results = self.run_batch([c.payload for c in calls])
-                for call, result in zip(calls, results):
-                    call.result = result
-            except BaseException as exc:  # noqa: BLE001 - every call of the failed batch gets the error
-                for call in calls:
-                    call.error = exc
+            if self.planner is None:
+                self._run(calls)
+            else:  # rank 0: the other ranks are told this batch before it runs, in one order with every other call
+                self.planner.lead(self, [c.plan_key for c in calls], lambda: self._run(calls))
+        except BaseException as exc:  # noqa: BLE001 - the plan could not go out: every call of the batch fails
+            for call in calls:
+                call.error = call.error or exc
         finally:
             self._cv.acquire()
-            self._running = False
-            elapsed = time.perf_counter() - started
-            self.run_seconds = elapsed if not self.calls else 0.8 * self.run_seconds + 0.2 * elapsed
-            self.calls += len(calls)
-            if len(calls) > 1:
-                self.batched_calls += len(calls)
+            self._finished(calls, started)
+
+    def _run(self, calls: list[_Call]) -> None:
+        try:
+            with self.lock if self.lock is not None else nullcontext():
+                results = self.run_batch([c.payload for c in calls])
+            for call, result in zip(calls, results):
+                call.result = result
+        except BaseException as exc:  # noqa: BLE001 - every call of the failed batch gets the error
             for call in calls:
-                call.done = True
-            self._cv.notify_all()
+                call.error = exc
+
+    def _finished(self, calls: list[_Call], started: float) -> None:
+        """(Lock held) Hand out a batch's results and wake its callers."""
+        self._running = False
+        elapsed = time.perf_counter() - started
+        self.run_seconds = elapsed if not self.calls else 0.8 * self.run_seconds + 0.2 * elapsed
+        self.calls += len(calls)
+        if len(calls) > 1:
+            self.batched_calls += len(calls)
+        for call in calls:
+            call.done = True
+        self._cv.notify_all()
+
+    # -- another rank than 0 of a parallel layout: rank 0's plans decide every batch ---------------------
+    def _follow(self, call: _Call) -> None:
+        """(Lock held, this rank is not 0) Until `call` is done: whichever waiting thread of the process gets the
+        plan channel receives rank 0's next plan and runs it (this batcher's or a step scheduler's)."""
+        self._cv.release()
+        try:
+            if not self.planner.follow_once(stop=lambda: call.done):
+                time.sleep(0.002)
+        except BaseException as exc:  # noqa: BLE001 - no plan can come (a peer failed): nobody here goes on
+            with self._cv:
+                for waiting in self._pending:
+                    waiting.error, waiting.done = exc, True
+                self._pending = []
+                call.error, call.done = call.error or exc, True
+                self._cv.notify_all()
+        finally:
+            self._cv.acquire()
+
+    def run_planned(self, plan: list[Any]) -> None:
+        """(No lock held; this rank is not 0) Take the calls rank 0's plan names, in its order (waiting for this
+        rank's threads to submit them), run them as one batch and hand out the results."""
+        with self._cv:
+            calls = self._take_planned(plan)
+            self._running = True
+        started = time.perf_counter()
+        self._run(calls)
+        with self._cv:
+            self._finished(calls, started)
+
+    def _take_planned(self, plan: list[Any]) -> list[_Call]:
+        deadline = time.monotonic() + self.planner.timeout_s
+        while True:
+            chosen: list[_Call] = []
+            for plan_key in plan:
+                match = next((c for c in self._pending if c.plan_key == plan_key and all(c is not o for o in chosen)),
+                             None)
+                if match is None:
+                    break
+                chosen.append(match)
+            if len(chosen) == len(plan):
+                taken = {id(c) for c in chosen}
+                self._pending = [c for c in self._pending if id(c) not in taken]
+                return chosen
+            if time.monotonic() > deadline:
+                from composer.errors import WorkerError
+
+                raise WorkerError(
+                    f"rank 0 decoded a video this rank has not made (after {self.planner.timeout_s:.0f} s): every "
+                    "rank must make the same generate_video / stream_video calls with the same arguments")
+            self._cv.wait(timeout=0.05)

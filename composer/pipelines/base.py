@@ -228,6 +228,9 @@ class ComposedPipeline:
             stage.tile_size = self.runtime.vae_tile_size
         if getattr(self.runtime, "preview_decoder", None) and getattr(stage, "preview_decoder", False) is None:
             stage.use_preview_decoder(self.runtime.preview_decoder, self.device)  # loaded once, here
+        for hook in self.hooks:  # e.g. a parallel layout splitting tiled decodes over its ranks
+            if hasattr(hook, "configure_stage"):
+                hook.configure_stage(stage, self.runtime)
         self.stages.append(stage)
         if self.concurrency == "batch" and hasattr(stage, "share_decodes"):
             stage.share_decodes(lambda: self.gate.busy)

@@ -34,6 +34,14 @@ def denormalize_latents(latents: torch.Tensor, vae_config) -> torch.Tensor:
     return latents / scaling + shift
 
 
+def _request_key(batch: ForwardBatch) -> str:
+    """The batch's request key (the same on every rank of a parallel layout; "" when it has none)."""
+    from composer.engine.scheduler import RequestContext, current_request
+
+    request = batch.get(RequestContext, None) or current_request()
+    return request.key if request is not None else ""
+
+
 def video_to_frames(video: torch.Tensor) -> torch.Tensor:
     """VAE output [B, 3, T, H, W] in [-1, 1] -> uint8 [B, T, H, W, 3] on the CPU."""
     video = (video * 0.5 + 0.5).clamp(0, 1)
@@ -58,7 +66,22 @@ class DecodingStage(Stage):
         # RuntimeArgs.preview_decoder, loaded once by the pipeline (`use_preview_decoder`): a causal stream's blocks
         # decode through this tiny decoder (composer/models/taehv.py) instead of the VAE; whole videos keep the VAE
         self.preview_decoder = preview_decoder
+        # A sequence-parallel group to split tiled decodes over (`split_over_ranks`, set by the parallel hook)
+        self.split_group = None
         self.batcher = CallBatcher(self._decode_many, lock=module_lock(vae))
+
+    def split_over_ranks(self, group, planner) -> bool:
+        """Under a sequence-parallel layout: split each tiled whole-video decode's tiles over `group`'s ranks (every
+        rank runs the trunk and its share of the tiles; one all-reduce; bit-identical to one process's tiled
+        decode), with rank 0 planning every decode on `planner` so the ranks' collectives meet. Only for a VAE
+        with composer's exact tiling and a `vae_tile_size`; False (nothing changes) otherwise."""
+        from composer.stages.vae_tiling import supports_exact_tiling
+
+        if not self.tile_size or not supports_exact_tiling(self.vae):
+            return False
+        self.split_group = group
+        planner.register(self.batcher)
+        return True
 
     def use_preview_decoder(self, path: str, device: torch.device) -> None:
         """Load the TAEHV weights file at `path` (RuntimeArgs.preview_decoder) for streamed previews, in the VAE's
@@ -103,7 +126,7 @@ class DecodingStage(Stage):
             from composer.stages.vae_tiling import decode_tiled, supports_exact_tiling
 
             if supports_exact_tiling(self.vae):
-                return decode_tiled(self.vae, latents, tile=self.tile_size)
+                return decode_tiled(self.vae, latents, tile=self.tile_size, group=self.split_group)
             return self._diffusers_tiled(latents)
         return self.vae.decode(latents, return_dict=False)[0]
 
@@ -126,7 +149,8 @@ class DecodingStage(Stage):
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         latents = batch.latents
         key = ("video", tuple(latents.shape[1:]), latents.dtype, str(latents.device))
-        batch.frames = self.batcher.submit(key, ("video", latents), rows=latents.shape[0])
+        batch.frames = self.batcher.submit(key, ("video", latents), rows=latents.shape[0],
+                                           plan_key=(_request_key(batch), "video"))
         return batch
 
     def _decode_many(self, payloads: list) -> list:
@@ -154,6 +178,7 @@ class DecodingStage(Stage):
         the same way (its frames equal its own whole-video decode)."""
         if upstream is None:
             raise UnsupportedError("streaming decode needs a streaming denoiser before it")
+        request_key = _request_key(batch)
         resumed = batch.get(StreamDecodeState, None)  # a forked or resumed session goes on from its decoder
         if resumed is None and self.preview_decoder is not None:
             from composer.logging import log_once
@@ -169,7 +194,7 @@ class DecodingStage(Stage):
 
         def chunk(latents: torch.Tensor, block: LatentBlock | None) -> VideoChunk:
             start = time.perf_counter()
-            frames = state.decoder.decode(latents)[0]
+            frames = state.decoder.decode(latents, plan_key=(request_key, "stream", state.frame_index))[0]
             if frames.shape[1:] != (batch.height, batch.width, 3):
                 raise StageVerificationError(self.name, "output", [("frames", list(frames.shape),
                                              f"uint8 frames [t, {batch.height}, {batch.width}, 3]")])
@@ -254,11 +279,13 @@ class StreamingVideoDecoder:
         state = tuple(None if e is None else e if isinstance(e, str) else tuple(e.shape[1:]) for e in self.feat_cache)
         return ("stream", tuple(latents.shape[1:]), latents.dtype, self.first, state)
 
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Latents [B, C, f, h, w] (the next f latent frames) -> uint8 frames [B, t, H, W, 3]."""
+    def decode(self, latents: torch.Tensor, plan_key=None) -> np.ndarray:
+        """Latents [B, C, f, h, w] (the next f latent frames) -> uint8 frames [B, t, H, W, 3]. `plan_key`: the
+        chunk's name on every rank (a planned batcher: composer/engine/batcher.py)."""
         if self.batcher is None:
             return self.decode_together([self], [latents])[0]
-        return self.batcher.submit(self.batch_key(latents), ("stream", self, latents), rows=latents.shape[0])
+        return self.batcher.submit(self.batch_key(latents), ("stream", self, latents), rows=latents.shape[0],
+                                   plan_key=plan_key)
 
     @staticmethod
     @torch.inference_mode()
@@ -321,11 +348,12 @@ class PreviewStreamDecoder:
         return ("preview", tuple(latents.shape[1:]), latents.dtype, min(self.state.frames_made, trim + 1),
                 tuple(sorted(self.state.memory)))
 
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
+    def decode(self, latents: torch.Tensor, plan_key=None) -> np.ndarray:
         """Latents [B, C, f, h, w] (the next f latent frames) -> uint8 frames [B, t, H, W, 3]."""
         if self.batcher is None:
             return self.decode_together([self], [latents])[0]
-        return self.batcher.submit(self.batch_key(latents), ("preview", self, latents), rows=latents.shape[0])
+        return self.batcher.submit(self.batch_key(latents), ("preview", self, latents), rows=latents.shape[0],
+                                   plan_key=plan_key)
 
     @staticmethod
     @torch.inference_mode()
