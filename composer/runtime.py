@@ -88,9 +88,10 @@ class RuntimeArgs:
     vae_dtype: str = field(default="fp32", metadata={"help": "VAE precision (fp32 keeps decode quality)"})
     vae_tile_size: int | None = field(
         default=None,
-        metadata={"help": "decode whole videos in spatial tiles of this many latent pixels a side: less memory, the "
-                          "same frames (Wan VAE: exact tiles with a halo, docs/memory.md; other VAEs: diffusers' own "
-                          "tiling, approximate); default: whole frames (offload = auto may choose 32)"},
+        metadata={"help": "decode whole videos (and encode conditioning images / videos) in spatial tiles of this many "
+                          "latent pixels a side: less memory, the same frames (Wan VAE: exact tiles with a halo, "
+                          "docs/memory.md; other VAEs: diffusers' own tiling, approximate); default: whole frames "
+                          "(offload = auto may choose 32)"},
     )
     preview_decoder: str | None = field(
         default=None,

@@ -43,6 +43,27 @@ def test_tiled_decode_equals_the_whole_decode(kwargs, tile):
     assert float((decode_tiled(vae, z, tile=64) - whole).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("kwargs, tile", [
+    (dict(base_dim=16, num_res_blocks=1), 3),  # Wan2.1's encoder: the full-resolution layers and a stride-2 conv
+    (dict(base_dim=16, num_res_blocks=1, z_dim=48, is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+          scale_factor_spatial=16, dim_mult=[1, 2, 4, 4], temperal_downsample=[False, True, True],
+          latents_mean=[0.0] * 48, latents_std=[1.0] * 48), 2),  # Wan2.2's: patchified, residual down blocks
+])
+def test_tiled_encode_equals_the_whole_encode(kwargs, tile):
+    """The encoder's full-resolution head in tiles (halo, causal cache per tile), the rest on whole frames: the
+    posterior mean equals the whole encode's, over the first frame alone and two 4-frame chunks."""
+    from composer.stages.vae_tiling import encode_mode, encode_tiled
+
+    vae = wan_vae(**kwargs)
+    x = torch.rand(1, 3, 9, 80, 112, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    with torch.inference_mode():
+        whole = vae.encode(x).latent_dist.mode()
+        tiled = encode_tiled(vae, x, tile=tile)  # 10 x 14 (or 5 x 7) latents: several tiles each way
+        assert tiled.shape == whole.shape
+        assert float((tiled - whole).abs().max()) < 1e-5
+        assert torch.equal(encode_mode(vae, x, None), whole)  # no tile size: the plain encode
+
+
 @pytest.mark.slow
 def test_the_halo_is_needed_and_diffusers_tiling_is_not_exact():
     vae = wan_vae(base_dim=16, num_res_blocks=1)
@@ -67,6 +88,21 @@ def test_vae_tile_size_gives_the_same_video(tmp_path):
     tiled_gen = VideoGenerator.from_pretrained(str(folder), device="cpu", vae_tile_size=4, progress=False)
     assert tiled_gen.pipeline.stage("DecodingStage").tile_size == 4
     tiled = tiled_gen.generate_video("a fox", **video)
+    assert int(np.abs(tiled.frames.astype(int) - whole.frames.astype(int)).max()) <= 1
+
+
+@pytest.mark.slow
+def test_vae_tile_size_tiles_an_image_to_videos_encode_too(ti2v_dir):
+    """Wan2.2 TI2V's image mode encodes its first frame through the tiled encoder: the same video."""
+    from test_wan_i2v import make_image
+
+    request = dict(prompt="a fox", image=make_image(96, 64, seed=5), height=64, width=96, num_frames=5,
+                   num_inference_steps=2, seed=3, guidance_scale=1.0)
+    whole = VideoGenerator.from_pretrained(ti2v_dir, dtype="fp32", progress=False).generate_video(**request)
+    gen = VideoGenerator.from_pretrained(ti2v_dir, dtype="fp32", vae_tile_size=2, progress=False)
+    assert gen.pipeline.stage("FirstFrameLatentStage").tile_size == 2
+    tiled = gen.generate_video(**request)
+    torch.testing.assert_close(tiled.latents, whole.latents, atol=1e-4, rtol=0)
     assert int(np.abs(tiled.frames.astype(int) - whole.frames.astype(int)).max()) <= 1
 
 

@@ -24,6 +24,7 @@ from composer.stages.image_encoding import ImageCondition
 from composer.stages.latents import latent_shape
 from composer.stages.start_frames import normalize_latents
 from composer.stages.token_timesteps import KnownLatents, TimestepMask
+from composer.stages.vae_tiling import encode_mode
 from composer.stages.validators import V, VerificationResult
 
 
@@ -53,6 +54,7 @@ class ImageLatentStage(Stage):
 
     def __init__(self, vae: torch.nn.Module, temporal_factor: int, spatial_factor: int, device: torch.device):
         self.vae = vae
+        self.tile_size: int | None = None  # RuntimeArgs.vae_tile_size (the pipeline sets it): exact tiled encode
         self.temporal_factor = temporal_factor
         self.spatial_factor = spatial_factor
         self.device = device
@@ -80,7 +82,7 @@ class ImageLatentStage(Stage):
             video[:, :, -1] = image_to_pixels(condition.last_image, height, width)
             known.append(frames - 1)
         video = video.to(self.vae.device, self.vae.dtype)
-        mu = self.vae.encode(video).latent_dist.mode()
+        mu = encode_mode(self.vae, video, self.tile_size)
         latents = normalize_latents(mu.to(self.device, torch.float32), self.vae.config)
         h, w = latents.shape[-2:]
         mask = frame_mask(frames, self.temporal_factor, known, h, w).to(self.device)
@@ -97,6 +99,7 @@ class FirstFrameLatentStage(Stage):
 
     def __init__(self, vae: torch.nn.Module, patch_size: tuple[int, int, int]):
         self.vae = vae
+        self.tile_size: int | None = None  # RuntimeArgs.vae_tile_size (the pipeline sets it): exact tiled encode
         self.patch_size = tuple(patch_size)
 
     def skips(self, batch: ForwardBatch) -> bool:
@@ -115,7 +118,7 @@ class FirstFrameLatentStage(Stage):
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
         condition = batch.get(ImageCondition)
         pixels = image_to_pixels(condition.image, batch.height, batch.width).unsqueeze(2)  # [1, 3, 1, H, W]
-        mu = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.mode()
+        mu = encode_mode(self.vae, pixels.to(self.vae.device, self.vae.dtype), self.tile_size)
         condition.latents = normalize_latents(mu.to(batch.latents.device, torch.float32), self.vae.config)
         _, _, frames, h, w = batch.latents.shape
         denoised = torch.ones(1, 1, frames, h, w, dtype=torch.bool, device=batch.latents.device)

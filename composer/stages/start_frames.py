@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from composer.batch import ForwardBatch
 from composer.stages.base import Stage
+from composer.stages.vae_tiling import encode_mode
 from composer.stages.validators import V, Validator, VerificationResult
 
 
@@ -52,6 +53,7 @@ class StartFrameEncodingStage(Stage):
 
     def __init__(self, vae: torch.nn.Module):
         self.vae = vae
+        self.tile_size: int | None = None  # RuntimeArgs.vae_tile_size (the pipeline sets it): exact tiled encode
 
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
         start = batch.get(StartFrames, None)
@@ -70,6 +72,6 @@ class StartFrameEncodingStage(Stage):
         frames = resize_frames(np.asarray(start.frames), batch.height, batch.width)
         pixels = torch.from_numpy(frames).permute(3, 0, 1, 2).unsqueeze(0)  # [1, 3, T, H, W]
         pixels = (pixels.to(self.vae.device, self.vae.dtype) / 127.5 - 1.0).expand(batch.batch_size, -1, -1, -1, -1)
-        mu = self.vae.encode(pixels).latent_dist.mode()
+        mu = encode_mode(self.vae, pixels, self.tile_size)
         batch.start_latents = normalize_latents(mu, self.vae.config).float()
         return batch

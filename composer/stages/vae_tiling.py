@@ -1,4 +1,7 @@
-"""Exact tiled decoding for the Wan VAE (AutoencoderKLWan: Wan2.1 and Wan2.2).
+"""Exact tiled decoding and encoding for the Wan VAE (AutoencoderKLWan: Wan2.1 and Wan2.2).
+
+Encoding (`encode_tiled`) is split the other way round: the encoder's full-resolution head in tiles with a halo
+(aligned to its stride), the deeper layers and the mid block on whole frames. Decoding:
 
 diffusers' `enable_tiling()` decodes overlapping tiles independently and blends their seams: each tile's mid-block
 attention sees only its own tile, so the frames change (up to 47 uint8 levels at 480p, docs/gpu.md). composer
@@ -174,3 +177,136 @@ def decode_tiled(vae, z: torch.Tensor, tile: int = 32, trunk_blocks: int | None 
 
         out = unpatchify(out, patch_size=vae.config.patch_size)
     return out.clamp(-1.0, 1.0)
+
+
+# -- encoding -----------------------------------------------------------------------------------------------
+def _spatial_stride(module: nn.Module) -> int:
+    """The spatial downsampling factor of one module (a strided convolution, a space-to-depth shortcut), 1 if none."""
+    if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+        return int(module.stride[-1])
+    return int(getattr(module, "factor_s", 1) or 1)  # diffusers' AvgDown3D (Wan2.2's residual shortcut)
+
+
+def default_head_layers(vae) -> int:
+    """Encoder layers (of `encoder.down_blocks`) run in tiles: those at the input's full resolution and the first
+    one that downsamples it, where the encode's activations are largest."""
+    for i, layer in enumerate(vae.encoder.down_blocks):
+        if any(_spatial_stride(m) > 1 for m in layer.modules()):
+            return i + 1
+    return len(vae.encoder.down_blocks)
+
+
+def encoder_head_reach(encoder: nn.Module, layers: int) -> int:
+    """The receptive-field radius, in input pixels, of the encoder's head (conv_in and the first `layers` down-block
+    layers): each convolution adds (its kernel's half + 1 for a strided one's one-sided padding) input pixels at its
+    scale, the scale growing with each downsampling on the way. Conservative (a residual shortcut's downsampling is
+    counted as if it came after the main path's): a larger halo is still exact."""
+    radius, scale = 0, 1
+    for module in (m for part in (encoder.conv_in, *encoder.down_blocks[:layers]) for m in part.modules()):
+        stride = _spatial_stride(module)
+        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+            radius += (module.kernel_size[-1] // 2 + (1 if stride > 1 else 0)) * scale
+        elif stride > 1:  # a space-to-depth shortcut reads stride pixels a side
+            radius += (stride - 1) * scale
+        scale *= stride
+    return radius
+
+
+def _head_stride(encoder: nn.Module, layers: int, channels: int, like: torch.Tensor) -> int:
+    """The head's spatial downsampling factor, measured on a small probe frame (parallel paths make it hard to
+    read off the modules)."""
+    probe = like.new_zeros(1, channels, 1, 32, 32)
+    cache: list = [None] * 1024
+    idx = [0]
+    x = _causal_conv(encoder.conv_in, probe, cache, idx)
+    for layer in encoder.down_blocks[:layers]:
+        x = layer(x, feat_cache=cache, feat_idx=idx)
+    return 32 // x.shape[-1]
+
+
+def _aligned_spans(size: int, tile: int, align: int) -> list[tuple[int, int]]:
+    """[start, end) spans of about `tile` covering `size`, every edge a multiple of `align` (the last at `size`)."""
+    count = max(1, math.ceil(size / tile))
+    edges = sorted({min(size, round(i * size / count / align) * align) for i in range(count)} | {size})
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+@torch.inference_mode()
+def encode_tiled(vae, video: torch.Tensor, tile: int = 32, head_layers: int | None = None) -> torch.Tensor:
+    """The Wan VAE's encoder posterior mean (what `vae.encode(video).latent_dist.mode()` gives) of `video`
+    [B, 3, T, H, W] in [-1, 1], with the encoder's head (conv_in and the first `head_layers` down-block layers: the
+    full-resolution ones and the first downsampling, where its activations are largest) run in spatial tiles of about
+    `tile` latent pixels a side (as `decode_tiled`'s tiles), each with a halo as wide as the head's receptive field and its own causal temporal
+    cache; the rest runs on whole frames. Every latent sees exactly the pixels it sees in the whole encode: equal
+    up to the float rounding of convolutions over other shapes."""
+    if not supports_exact_tiling(vae):
+        raise TypeError(f"exact tiled encoding needs the Wan VAE (AutoencoderKLWan), got {type(vae).__name__}")
+    encoder = vae.encoder
+    layers = default_head_layers(vae) if head_layers is None else head_layers
+    if tile < 1:
+        raise ValueError(f"tile = {tile}: expected a positive number of latent pixels")
+    patch = vae.config.patch_size or 1
+    if vae.config.patch_size is not None:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
+
+        video = patchify(video, patch_size=vae.config.patch_size)
+    stride = _head_stride(encoder, layers, video.shape[1], video)
+    halo = math.ceil(encoder_head_reach(encoder, layers) / stride) * stride
+    height, width = video.shape[-2:]
+    if height % stride or width % stride:
+        raise ValueError(f"a {height}x{width} frame does not divide by the encoder head's stride {stride}")
+    spatial = int(getattr(vae.config, "scale_factor_spatial", None) or 8) // patch  # input pixels per latent pixel
+    step = max(stride, (tile * spatial // stride) * stride)
+    tiles = [(r, c) for r in _aligned_spans(height, step, stride) for c in _aligned_spans(width, step, stride)]
+    count = vae._cached_conv_counts["encoder"]
+    tail_cache: list = [None] * count
+    tile_caches: dict[tuple[int, int], list] = {}
+    frames = video.shape[2]
+    chunks = [(0, 1)] + [(s, min(s + 4, frames)) for s in range(1, frames, 4)]  # as diffusers' _encode
+    outs = []
+    for start, end in chunks:
+        x = video[:, :, start:end]
+        head: torch.Tensor | None = None
+        for (r0, r1), (c0, c1) in tiles:
+            top, left = max(0, r0 - halo), max(0, c0 - halo)
+            bottom, right = min(height, r1 + halo), min(width, c1 + halo)
+            cache = tile_caches.setdefault((r0, c0), [None] * count)
+            idx = [0]
+            piece = _causal_conv(encoder.conv_in, x[:, :, :, top:bottom, left:right], cache, idx)
+            for layer in encoder.down_blocks[:layers]:
+                piece = layer(piece, feat_cache=cache, feat_idx=idx)
+            if head is None:
+                head = piece.new_zeros(*piece.shape[:3], height // stride, width // stride)
+            head[:, :, :, r0 // stride:r1 // stride, c0 // stride:c1 // stride] = piece[
+                :, :, :, (r0 - top) // stride:(r1 - top) // stride, (c0 - left) // stride:(c1 - left) // stride]
+        idx = [0]
+        x = head
+        for layer in encoder.down_blocks[layers:]:
+            x = layer(x, feat_cache=tail_cache, feat_idx=idx)
+        x = encoder.mid_block(x, feat_cache=tail_cache, feat_idx=idx)
+        x = encoder.nonlinearity(encoder.norm_out(x))
+        outs.append(_causal_conv(encoder.conv_out, x, tail_cache, idx))
+    moments = vae.quant_conv(torch.cat(outs, dim=2))
+    return moments[:, :vae.config.z_dim]
+
+
+def encode_mode(vae, video: torch.Tensor, tile_size: int | None = None) -> torch.Tensor:
+    """`vae.encode(video).latent_dist.mode()`, in exact tiles of `tile_size` latent pixels when it is set and the VAE
+    has composer's exact tiling (the Wan VAE); another VAE with a tile size encodes with diffusers' own tiling
+    (approximate, said once in the log)."""
+    if tile_size:
+        if supports_exact_tiling(vae):
+            return encode_tiled(vae, video, tile=tile_size)
+        if hasattr(vae, "enable_tiling"):
+            from composer.logging import get_logger, log_once
+
+            log_once(get_logger(__name__), f"diffusers-encode-tiling-{type(vae).__name__}",
+                     f"vae_tile_size: {type(vae).__name__} encodes with diffusers' own tiling (blended tiles: the "
+                     "latents differ a little from a whole encode; composer's exact tiling covers the Wan VAE)")
+            saved = getattr(vae, "use_tiling", False)
+            vae.enable_tiling()
+            try:
+                return vae.encode(video).latent_dist.mode()
+            finally:
+                vae.use_tiling = saved
+    return vae.encode(video).latent_dist.mode()
