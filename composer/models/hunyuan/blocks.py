@@ -12,19 +12,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from composer.models.attention import Attention
+from composer.models.hunyuan.config import QK_NORMS
 from composer.models.layers.embeddings import MLPEmbedder, sinusoidal_timestep_embedding
+from composer.models.layers.norm import FP32LayerNorm
 from composer.models.layers.rotary import apply_rotary
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
 
+# What diffusers' HunyuanVideoTransformer3DModel fixes whatever its config says:
 FREQ_DIM = 256  # width of the sinusoidal timestep / guidance embedding
+REFINER_MLP_RATIO = 4.0  # the token refiner's FFN width ratio (HunyuanVideoTokenRefiner's default, not `mlp_ratio`)
+NORM_EPS = 1e-6  # every LayerNorm / q-k norm of the DiT and the refiner
 
 
 class HeadRMSNorm(nn.Module):
     """RMSNorm over each head's channels: statistics in fp32, the scale in the weight's dtype (the reference's
     rule, so bf16 activations round where the reference rounds)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = NORM_EPS):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
@@ -35,6 +40,20 @@ class HeadRMSNorm(nn.Module):
         if self.weight.dtype in (torch.float16, torch.bfloat16):
             normed = normed.to(self.weight.dtype)
         return (normed * self.weight).to(x.dtype)
+
+
+def head_norm(kind: str | None, head_dim: int) -> nn.Module:
+    """The per-head q/k norm diffusers' `Attention(qk_norm=kind, eps=1e-6)` builds: RMSNorm with a scale,
+    LayerNorm with a scale and bias (model dtype), LayerNorm without either computed in fp32, or none."""
+    if kind is None:
+        return nn.Identity()
+    if kind == "rms_norm":
+        return HeadRMSNorm(head_dim)
+    if kind == "layer_norm":
+        return nn.LayerNorm(head_dim, eps=NORM_EPS)
+    if kind == "fp32_layer_norm":
+        return FP32LayerNorm(head_dim, eps=NORM_EPS, elementwise_affine=False, bias=False)
+    raise ValueError(f"qk_norm = {kind!r}: composer's HunyuanVideo DiT implements {', '.join(map(repr, QK_NORMS))}")
 
 
 def embed_scalar(embedder: MLPEmbedder, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -75,7 +94,7 @@ class AdaNorm(nn.Module):
         return self.linear(F.silu(temb)).chunk(self.chunks, dim=1)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (self.dim,), eps=1e-6)
+        return F.layer_norm(x, (self.dim,), eps=NORM_EPS)
 
 
 # -- the text token refiner -------------------------------------------------------------------------------
@@ -98,14 +117,15 @@ class RefinerAttention(nn.Module):
 
 
 class RefinerBlock(nn.Module):
-    """x += gate1 * Attn(LN(x)); x += gate2 * FFN(LN(x)), gates from the refiner's conditioning."""
+    """x += gate1 * Attn(LN(x)); x += gate2 * FFN(LN(x)), gates from the refiner's conditioning. The FFN is
+    REFINER_MLP_RATIO wide whatever the DiT's `mlp_ratio` (diffusers builds the refiner with its own default)."""
 
-    def __init__(self, dim: int, head_dim: int, mlp_ratio: float):
+    def __init__(self, dim: int, head_dim: int):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm1 = nn.LayerNorm(dim, eps=NORM_EPS)
         self.attn = RefinerAttention(dim, head_dim)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.ff = FeedForward(dim, int(dim * mlp_ratio), "silu")
+        self.norm2 = nn.LayerNorm(dim, eps=NORM_EPS)
+        self.ff = FeedForward(dim, int(dim * REFINER_MLP_RATIO), "silu")
         self.norm_out = AdaNorm(dim, 2)  # gates only: its LayerNorm is unused
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
@@ -116,15 +136,16 @@ class RefinerBlock(nn.Module):
 
 class TokenRefiner(nn.Module):
     """Text states [B, L, text_dim] -> refined tokens [B, L, D]: projected, then a few self-attention blocks
-    conditioned on the timestep and the (masked) mean of the text states."""
+    conditioned on the timestep and the (masked) mean of the text states. Its heads are the DiT's (`num_attention_heads`
+    of `attention_head_dim`); its FFN ratio is fixed (REFINER_MLP_RATIO), as in diffusers."""
 
-    def __init__(self, text_dim: int, dim: int, head_dim: int, num_layers: int, mlp_ratio: float):
+    def __init__(self, text_dim: int, dim: int, head_dim: int, num_layers: int):
         super().__init__()
         self.time_text_embed = nn.Module()
         self.time_text_embed.timestep_embedder = MLPEmbedder(FREQ_DIM, dim)
         self.time_text_embed.text_embedder = MLPEmbedder(text_dim, dim)
         self.proj_in = nn.Linear(text_dim, dim)
-        self.refiner_blocks = nn.ModuleList([RefinerBlock(dim, head_dim, mlp_ratio) for _ in range(num_layers)])
+        self.refiner_blocks = nn.ModuleList([RefinerBlock(dim, head_dim) for _ in range(num_layers)])
 
     def forward(self, text: torch.Tensor, timestep: torch.Tensor, text_mask: torch.Tensor | None) -> torch.Tensor:
         if text_mask is None:
@@ -156,24 +177,25 @@ def rotate_video(x: torch.Tensor, rotary: Rotary, video_len: int) -> torch.Tenso
 
 
 class JointAttention(nn.Module):
-    """q/k/v projections, per-head RMSNorm on q and k, RoPE on the video tokens, and one attention over the
-    video tokens followed by the text tokens (the text's padding masked as keys). The dual-stream blocks give
-    the text its own projections (`add_*_proj`, `to_add_out`); the single-stream blocks share them."""
+    """q/k/v projections, a per-head norm on q and k (the config's `qk_norm`: RMSNorm in the released model), RoPE
+    on the video tokens, and one attention over the video tokens followed by the text tokens (the text's padding
+    masked as keys). The dual-stream blocks give the text its own projections (`add_*_proj`, `to_add_out`) and
+    q/k norms of the same kind; the single-stream blocks share them."""
 
-    def __init__(self, dim: int, head_dim: int, separate_text: bool):
+    def __init__(self, dim: int, head_dim: int, separate_text: bool, qk_norm: str | None = "rms_norm"):
         super().__init__()
         self.head_dim = head_dim  # heads are counted from the projections' width
         self.to_q = nn.Linear(dim, dim)
         self.to_k = nn.Linear(dim, dim)
         self.to_v = nn.Linear(dim, dim)
-        self.norm_q = HeadRMSNorm(head_dim)
-        self.norm_k = HeadRMSNorm(head_dim)
+        self.norm_q = head_norm(qk_norm, head_dim)
+        self.norm_k = head_norm(qk_norm, head_dim)
         if separate_text:
             self.add_q_proj = nn.Linear(dim, dim)
             self.add_k_proj = nn.Linear(dim, dim)
             self.add_v_proj = nn.Linear(dim, dim)
-            self.norm_added_q = HeadRMSNorm(head_dim)
-            self.norm_added_k = HeadRMSNorm(head_dim)
+            self.norm_added_q = head_norm(qk_norm, head_dim)
+            self.norm_added_k = head_norm(qk_norm, head_dim)
             self.to_out = nn.Linear(dim, dim)
             self.to_add_out = nn.Linear(dim, dim)
         self.attention = Attention(role="self")
@@ -204,11 +226,11 @@ class JointAttention(nn.Module):
 class DualStreamBlock(nn.Module):
     """Video and text tokens with their own weights (norms, modulation, FFN), one joint attention."""
 
-    def __init__(self, dim: int, head_dim: int, mlp_ratio: float):
+    def __init__(self, dim: int, head_dim: int, mlp_ratio: float, qk_norm: str | None = "rms_norm"):
         super().__init__()
         self.norm1 = AdaNorm(dim, 6)
         self.norm1_context = AdaNorm(dim, 6)
-        self.attn = JointAttention(dim, head_dim, separate_text=True)
+        self.attn = JointAttention(dim, head_dim, separate_text=True, qk_norm=qk_norm)
         self.ff = FeedForward(dim, int(dim * mlp_ratio), "gelu_tanh")
         self.ff_context = FeedForward(dim, int(dim * mlp_ratio), "gelu_tanh")
 
@@ -231,11 +253,11 @@ class SingleStreamBlock(nn.Module):
     """The joint tokens [video; text] with shared weights: attention and MLP in parallel from one modulated
     LayerNorm, one output projection over both, one gated residual."""
 
-    def __init__(self, dim: int, head_dim: int, mlp_ratio: float):
+    def __init__(self, dim: int, head_dim: int, mlp_ratio: float, qk_norm: str | None = "rms_norm"):
         super().__init__()
         mlp_dim = int(dim * mlp_ratio)
         self.norm = AdaNorm(dim, 3)
-        self.attn = JointAttention(dim, head_dim, separate_text=False)
+        self.attn = JointAttention(dim, head_dim, separate_text=False, qk_norm=qk_norm)
         self.proj_mlp = nn.Linear(dim, mlp_dim)
         self.proj_out = nn.Linear(dim + mlp_dim, dim)
 

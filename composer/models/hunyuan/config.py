@@ -1,4 +1,11 @@
-"""HunyuanVideoTransformerConfig: read from a diffusers `config.json` (`HunyuanVideoTransformer3DModel`)."""
+"""HunyuanVideoTransformerConfig: read from a diffusers `config.json` (`HunyuanVideoTransformer3DModel`).
+
+Every field means what diffusers' constructor makes it mean (diffusers 0.42): `mlp_ratio` sizes the dual- and
+single-stream blocks' MLPs only (the token refiner's is fixed at 4.0); `num_attention_heads` x `attention_head_dim`
+is also the refiner's attention; `qk_norm` picks the per-head q/k norm of the DiT's blocks (not the refiner's: it has
+none); `out_channels` null (or 0) means `in_channels`. The values diffusers fixes whatever the config says (the
+256-wide sinusoidal embeddings, every norm's eps 1e-6, the refiner's FFN ratio) are constants in blocks.py.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,9 @@ from composer.logging import get_logger
 logger = get_logger(__name__)
 
 _IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path"}
+# The `qk_norm` values diffusers builds a working HunyuanVideo DiT with: a per-head norm on q/k (and on the text's
+# added q/k in the dual-stream blocks), or None for none.
+QK_NORMS = (None, "rms_norm", "layer_norm", "fp32_layer_norm")
 
 
 @dataclass
@@ -29,7 +39,7 @@ class HunyuanVideoTransformerConfig:
     mlp_ratio: float = 4.0
     patch_size: int = 2
     patch_size_t: int = 1
-    qk_norm: str = "rms_norm"
+    qk_norm: str | None = "rms_norm"  # one of QK_NORMS
     guidance_embeds: bool = True
     text_embed_dim: int = 4096
     pooled_projection_dim: int = 768
@@ -43,6 +53,7 @@ class HunyuanVideoTransformerConfig:
 
     @property
     def mlp_dim(self) -> int:
+        """The dual- and single-stream blocks' MLP width (the token refiner's is 4 x hidden_size whatever this is)."""
         return int(self.hidden_size * self.mlp_ratio)
 
     @classmethod
@@ -54,7 +65,7 @@ class HunyuanVideoTransformerConfig:
         if unknown:
             logger.debug("ignoring transformer config keys %s", unknown)
         values = {k: v for k, v in raw.items() if k in known}
-        if values.get("out_channels") is None:  # diffusers' null: as many as in
+        if "out_channels" in values and not values["out_channels"]:  # diffusers' `out_channels or in_channels`
             values["out_channels"] = values.get("in_channels", cls.in_channels)
         problems = json_field_problems(values, field_types(cls))
         if problems:
@@ -72,8 +83,12 @@ class HunyuanVideoTransformerConfig:
                 f"{self.image_condition_type!r}: an image-to-video checkpoint); composer serves HunyuanVideo "
                 "text-to-video so far"
             )
-        if self.qk_norm != "rms_norm":
-            raise UnsupportedError(f"qk_norm = {self.qk_norm!r}: composer's HunyuanVideo DiT implements 'rms_norm'")
+        if self.qk_norm not in QK_NORMS:
+            raise UnsupportedError(
+                f"qk_norm = {self.qk_norm!r}: composer's HunyuanVideo DiT implements "
+                f"{', '.join(map(repr, QK_NORMS))} (diffusers builds no working HunyuanVideo DiT with another: "
+                "its dual-stream blocks' text q/k norm refuses it, or its norm does not fit per-head states)"
+            )
         if sum(self.rope_axes_dim) != self.attention_head_dim or any(d % 2 for d in self.rope_axes_dim):
             raise ModelFormatError(
                 f"rope_axes_dim {list(self.rope_axes_dim)} must be even sizes adding up to attention_head_dim "

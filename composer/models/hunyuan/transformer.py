@@ -71,19 +71,17 @@ class HunyuanVideoTransformer3DModel(RunsBlocks, nn.Module):
         patch = (config.patch_size_t, config.patch_size, config.patch_size)
         self.x_embedder = nn.Module()
         self.x_embedder.proj = nn.Conv3d(config.in_channels, dim, kernel_size=patch, stride=patch)
-        self.context_embedder = TokenRefiner(
-            config.text_embed_dim, dim, head_dim, config.num_refiner_layers, config.mlp_ratio
-        )
+        # the refiner's FFN ratio is diffusers' fixed 4.0, not config.mlp_ratio (see blocks.REFINER_MLP_RATIO)
+        self.context_embedder = TokenRefiner(config.text_embed_dim, dim, head_dim, config.num_refiner_layers)
         self.time_text_embed = nn.Module()
         self.time_text_embed.timestep_embedder = MLPEmbedder(_FREQ_DIM, dim)
         self.time_text_embed.text_embedder = MLPEmbedder(config.pooled_projection_dim, dim)
         if config.guidance_embeds:
             self.time_text_embed.guidance_embedder = MLPEmbedder(_FREQ_DIM, dim)
-        self.transformer_blocks = nn.ModuleList(
-            [DualStreamBlock(dim, head_dim, config.mlp_ratio) for _ in range(config.num_layers)]
-        )
+        block_args = (dim, head_dim, config.mlp_ratio, config.qk_norm)
+        self.transformer_blocks = nn.ModuleList([DualStreamBlock(*block_args) for _ in range(config.num_layers)])
         self.single_transformer_blocks = nn.ModuleList(
-            [SingleStreamBlock(dim, head_dim, config.mlp_ratio) for _ in range(config.num_single_layers)]
+            [SingleStreamBlock(*block_args) for _ in range(config.num_single_layers)]
         )
         self.norm_out = AdaNorm(dim, 2)
         self.proj_out = nn.Linear(dim, config.out_channels * config.patch_size_t * config.patch_size**2)

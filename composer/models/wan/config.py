@@ -1,4 +1,13 @@
-"""WanTransformerConfig: read from a diffusers `config.json` or the original Wan release's `config.json`."""
+"""WanTransformerConfig: read from a diffusers `config.json` or the original Wan release's `config.json`.
+
+Every field means what diffusers' `WanTransformer3DModel.__init__` makes it mean (diffusers 0.42): `qk_norm` is
+read but, as in diffusers, q/k are always RMS-normed across heads whatever it says; `out_channels` null (or 0)
+means `in_channels`; `rope_max_seq_len` bounds the RoPE positions (diffusers' precomputed table: a longer grid is
+refused); `added_kv_proj_dim` is the image tokens' width in the cross-attention (the model width, as the image
+embedder outputs it). What diffusers fixes whatever the config says: RoPE's theta (10000: a `rope_theta` key is
+ignored, as diffusers ignores it), the axis split of a head's channels (`rope_axis_dims`), the image embedder's
+LayerNorm eps (1e-5) and exact-GELU MLP of width `image_dim`.
+"""
 
 from __future__ import annotations
 
@@ -48,9 +57,8 @@ class WanTransformerConfig:
     eps: float = 1e-6
     image_dim: int | None = None
     added_kv_proj_dim: int | None = None
-    rope_max_seq_len: int = 1024
+    rope_max_seq_len: int = 1024  # RoPE positions (frames, rows, columns of tokens) are < this
     pos_embed_seq_len: int | None = None
-    rope_theta: float = 10000.0
 
     @property
     def hidden_size(self) -> int:
@@ -82,6 +90,8 @@ class WanTransformerConfig:
         if unknown:
             logger.debug("ignoring transformer config keys %s", unknown)
         values = {k: v for k, v in raw.items() if k in known}
+        if "out_channels" in values and not values["out_channels"]:  # diffusers' `out_channels or in_channels`
+            values["out_channels"] = values.get("in_channels", cls.in_channels)
         problems = json_field_problems(values, field_types(cls))
         if problems:
             raise ModelFormatError(f"{source}: {'; '.join(problems)}")

@@ -33,6 +33,9 @@ from composer.models.wan.mapping import DIFFUSERS_TO_COMPOSER, ORIGINAL_TO_COMPO
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
 
+# RoPE's theta: diffusers' WanRotaryPosEmbed (and the original release) fix it; no config key changes it.
+ROPE_THETA = 10000.0
+
 
 class WanSelfAttention(nn.Module):
     """Multi-head self-attention with RMSNorm across heads on q/k and 3D RoPE.
@@ -310,13 +313,22 @@ class WanTransformer3DModel(RunsBlocks, nn.Module):
         return self.proj_out.weight.device
 
     def rotary(self, grid: tuple[int, int, int], device: torch.device, frame_offset: int = 0) -> Rotary:
-        """RoPE cos/sin for a token grid, cached per (grid, offset, device): steps reuse one table."""
+        """RoPE cos/sin for a token grid, cached per (grid, offset, device): steps reuse one table. Positions
+        stay below rope_max_seq_len on every axis (diffusers' table holds that many; a grid past it is refused,
+        as diffusers cannot run it either)."""
         key = (grid, frame_offset, str(device))
+        limit = self.config.rope_max_seq_len
+        if frame_offset + grid[0] > limit or grid[1] > limit or grid[2] > limit:
+            raise InvalidInputError(
+                f"a token grid of {grid[0]} x {grid[1]} x {grid[2]} (frames x rows x columns, the first frame at "
+                f"position {frame_offset}) passes this Wan transformer's rope_max_seq_len = {limit} RoPE positions "
+                "per axis: ask for fewer frames or a smaller size"
+            )
         if key not in self._rope_cache:
             if len(self._rope_cache) >= 8:
                 self._rope_cache.popitem(last=False)
             self._rope_cache[key] = rope_frequencies(
-                self.config.attention_head_dim, grid, frame_offset, self.config.rope_theta, device
+                self.config.attention_head_dim, grid, frame_offset, ROPE_THETA, device
             )
         return self._rope_cache[key]
 
