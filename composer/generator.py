@@ -61,6 +61,8 @@ class GenerationResult:
     output_path: Path | None = None
     stats: RequestStats | None = None  # causal models: CausalStats (block latency, time to first frame, fps, KV)
     latents: torch.Tensor | None = None  # the final latents [B, C, F, h, w] on the CPU (before decoding)
+    # the LoRA adapters it was made with: each denoiser's description (files, layers touched, kinds left out)
+    lora: dict[str, str] | None = None
 
     @property
     def num_frames(self) -> int:
@@ -200,20 +202,34 @@ class VideoGenerator:
         generator.memory_guard = guard
         return generator
 
-    def set_lora(self, paths: str | os.PathLike | list, scales: float | list[float] | None = None) -> str:
+    def set_lora(self, paths: str | os.PathLike | list, scales: float | list[float] | None = None,
+                 experts: str | list[str] | None = None) -> str:
         """Replace the transformer's LoRA adapters with `paths` (one or more .safetensors files; scale 1.0 each
-        unless `scales` gives one per file), fused or not as the runtime's `lora_fuse` says. Takes effect from
-        the next video; returns the adapters' description."""
+        unless `scales` gives one per file), fused or not as the runtime's `lora_fuse` says. `experts` (two-expert
+        models: one per file, 'both' by default, or 'transformer' / 'transformer_2') picks the denoiser(s) each file
+        goes to. Takes effect from the next video; returns the adapters' description."""
+        from composer.accel.lora import files_for
+
         paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
         scales = [scales] if isinstance(scales, (int, float)) else scales
+        experts = [experts] * len(paths) if isinstance(experts, str) else experts
         self._check_lora_switch()
+        names = self.pipeline.denoiser_names()
+        chosen = {name: files_for(name, names, paths, scales, experts) for name in names}  # checked before changing
         lines = []
         with self.pipeline.gate.exclusive("set_lora"):  # after the running requests; new ones wait meanwhile
-            for name in self.pipeline.denoiser_names():
+            for name in names:
                 adapters = self.pipeline.lora_adapters(name)
-                adapters.set(paths, scales, fuse=self.pipeline.runtime.lora_fuse)
-                lines.append(adapters.describe())
+                adapters.set(*chosen[name], fuse=self.pipeline.runtime.lora_fuse)
+                lines.append(adapters.describe() if len(names) == 1 else f"{name}: {adapters.describe()}")
         return "; ".join(lines)
+
+    def lora_report(self) -> dict[str, str] | None:
+        """Each denoiser's LoRA description (files, layers touched, the kinds left out), or None without LoRA."""
+        names = self.pipeline.denoiser_names()
+        if not any(self.pipeline.lora_adapters(n).active for n in names):
+            return None
+        return {name: self.pipeline.lora_adapters(name).describe() for name in names}
 
     def unset_lora(self) -> None:
         """Remove every LoRA adapter: the next video is the base model's, bit for bit."""
@@ -407,6 +423,7 @@ class VideoGenerator:
         if several is None:
             several = videos is not None and videos.count > 1
         results = []
+        lora = self.lora_report()
         for i, seed in enumerate(batch.seeds):
             sampling = sp.updated(seed=seed)
             if several:  # the row's own request: what a single call making this video would be given
@@ -418,7 +435,7 @@ class VideoGenerator:
                 )
             result = GenerationResult(
                 frames=batch.frames[i], seed=seed, sampling=sampling, timings=timings, stats=stats,
-                latents=batch.latents[i:i + 1].detach().cpu(),
+                latents=batch.latents[i:i + 1].detach().cpu(), lora=lora,
             )
             if sampling.output_path and parallel_state.is_main_process():  # rank 0 writes; the others don't
                 result.output_path = save_video(result.frames, sampling.output_path, fps=sp.fps)

@@ -40,6 +40,10 @@ COMPILE_TORCH_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotu
 MAX_LORA_SCALE = 100.0  # beyond this a LoRA swamps the base weights (fused, it overflows half precision)
 
 
+# Which denoiser(s) of a two-expert model a LoRA file goes to (RuntimeArgs.lora_expert; set_lora's `experts`).
+LORA_EXPERTS = ("both", "transformer", "transformer_2")
+
+
 def lora_scale_problem(scale: Any) -> str | None:
     """The one rule for a LoRA scale, wherever it is given (lora_scale, set_lora, a server request): None when
     `scale` is a finite number with |scale| <= MAX_LORA_SCALE, else what is expected."""
@@ -164,6 +168,11 @@ class RuntimeArgs:
     )
     lora_scale: list[float] | None = field(
         default=None, metadata={"help": "one strength per LoRA file (default 1.0 each)"}
+    )
+    lora_expert: list[str] | None = field(
+        default=None,
+        metadata={"help": "one per LoRA file, for two-expert models (Wan2.2 A14B): 'both' (default), 'transformer' "
+                          "(the high-noise expert) or 'transformer_2' (the low-noise expert)"},
     )
     lora_fuse: bool = field(
         default=False,
@@ -358,6 +367,15 @@ class RuntimeArgs:
         for i, scale in enumerate(self.lora_scale or []):
             if (rule := lora_scale_problem(scale)) is not None:
                 errors.append(f"lora_scale[{i}] = {scale!r}: expected {rule}")
+        for i, expert in enumerate(self.lora_expert or []):
+            if expert not in LORA_EXPERTS:
+                errors.append(f"lora_expert[{i}] = {expert!r}: expected one of {', '.join(LORA_EXPERTS)}")
+        if self.lora_expert is not None:
+            if not self.lora_path:
+                errors.append("lora_expert is set but lora_path is not: give the LoRA file(s) too")
+            elif len(self.lora_expert) != len(self.lora_path):
+                errors.append(f"lora_expert has {len(self.lora_expert)} value(s) for {len(self.lora_path)} lora_path "
+                              "file(s): give one per file")
         if self.lora_scale is not None:
             if not self.lora_path:
                 errors.append("lora_scale is set but lora_path is not: give the LoRA file(s) too")

@@ -15,6 +15,7 @@ torch.compile and offloading see) and computes exactly what it computed before.
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from collections import Counter
@@ -34,6 +35,30 @@ from composer.runtime import lora_scale_problem
 __all__ = ["LoraAdapters", "read_lora"]
 
 logger = get_logger(__name__)
+
+
+def _kind(name: str) -> str:
+    """A layer's kind: its name with the block indices replaced by `*`."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def files_for(denoiser: str, denoisers: Sequence[str], paths: Sequence, scales: Sequence[float] | None,
+              experts: Sequence[str] | None) -> tuple[list, list[float] | None]:
+    """The LoRA files (and their scales) that go to `denoiser`: those whose expert is "both" or its name
+    (RuntimeArgs.lora_expert, one per file; None: every file to every denoiser). An expert naming a denoiser the
+    model does not have is refused."""
+    paths = list(paths)
+    if experts is None:
+        return paths, None if scales is None else list(scales)
+    experts = list(experts)
+    if len(experts) != len(paths):
+        raise InvalidInputError(f"{len(experts)} LoRA expert(s) for {len(paths)} LoRA file(s): give one per file")
+    unknown = sorted({e for e in experts if e != "both" and e not in denoisers})
+    if unknown:
+        raise InvalidInputError(f"lora_expert {', '.join(map(repr, unknown))}: this model's denoisers are "
+                                f"{', '.join(denoisers)} (use 'both', or one of them)")
+    keep = [i for i, e in enumerate(experts) if e in ("both", denoiser)]
+    return [paths[i] for i in keep], None if scales is None else [list(scales)[i] for i in keep]
 
 
 def _peft_config(file: LoraFile) -> LoraConfig:
@@ -109,7 +134,10 @@ class LoraAdapters:
             self.unset()
             raise
         self._files, self._scales, self._fused = files, scales, fuse
-        logger.info(self.describe())
+        # a warning where the application is partial in a way a user would not choose: a kind adapted in some
+        # blocks only, or a layer's added (image) keys left out while the rest of its attention is adapted
+        odd = [kind for kind, got, of in self.coverage() if 0 < got < of or (got == 0 and ".add_" in kind)]
+        logger.log(logging.WARNING if odd else logging.INFO, self.describe())
 
     def unset(self) -> None:
         """Remove every adapter: the base model's outputs come back bit for bit (fused too)."""
@@ -131,13 +159,37 @@ class LoraAdapters:
         self._wrapped, self._originals, self._requires_grad = set(), {}, {}
 
     def describe(self) -> str:
-        """One line for the log: files, ranks, scales, fused or not, modules touched."""
+        """One line for the log: files, ranks, scales, fused or not, modules touched, and the layers left out
+        where the files adapt their neighbours (`coverage`)."""
         if not self._files:
             return "LoRA: none"
         touched = set().union(*(f.modules for f in self._files))
         files = "; ".join(f"{f.summary()} x{s:g}" for f, s in zip(self._files, self._scales))
         mode = "fused" if self._fused else "unfused"
-        return f"LoRA ({mode}, {len(touched)} layers touched): {files}"
+        left = [f"{kind} {got}/{of}" for kind, got, of in self.coverage() if got < of]
+        partial = f"; PARTIAL: not adapted: {', '.join(left)}" if left else ""
+        return f"LoRA ({mode}, {len(touched)} layers touched): {files}{partial}"
+
+    def coverage(self) -> list[tuple[str, int, int]]:
+        """(layer kind, layers adapted, layers of that kind in the model) for every kind of Linear layer under a
+        module the files adapt anything in: a kind is a layer name with its block index replaced by `*`
+        (`blocks.*.attn2.add_k_proj`), a module the parent of such names (`blocks.*.attn2`). So a file that adapts a
+        model's cross-attention but not its image keys (`k_img` / `v_img`: `attn2.add_k_proj` / `add_v_proj`), or
+        some blocks only, shows it instead of applying partly in silence."""
+        if not self._files:
+            return []
+        touched = set().union(*(f.modules for f in self._files))
+        kinds: dict[str, list[int]] = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, BaseTunerLayer):
+                module = module.get_base_layer()
+            if isinstance(module, nn.Linear) and ".lora_" not in name and ".base_layer" not in name:
+                entry = kinds.setdefault(_kind(name), [0, 0])
+                entry[1] += 1
+                entry[0] += name in touched
+        parents = {kind.rpartition(".")[0] for kind, (got, _) in kinds.items() if got}
+        return [(kind, got, of) for kind, (got, of) in sorted(kinds.items())
+                if kind.rpartition(".")[0] in parents]
 
     def _inject(self, files: list[LoraFile], scales: list[float]) -> None:
         self._requires_grad = {name: p.requires_grad for name, p in self.model.named_parameters()}
@@ -200,8 +252,10 @@ class LoraHook:
     def apply(self, pipeline) -> str:
         runtime = pipeline.runtime
         lines = []
-        for name in pipeline.denoisers():
+        names = list(pipeline.denoisers())
+        for name in names:
             adapters = pipeline.lora_adapters(name)
-            adapters.set(runtime.lora_path, runtime.lora_scale, fuse=runtime.lora_fuse)
+            paths, scales = files_for(name, names, runtime.lora_path, runtime.lora_scale, runtime.lora_expert)
+            adapters.set(paths, scales, fuse=runtime.lora_fuse)
             lines.append(f"{name}: {adapters.describe()}")
         return "; ".join(lines)
