@@ -10,6 +10,7 @@ pipeline's InputValidationStage stays as the second line of defence.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from collections.abc import Iterable
@@ -134,6 +135,7 @@ def check_request(
     result = VerificationResult()
     start_latent_frames = _check_start_frames(result, sp, limits.temporal_factor or 4)
     _check_input_images(result, sp, limits)
+    _check_video(result, sp, limits)
     explicit = list(segments) if isinstance(segments, (list, tuple)) else None
     if segments is not None and limits.frames_per_block is None:
         result.add_failure("segments", segments, "none: this model makes the whole video at once (a causal model "
@@ -354,6 +356,28 @@ def _check_input_images(result: VerificationResult, sp: Any, limits: ModelLimits
                            "first-last-frame model, Wan2.1 FLF2V, takes last_image)")
     elif last is not None and (problem := image_problem(last)):
         result.add_failure("last_image", _shown(last), problem)
+
+
+def _check_video(result: VerificationResult, sp: Any, limits: ModelLimits) -> None:
+    """Video-to-video: the video reads, has 4k + 1 frames, and `strength` keeps at least one step."""
+    video = getattr(sp, "video", None)
+    if video is None:
+        return
+    from composer.stages.video_latents import read_video_frames, strength_problem
+
+    try:
+        frames = read_video_frames(video)
+    except InvalidInputError as exc:
+        result.add_failure("video", _shown(video), f"a readable video ({exc})")
+        return
+    temporal = limits.temporal_factor or 4
+    if (len(frames) - 1) % temporal:
+        result.add_failure("video frames", len(frames), f"{temporal}k + 1 (the video's length is the request's "
+                           f"num_frames: give {(len(frames) - 1) // temporal * temporal + 1} frames, for one)")
+    strength = getattr(sp, "strength", None)
+    finite = isinstance(strength, (int, float)) and not isinstance(strength, bool) and math.isfinite(strength)
+    if finite and (problem := strength_problem(strength, sp.num_inference_steps)) is not None:
+        result.add_failure("strength", strength, problem)  # (a non-finite one is named by the number check)
 
 
 def _shown(value: Any) -> Any:

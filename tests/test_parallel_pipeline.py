@@ -27,7 +27,7 @@ LAYOUTS = {
     "ring2": (dict(ring_degree=2), ("t2v", "causal", "lora")),
     "cfg2": (dict(cfg_parallel=True), ("t2v", "causal")),
     "tp2": (dict(tp_size=2), ("t2v", "causal", "lora")),
-    "usp2x2": (dict(ulysses_degree=2, ring_degree=2), ("t2v", "causal")),
+    "usp2x2": (dict(ulysses_degree=2, ring_degree=2), ("t2v", "causal", "v2v")),
     "tp2-ulysses2": (dict(tp_size=2, ulysses_degree=2), ("t2v", "causal")),
     "cfg2-ring2": (dict(cfg_parallel=True, ring_degree=2), ("t2v",)),
     "ulysses2-compile": (dict(ulysses_degree=2), ("compile",)),
@@ -69,6 +69,10 @@ def _job(folders: dict, job: str) -> tuple[str, dict, dict]:
     """(folder, request, runtime extras) of a job."""
     if job == "causal":
         return folders["causal"], CAUSAL_REQUEST, {}
+    if job == "v2v":  # video-to-video: the request's video encoded and noised to strength's first step
+        from test_wan_v2v import frames
+
+        return folders["wan"], {**REQUEST, "video": frames(), "strength": 0.6}, {}
     extra = {"lora": {"lora_path": [folders["lora"]]}, "compile": {"compile": "regional"}}.get(job, {})
     return folders["wan"], REQUEST, extra
 
@@ -136,6 +140,11 @@ def test_causal_layout_equals_one_process(name, folders, tmp_path_factory, one_t
 @pytest.mark.parametrize("name", _cases("lora"))
 def test_unfused_lora_under_a_layout_equals_one_process(name, folders, tmp_path_factory, one_thread):
     _check(name, "lora", folders, tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", _cases("v2v"))
+def test_video_to_video_under_a_layout_equals_one_process(name, folders, tmp_path_factory, one_thread):
+    _check(name, "v2v", folders, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", _cases("compile"))

@@ -211,3 +211,15 @@ def test_a_causal_models_start_frames_are_never_read_from_the_servers_disk():
         with pytest.raises(RequestProblem, match="names a file on the server") as exc:
             check_body({**OK, key: "/etc/passwd"}, causal, LIMITS, [])
         assert exc.value.field == key
+
+
+def test_a_video_to_video_input_is_never_read_from_the_servers_disk():
+    from types import SimpleNamespace
+
+    from composer.configs.wan import WanT2V480PSamplingParam
+    from composer.serve.requests import RequestProblem, check_body
+
+    t2v = SimpleNamespace(default_sampling=WanT2V480PSamplingParam(), family="wan2.1-t2v", pipeline=None)
+    with pytest.raises(RequestProblem, match="video names a file on the server") as exc:
+        check_body({**OK, "video": "/etc/passwd"}, t2v, LIMITS, [])
+    assert exc.value.field == "video"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from composer.configs.base import PipelineConfig, SamplingParam
 from composer.registry.configs import register_configs
@@ -31,6 +32,23 @@ class WanT2VConfig(PipelineConfig):
     teacache_thresholds: dict[int, float] = field(default_factory=lambda: {1536: 0.08, 5120: 0.2})
 
 
+STRENGTH_HELP = ("video-to-video: how much of the input video is redrawn, in (0, 1]: the denoising runs the last "
+                 "strength x num_inference_steps steps from the video noised to that point (1.0: all of them, the "
+                 "video only sets the noise's starting point; lower keeps more of it)")
+VIDEO_HELP = ("video-to-video: the input video, a file (.mp4, .gif, ...; Python also takes uint8 frames [T, H, W, 3] "
+              "or a list of PIL images); its frames are resized to height x width and its length is num_frames "
+              "(4k + 1 frames)")
+
+
+def video_field() -> Any:
+    return field(default=None, metadata={"help": VIDEO_HELP})
+
+
+def strength_field(default: float = 0.8) -> Any:
+    return field(default=default, metadata={"help": STRENGTH_HELP})
+
+
+
 @dataclass
 class WanT2V480PSamplingParam(SamplingParam):
     """Wan2.1 T2V at 480p: 832x480, 81 frames at 16 fps, 50 steps, CFG 5.0. The flow shift is the model folder's
@@ -44,6 +62,9 @@ class WanT2V480PSamplingParam(SamplingParam):
     guidance_scale: float = 5.0
     flow_shift: float | None = 3.0
     fps: int = 16
+    # video-to-video (diffusers' WanVideoToVideoPipeline on a text-to-video folder): composer/stages/video_latents.py
+    video: Any = video_field()
+    strength: float = strength_field(0.8)
 
 
 register_configs(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from composer.batch import ForwardBatch
 from composer.configs.wan import WanT2VConfig
 from composer.errors import UnsupportedError
 from composer.loader.model_index import ModelIndex
@@ -14,6 +15,7 @@ from composer.stages.input_validation import InputValidationStage
 from composer.stages.latents import LatentPreparationStage
 from composer.stages.text_encoding import TextEncodingStage
 from composer.stages.timesteps import TimestepPreparationStage, folder_flow_shift
+from composer.stages.video_latents import VideoCondition, VideoLatentStage
 
 
 class WanPipeline(ComposedPipeline):
@@ -52,8 +54,22 @@ class WanPipeline(ComposedPipeline):
     def create_stages(self) -> None:
         transformer = self.modules["transformer"]
         self.add_preparation_stages(transformer)
+        self.add_stage(VideoLatentStage(self.modules["vae"], self.device))  # video-to-video only
         self.add_stage(DenoisingStage(self.make_engine(transformer), progress=self.runtime.progress))
         self.add_stage(DecodingStage(self.modules["vae"]))
+
+    def prepare(self, batch: ForwardBatch, sampling, segments=None, keep_video: bool = True) -> None:
+        """A `video` makes the request video-to-video (composer/stages/video_latents.py): its frames are read, and
+        their count is the request's num_frames."""
+        super().prepare(batch, sampling, segments, keep_video)
+        if getattr(sampling, "video", None) is None:
+            return
+        if not any(isinstance(stage, VideoLatentStage) for stage in self.stages):
+            raise UnsupportedError(f"{type(self).__name__} does not take a video (video-to-video runs on Wan2.1 "
+                                   "text-to-video folders)")
+        condition = VideoCondition.from_request(sampling, self.modules["vae"].config.scale_factor_temporal)
+        batch.num_frames = len(condition.frames)
+        batch.attach(condition)
 
     def add_preparation_stages(self, transformer, latent_channels: int | None = None) -> None:
         """validate -> encode text -> timesteps -> noise: sizes from the VAE config's compression factors and

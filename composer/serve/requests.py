@@ -21,8 +21,9 @@ from composer.runtime import lora_scale_problem
 # Set by the server, never by a request: where the video goes, and one video per job.
 SERVER_FIELDS = ("output_path", "overwrite", "num_videos_per_prompt")
 IMAGE_FIELDS = ("image", "last_image")
-# Paths on the server's disk (a causal model's start frames): a client must not name the server's files.
-SERVER_PATHS = ("start_image", "start_video")
+# Paths on the server's disk (a causal model's start frames, a video-to-video input): a client must not name the
+# server's files.
+SERVER_PATHS = ("start_image", "start_video", "video")
 # The server's own request fields (not SamplingParam's): OpenAI's aliases, the adapters, the queue priority.
 ALIASES = ("model", "size", "seconds", "lora", "lora_scale", "priority")
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
@@ -78,7 +79,7 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
     paths = [key for key in unknown if key in SERVER_PATHS and key in hints]
     if paths:
         raise RequestProblem(f"{paths[0]} names a file on the server and is not accepted over HTTP (not built yet: "
-                             "uploaded start frames)", paths[0])
+                             "uploaded start frames and videos)", paths[0])
     image_keys = [key for key in unknown if key in IMAGE_FIELDS or key in SERVER_PATHS]
     if image_keys:  # composer's own message: a text-to-video model, or a first-frame-only one
         try:

@@ -1,0 +1,118 @@
+"""Wan video-to-video (diffusers' WanVideoToVideoPipeline on a text-to-video folder): `video=` and `strength` on
+composer's WanPipeline give diffusers' frames on the tiny folder; bad inputs are refused before any work; concurrent
+requests and the CLI's --video / --strength."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from conftest import max_uint8_diff
+
+from composer.errors import InvalidInputError
+
+REQUEST = dict(prompt="a red ball moves left", height=48, width=80, num_inference_steps=4, seed=7)
+CASES = {
+    "cfg-0.6": dict(negative_prompt="blurry", guidance_scale=5.0, strength=0.6),
+    "no-cfg-1.0": dict(negative_prompt=None, guidance_scale=1.0, strength=1.0),
+    "cfg-0.3": dict(negative_prompt="blurry", guidance_scale=3.0, strength=0.3),
+}
+QUICK = {"cfg-0.6"}
+
+
+def frames(count: int = 9, seed: int = 0) -> list:
+    """A moving pattern (40 x 70: resized to the request's size, as diffusers does)."""
+    base = np.random.default_rng(seed).integers(0, 255, (40, 70, 3)).astype(np.uint8)
+    return [PIL.Image.fromarray(np.roll(base, i * 3, axis=1)) for i in range(count)]
+
+
+def reference(folder, video, seed, **kwargs) -> np.ndarray:
+    import diffusers.pipelines.wan.pipeline_wan_video2video as module
+    from diffusers import WanVideoToVideoPipeline
+
+    if not hasattr(module, "ftfy"):  # diffusers 0.42.1 calls ftfy even when it is absent; composer skips it then
+        module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
+    pipe = WanVideoToVideoPipeline.from_pretrained(str(folder))
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(video=video, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs).frames[0]
+    return (out * 255).round().astype(np.uint8)
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+def test_video_to_video_matches_diffusers(tiny_wan_dir, composer_gen, name):
+    case = CASES[name]
+    request = {**REQUEST, **case}
+    ours = composer_gen.generate_video(video=frames(), **request)
+    assert ours.frames.shape == (9, 48, 80, 3) and ours.sampling.strength == case["strength"]
+    seed = request.pop("seed")
+    assert max_uint8_diff(ours.frames, reference(tiny_wan_dir, frames(), seed, **request)) <= 1
+    # below strength 1 the video matters (text-to-video from the same seed is another video); at 1 the first
+    # timestep's noise level is 1, so the video weighs nothing: text-to-video's frames, as in diffusers
+    t2v = composer_gen.generate_video(**{**REQUEST, **{k: v for k, v in case.items() if k != "strength"}},
+                                      num_frames=9)
+    if case["strength"] < 1:
+        assert max_uint8_diff(ours.frames, t2v.frames) > 1
+    else:
+        assert max_uint8_diff(ours.frames, t2v.frames) <= 1
+
+
+def test_bad_video_inputs_are_refused_clearly(composer_gen):
+    for strength, expected in ((0.0, "in \\(0, 1\\]"), (1.5, "in \\(0, 1\\]"), (float("nan"), "a finite number"),
+                               (0.1, "keep one step")):
+        with pytest.raises(InvalidInputError, match=f"strength = .*expected .*{expected}"):
+            composer_gen.generate_video(video=frames(), **{**REQUEST, "strength": strength})
+    with pytest.raises(InvalidInputError, match="video frames = 10: expected 4k \\+ 1 .*give 9 frames"):
+        composer_gen.generate_video(video=frames(10), **REQUEST)
+    # the pipeline's own check, past the request check
+    from composer.stages.video_latents import VideoCondition
+
+    with pytest.raises(InvalidInputError, match="10 frames; video-to-video takes 4k \\+ 1 frames.*give 9 or 13"):
+        VideoCondition.from_request(types.SimpleNamespace(video=frames(10), strength=0.5, num_inference_steps=4), 4)
+    with pytest.raises(InvalidInputError, match="expected uint8 frames \\[T, H, W, 3\\]"):
+        composer_gen.generate_video(video=np.zeros((9, 8, 8), np.uint8), **REQUEST)
+    with pytest.raises(InvalidInputError, match="does not exist"):
+        composer_gen.generate_video(video="/nonexistent/in.mp4", **REQUEST)
+    with pytest.raises(InvalidInputError, match="video\\[1\\]"):
+        composer_gen.generate_video(video=[frames(1)[0], "not an image"], **REQUEST)
+
+
+@pytest.mark.slow
+def test_concurrent_video_to_video_requests_equal_their_solo_runs(composer_gen):
+    """Two requests at once (their steps batched by the scheduler when they meet) give their solo videos; the
+    video given as uint8 frames is the same video as the PIL frames."""
+    requests = [dict(REQUEST, seed=s, strength=st, video=np.stack([np.asarray(f) for f in frames(seed=s)]))
+                for s, st in ((1, 0.5), (2, 0.75))]
+    solo = [composer_gen.generate_video(**r).frames for r in requests]
+    assert max_uint8_diff(solo[0], composer_gen.generate_video(**{**requests[0], "video": frames(seed=1)}).frames) == 0
+    together: dict[int, np.ndarray] = {}
+    threads = [threading.Thread(target=lambda i=i: together.update({i: composer_gen.generate_video(**requests[i])
+                                                                      .frames})) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert max_uint8_diff(together[i], solo[i]) == 0
+
+
+@pytest.mark.slow
+def test_the_cli_takes_a_video_file(cli, tiny_wan_dir, composer_gen, tmp_path):
+    from composer.video import read_frames, save_video
+
+    source = save_video(np.stack([np.asarray(f.resize((80, 48))) for f in frames()]), tmp_path / "in.mp4", fps=8)
+    out = tmp_path / "out.mp4"
+    code, stdout, stderr = cli("generate", "--model-path", tiny_wan_dir, "--prompt", REQUEST["prompt"], "--video",
+                               source, "--strength", "0.6", "--height", "48", "--width", "80",
+                               "--num-inference-steps", "4", "--seed", "7", "--output", out)
+    assert code == 0, stderr
+    expected = composer_gen.generate_video(video=str(source), strength=0.6, **REQUEST,
+                                           negative_prompt=composer_gen.sampling_param().negative_prompt)
+    assert read_frames(out).shape == (9, 48, 80, 3)
+    assert expected.frames.shape == (9, 48, 80, 3)
+    code, _, stderr = cli("generate", "--model-path", tiny_wan_dir, "--prompt", "x", "--video", source,
+                          "--strength", "2", "--output", out)
+    assert code != 0 and "strength" in stderr
