@@ -49,6 +49,7 @@ class Family:
     diffusers_class: str
     request: dict = field(default_factory=dict)
     image: bool = False
+    video: bool = False  # video-to-video: a moving seeded pattern as `video` (`strength` in the request)
 
 
 FAMILIES: dict[str, Family] = {
@@ -64,7 +65,17 @@ FAMILIES: dict[str, Family] = {
                               dict(height=48, width=80, num_frames=9, guidance_scale=3.5), image=True),
     "hunyuanvideo": Family("build_tiny_hunyuan", "HunyuanVideoPipeline",
                            dict(height=48, width=80, num_frames=9)),
+    "wan2.1-v2v": Family("build_tiny_wan", "WanVideoToVideoPipeline",
+                         dict(height=48, width=80, num_frames=9, guidance_scale=5.0, strength=0.75), video=True),
 }
+
+
+def make_video(count: int = 9, width: int = 70, height: int = 40) -> list:
+    """A seeded pattern moving right, `count` PIL frames of another size than the video (the resize path)."""
+    from PIL import Image
+
+    base = (np.random.default_rng(0).random((height, width, 3)) * 255).astype(np.uint8)
+    return [Image.fromarray(np.roll(base, 3 * i, axis=1)) for i in range(count)]
 
 
 def make_image(width: int = 60, height: int = 40):
@@ -103,11 +114,13 @@ class TransformerTimer:
 def load_diffusers(folder: Path, class_name: str, device: torch.device):
     import diffusers
 
-    if class_name == "WanImageToVideoPipeline":
-        import diffusers.pipelines.wan.pipeline_wan_i2v as module
+    if class_name in ("WanImageToVideoPipeline", "WanVideoToVideoPipeline"):
+        import diffusers.pipelines.wan.pipeline_wan_i2v as i2v
+        import diffusers.pipelines.wan.pipeline_wan_video2video as v2v
 
-        if not hasattr(module, "ftfy"):  # diffusers 0.42.1's I2V prompt cleaning calls ftfy even when absent
-            module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
+        for module in (i2v, v2v):  # diffusers 0.42.1's prompt cleaning there calls ftfy even when absent
+            if not hasattr(module, "ftfy"):
+                module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
     pipe = getattr(diffusers, class_name).from_pretrained(str(folder)).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -134,6 +147,10 @@ def run_family(name: str, family: Family, root: Path, args, device: torch.device
     request = dict(family.request, num_inference_steps=args.steps, seed=args.seed)
     if family.image:
         request["image"] = make_image()
+    if family.video:
+        request["video"] = make_video(request["num_frames"])
+    # the steps that run (video-to-video runs the last int(steps x strength) of the schedule)
+    steps = int(args.steps * request["strength"]) if "strength" in request else args.steps
     gen = VideoGenerator.from_pretrained(folder, device=str(device), dtype="fp32", progress=False)
     pipe = load_diffusers(folder, family.diffusers_class, device)
     transformers = [m for n in ("transformer", "transformer_2") if isinstance(m := getattr(pipe, n, None),
@@ -172,8 +189,8 @@ def run_family(name: str, family: Family, root: Path, args, device: torch.device
     diff = int(np.abs(frames_ours.astype(np.int16) - frames_theirs.astype(np.int16)).max())
     return dict(
         family=name, steps=args.steps, frames=frames_ours.shape,
-        step_ours=statistics.median(r[1] for r in ours) / args.steps,
-        step_theirs=statistics.median(r[1] for r in theirs) / args.steps,
+        step_ours=statistics.median(r[1] for r in ours) / steps,
+        step_theirs=statistics.median(r[1] for r in theirs) / steps,
         video_ours=statistics.median(r[2] for r in ours), video_theirs=statistics.median(r[2] for r in theirs),
         diff=diff,
     )
