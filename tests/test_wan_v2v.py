@@ -116,3 +116,21 @@ def test_the_cli_takes_a_video_file(cli, tiny_wan_dir, composer_gen, tmp_path):
     code, _, stderr = cli("generate", "--model-path", tiny_wan_dir, "--prompt", "x", "--video", source,
                           "--strength", "2", "--output", out)
     assert code != 0 and "strength" in stderr
+
+
+@pytest.mark.slow
+def test_hooks_act_on_video_to_video(tiny_wan_dir, composer_gen, tmp_path):
+    """Layerwise offload gives the same video; an unfused LoRA changes it as on text-to-video (the same adapters)."""
+    from test_lora import lora_weights, write_lora
+
+    from composer import VideoGenerator
+
+    request = {**REQUEST, "video": frames(), "strength": 0.6}
+    expected = composer_gen.generate_video(**request).frames
+    offloaded = VideoGenerator.from_pretrained(tiny_wan_dir, dtype="fp32", progress=False, offload="layerwise")
+    assert max_uint8_diff(offloaded.generate_video(**request).frames, expected) == 0
+    lora = write_lora(tmp_path / "style.safetensors", "diffusers",
+                      lora_weights(composer_gen.pipeline.modules["transformer"], 5))
+    styled = VideoGenerator.from_pretrained(tiny_wan_dir, dtype="fp32", progress=False, lora_path=[str(lora)])
+    result = styled.generate_video(**request)
+    assert result.lora is not None and max_uint8_diff(result.frames, expected) > 1
