@@ -352,11 +352,13 @@ AUTO_SKIPS = ("mps",)  # accelerators `device = auto` does not pick (composer is
 
 
 def accelerator_device() -> torch.device:
-    """`device = auto`: the current accelerator's device, else the CPU."""
+    """`device = auto`: the current accelerator's device type (no index: asking for the current index would
+    initialise CUDA in this process, which a process that forks workers or only checks settings must not), else the
+    CPU."""
     platform = current_platform()
     if platform.device_type in ("cpu", *AUTO_SKIPS):
         return torch.device("cpu")
-    return platform.default_device()
+    return torch.device(platform.device_type)
 
 
 @contextlib.contextmanager
