@@ -45,6 +45,11 @@ class Backend(AttentionBackend):
         `return_attn_probs=True` (flash-attn 2: (out, lse, probs); 3: (out, lse))."""
         if attn_mask is not None or self.unusable_reason(query, None) is not None:
             return None
-        result = self._fn(query, key, value, softmax_scale=scale, return_attn_probs=True)
+        try:
+            result = self._fn(query, key, value, softmax_scale=scale, return_attn_probs=True)
+        except TypeError:  # a flash-attn 3 build without the keyword returns (out, lse) on its own
+            result = self._fn(query, key, value, softmax_scale=scale)
+        if not isinstance(result, tuple) or len(result) < 2:
+            return None  # no LSE from this build: the caller takes SDPA's
         out, lse = result[0], result[1]
         return out.float(), lse[..., :query.shape[1]].float()
