@@ -167,3 +167,22 @@ def test_a_decode_split_over_ranks_equals_one_rank(tmp_path, world):
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert torch.equal(got, one), rank  # the same tiles, computed on another rank: the same bits
+
+
+@pytest.mark.slow
+def test_a_stream_decodes_its_blocks_in_tiles(tiny_causal_dir):
+    """A causal stream with vae_tile_size decodes each block in exact tiles, the tiles' causal caches carried from
+    block to block: the frames of a whole-video tiled decode (the same video as untiled, <= 1 level)."""
+    from composer.stages.decoding import StreamDecodeState
+
+    request = dict(height=48, width=80, num_frames=21, seed=3)  # 6 x 10 latents, 6 latent frames: 3 blocks
+    whole = VideoGenerator.from_pretrained(tiny_causal_dir, progress=False).generate_video("waves", **request)
+    gen = VideoGenerator.from_pretrained(tiny_causal_dir, progress=False, vae_tile_size=4)
+    stream = gen.stream_video("waves", **request)
+    chunks = [chunk.frames for chunk in stream]
+    assert len(chunks) == 3
+    assert int(np.abs(stream.frames.astype(int) - whole.frames.astype(int)).max()) <= 1
+    tiled = gen.generate_video("waves", **request)  # the whole-video tiled decode, the same arithmetic
+    assert np.array_equal(stream.frames, tiled.frames)
+    state = stream._batch.get(StreamDecodeState)  # the stream decoder this stream used
+    assert state.decoder.tiled is not None and state.fork().decoder.tiled is not state.decoder.tiled

@@ -188,7 +188,7 @@ class DecodingStage(Stage):
                      "videos are still decoded by the VAE (docs/memory.md, Preview decoder)")
             state = StreamDecodeState(PreviewStreamDecoder(self.preview_decoder, self.batcher))
         else:
-            state = resumed or StreamDecodeState(StreamingVideoDecoder(self.vae, self.batcher))
+            state = resumed or StreamDecodeState(StreamingVideoDecoder(self.vae, self.batcher, self.tile_size))
         state.decoder.batcher = self.batcher
         batch.attach(state)
 
@@ -231,6 +231,8 @@ class StreamDecodeState:
             return StreamDecodeState(self.decoder.fork(), self.frame_index)
         twin = copy.copy(self.decoder)
         twin.feat_cache = list(self.decoder.feat_cache)
+        if twin.tiled is not None:
+            twin.tiled = self.decoder.tiled.fork()
         return StreamDecodeState(twin, self.frame_index)
 
     def export(self) -> dict[str, Any]:
@@ -239,6 +241,10 @@ class StreamDecodeState:
                                    "through the tiny preview decoder (preview_decoder is set): snapshots are not "
                                    "supported with it; load the model without preview_decoder to snapshot sessions "
                                    "(fork works with it)")
+        if self.decoder.tiled is not None:
+            raise UnsupportedError("a session snapshot keeps the VAE's whole-frame stream decoder state, and this "
+                                   "session decodes in exact tiles (vae_tile_size is set): snapshots are not supported "
+                                   "with it; load the model without vae_tile_size to snapshot sessions (fork works)")
         return {"feat_cache": [e.cpu() if isinstance(e, torch.Tensor) else e for e in self.decoder.feat_cache],
                 "first": self.decoder.first, "frame_index": self.frame_index}
 
@@ -260,7 +266,7 @@ class StreamingVideoDecoder:
     The first latent frame gives 1 video frame, every later one gives `scale_factor_temporal` frames.
     """
 
-    def __init__(self, vae: torch.nn.Module, batcher: CallBatcher | None = None):
+    def __init__(self, vae: torch.nn.Module, batcher: CallBatcher | None = None, tile_size: int | None = None):
         counts = getattr(vae, "_cached_conv_counts", None)
         usable = (
             counts is not None and hasattr(vae, "decoder") and hasattr(vae, "post_quant_conv")
@@ -272,10 +278,19 @@ class StreamingVideoDecoder:
         self.batcher = batcher
         self.feat_cache: list = [None] * counts["decoder"]
         self.first = True
+        # vae_tile_size: each chunk decoded in composer's exact tiles, the tiles' caches kept between chunks (the
+        # frames of one tiled decode of the whole video); such a stream decodes alone (its caches are per tile)
+        self.tiled = None
+        if tile_size:
+            from composer.stages.vae_tiling import TiledDecoder
+
+            self.tiled = TiledDecoder(vae, tile_size)
 
     def batch_key(self, latents: torch.Tensor) -> tuple:
         """Decoders whose next chunks share this key decode as one batch: the same chunk shape and the same cache
         state (each cached entry's kind and shape)."""
+        if self.tiled is not None:
+            return ("stream-tiled", id(self))
         state = tuple(None if e is None else e if isinstance(e, str) else tuple(e.shape[1:]) for e in self.feat_cache)
         return ("stream", tuple(latents.shape[1:]), latents.dtype, self.first, state)
 
@@ -296,6 +311,13 @@ class StreamingVideoDecoder:
         vae = decoders[0].vae
         rows = [c.shape[0] for c in chunks]
         z = denormalize_latents(torch.cat(chunks).to(vae.device, vae.dtype), vae.config)
+        if any(d.tiled is not None for d in decoders):  # each alone (a tiled stream's batch key is its own)
+            parts = []
+            for decoder, part in zip(decoders, z.split(rows)):
+                decoder.first = False
+                parts.append(video_to_frames(decoder.tiled.decode(part)) if decoder.tiled is not None
+                             else StreamingVideoDecoder.decode_frames_together([decoder], [part]))
+            return torch.cat(parts)
         x = vae.post_quant_conv(z)
         if len(decoders) == 1:
             feat = decoders[0].feat_cache

@@ -21,6 +21,7 @@ tile instead of one whole frame, at the resolutions where they are largest.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -118,65 +119,91 @@ def decode_tiled(vae, z: torch.Tensor, tile: int = 32, trunk_blocks: int | None 
     over its ranks. Every rank runs the trunk (latent resolution: cheap) and the head of its share of the tiles
     (tile k on rank k mod size), then the tiles are summed into every rank's video (each pixel comes from one rank,
     the others add zeros: the sum is exact); every rank of the group must call it with the same latents."""
-    if not supports_exact_tiling(vae):
-        raise TypeError(f"exact tiled decoding needs the Wan VAE (AutoencoderKLWan), got {type(vae).__name__}")
-    if tile < 1:
-        raise ValueError(f"tile = {tile}: expected a positive number of latent pixels")
-    decoder = vae.decoder
-    blocks = default_trunk_blocks(vae) if trunk_blocks is None else trunk_blocks
-    x = vae.post_quant_conv(z)
-    frames = x.shape[2]
-    count = vae._cached_conv_counts["decoder"]
-    trunk_cache: list = [None] * count
-    tile_caches: dict[tuple[int, int], list] = {}
-    out: torch.Tensor | None = None
-    time_index = 0
-    rank, size = 0, 1
-    if group is not None:
-        import torch.distributed as dist
+    return TiledDecoder(vae, tile, trunk_blocks, group).decode(z)
 
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-    for i in range(frames):
-        trunk = _trunk(decoder, x[:, :, i:i + 1], trunk_cache, i == 0, blocks)
-        height, width = trunk.shape[-2:]
-        trunk_scale = width // x.shape[-1]  # trunk pixels per latent pixel
-        halo = math.ceil(head_radius(decoder, blocks))
-        step = tile * trunk_scale
-        t = None
-        tiles = _tiles(height, width, step, size)
-        if len(tiles) < size:
-            raise ValueError(f"a {height}x{width} frame has fewer pixels than the {size} ranks to split it over")
-        for k, ((r0, r1), (c0, c1)) in enumerate(tiles):
-            if k % size != rank:
-                continue
-            top, left = max(0, r0 - halo), max(0, c0 - halo)
-            bottom, right = min(height, r1 + halo), min(width, c1 + halo)
-            cache = tile_caches.setdefault((r0, c0), [None] * count)
-            piece = _head(decoder, trunk[:, :, :, top:bottom, left:right], cache, i == 0, blocks)
-            scale = piece.shape[-1] // (right - left)
-            t = piece.shape[2]
-            if out is None:  # the first latent frame makes one frame, each later one `temporal`
-                temporal = int(getattr(vae.config, "scale_factor_temporal", None) or 4)
-                out = piece.new_zeros(piece.shape[0], piece.shape[1], t + (frames - 1) * temporal,
-                                      height * scale, width * scale)
-            if time_index + t > out.shape[2]:  # a VAE of another temporal layout: grow
-                out = torch.cat([out, out.new_zeros(*out.shape[:2], time_index + t - out.shape[2],
-                                                    *out.shape[3:])], dim=2)
-            out[:, :, time_index:time_index + t, r0 * scale:r1 * scale, c0 * scale:c1 * scale] = \
-                piece[:, :, :, (r0 - top) * scale:(r1 - top) * scale, (c0 - left) * scale:(c1 - left) * scale]
-        time_index += t
-    out = out[:, :, :time_index]
-    if size > 1:  # each pixel from its tile's rank, zeros elsewhere: the sum is every rank's whole video
-        import torch.distributed as dist
 
-        summed = out.float() if out.dtype not in (torch.float32, torch.float64) else out
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
-        out = summed.to(out.dtype)
-    if vae.config.patch_size is not None:
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+class TiledDecoder:
+    """`decode_tiled` with its causal caches kept between calls (the trunk's, and each tile's own), so that a
+    stream's blocks, decoded one after another, give the frames of one tiled decode of the whole video."""
 
-        out = unpatchify(out, patch_size=vae.config.patch_size)
-    return out.clamp(-1.0, 1.0)
+    def __init__(self, vae, tile: int = 32, trunk_blocks: int | None = None, group=None):
+        if not supports_exact_tiling(vae):
+            raise TypeError(f"exact tiled decoding needs the Wan VAE (AutoencoderKLWan), got {type(vae).__name__}")
+        if tile < 1:
+            raise ValueError(f"tile = {tile}: expected a positive number of latent pixels")
+        self.vae = vae
+        self.tile = tile
+        self.blocks = default_trunk_blocks(vae) if trunk_blocks is None else trunk_blocks
+        self.group = group
+        count = vae._cached_conv_counts["decoder"]
+        self.trunk_cache: list = [None] * count
+        self.tile_caches: dict[tuple[int, int], list] = {}
+        self.first = True  # the next latent frame is the video's first (it makes one frame, the others `temporal`)
+
+    def fork(self) -> TiledDecoder:
+        """An independent copy (cache entries are replaced, never written in place, so they can be shared)."""
+        twin = copy.copy(self)
+        twin.trunk_cache = list(self.trunk_cache)
+        twin.tile_caches = {k: list(v) for k, v in self.tile_caches.items()}
+        return twin
+
+    @torch.inference_mode()
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """The next latent frames `z` [B, C, f, h, w] (denormalized) -> their video [B, 3, t, H, W] in [-1, 1]."""
+        vae, decoder, blocks, group = self.vae, self.vae.decoder, self.blocks, self.group
+        x = vae.post_quant_conv(z)
+        frames = x.shape[2]
+        count = len(self.trunk_cache)
+        out: torch.Tensor | None = None
+        time_index = 0
+        rank, size = 0, 1
+        if group is not None:
+            import torch.distributed as dist
+
+            rank, size = dist.get_rank(group), dist.get_world_size(group)
+        for i in range(frames):
+            first = self.first
+            trunk = _trunk(decoder, x[:, :, i:i + 1], self.trunk_cache, first, blocks)
+            height, width = trunk.shape[-2:]
+            trunk_scale = width // x.shape[-1]  # trunk pixels per latent pixel
+            halo = math.ceil(head_radius(decoder, blocks))
+            step = self.tile * trunk_scale
+            t = None
+            tiles = _tiles(height, width, step, size)
+            if len(tiles) < size:
+                raise ValueError(f"a {height}x{width} frame has fewer pixels than the {size} ranks to split it over")
+            for k, ((r0, r1), (c0, c1)) in enumerate(tiles):
+                if k % size != rank:
+                    continue
+                top, left = max(0, r0 - halo), max(0, c0 - halo)
+                bottom, right = min(height, r1 + halo), min(width, c1 + halo)
+                cache = self.tile_caches.setdefault((r0, c0), [None] * count)
+                piece = _head(decoder, trunk[:, :, :, top:bottom, left:right], cache, first, blocks)
+                scale = piece.shape[-1] // (right - left)
+                t = piece.shape[2]
+                if out is None:  # the video's first latent frame makes one frame, each later one `temporal`
+                    temporal = int(getattr(vae.config, "scale_factor_temporal", None) or 4)
+                    out = piece.new_zeros(piece.shape[0], piece.shape[1], t + (frames - 1) * temporal,
+                                          height * scale, width * scale)
+                if time_index + t > out.shape[2]:  # a VAE of another temporal layout: grow
+                    out = torch.cat([out, out.new_zeros(*out.shape[:2], time_index + t - out.shape[2],
+                                                        *out.shape[3:])], dim=2)
+                out[:, :, time_index:time_index + t, r0 * scale:r1 * scale, c0 * scale:c1 * scale] = \
+                    piece[:, :, :, (r0 - top) * scale:(r1 - top) * scale, (c0 - left) * scale:(c1 - left) * scale]
+            time_index += t
+            self.first = False
+        out = out[:, :, :time_index]
+        if size > 1:  # each pixel from its tile's rank, zeros elsewhere: the sum is every rank's whole video
+            import torch.distributed as dist
+
+            summed = out.float() if out.dtype not in (torch.float32, torch.float64) else out
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+            out = summed.to(out.dtype)
+        if vae.config.patch_size is not None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+            out = unpatchify(out, patch_size=vae.config.patch_size)
+        return out.clamp(-1.0, 1.0)
 
 
 # -- encoding -----------------------------------------------------------------------------------------------
