@@ -362,6 +362,10 @@ def _check_video(result: VerificationResult, sp: Any, limits: ModelLimits) -> No
     """Video-to-video: the video reads, has 4k + 1 frames, and `strength` keeps at least one step."""
     video = getattr(sp, "video", None)
     if video is None:
+        default = next((f.default for f in dataclasses.fields(type(sp)) if f.name == "strength"), None)
+        if getattr(sp, "strength", default) != default:
+            result.add_failure("strength", sp.strength, f"unset ({default}) without a video: strength is video-to-"
+                               "video's (give video= / --video too)")
         return
     from composer.stages.video_latents import read_video_frames, strength_problem
 

@@ -76,6 +76,8 @@ def test_bad_video_inputs_are_refused_clearly(composer_gen):
         composer_gen.generate_video(video=np.zeros((9, 8, 8), np.uint8), **REQUEST)
     with pytest.raises(InvalidInputError, match="does not exist"):
         composer_gen.generate_video(video="/nonexistent/in.mp4", **REQUEST)
+    with pytest.raises(InvalidInputError, match="strength = 0.5: expected unset \\(0.8\\) without a video"):
+        composer_gen.generate_video(**{**REQUEST, "strength": 0.5})
     with pytest.raises(InvalidInputError, match="video\\[1\\]"):
         composer_gen.generate_video(video=[frames(1)[0], "not an image"], **REQUEST)
 
