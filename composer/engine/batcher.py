@@ -178,23 +178,8 @@ class CallBatcher:
             self._finished(calls, started)
 
     def _take_planned(self, plan: list[Any]) -> list[_Call]:
-        deadline = time.monotonic() + self.planner.timeout_s
-        while True:
-            chosen: list[_Call] = []
-            for plan_key in plan:
-                match = next((c for c in self._pending if c.plan_key == plan_key and all(c is not o for o in chosen)),
-                             None)
-                if match is None:
-                    break
-                chosen.append(match)
-            if len(chosen) == len(plan):
-                taken = {id(c) for c in chosen}
-                self._pending = [c for c in self._pending if id(c) not in taken]
-                return chosen
-            if time.monotonic() > deadline:
-                from composer.errors import WorkerError
+        from composer.parallel.plan import take_planned
 
-                raise WorkerError(
-                    f"rank 0 decoded a video this rank has not made (after {self.planner.timeout_s:.0f} s): every "
-                    "rank must make the same generate_video / stream_video calls with the same arguments")
-            self._cv.wait(timeout=0.05)
+        chosen, self._pending = take_planned(self._pending, plan, lambda c: c.plan_key, self._cv,
+                                             self.planner.timeout_s, "a decode of a video")
+        return chosen

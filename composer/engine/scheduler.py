@@ -446,26 +446,12 @@ class StepScheduler:
         """(Lock held) The pending units rank 0's plan names, in its order, waiting for this rank's threads to
         submit them; a plan naming work this rank never gets is an error after the planner's timeout (the
         ranks' calls differ), never a hang."""
-        deadline = time.monotonic() + self.planner.timeout_s
-        while True:
-            chosen: list[Unit] = []
-            for key, position in plan:
-                match = next((u for u in self._pending if u.request.key == key and plan_position(u) == position
-                              and all(u is not c for c in chosen)), None)
-                if match is None:
-                    break
-                chosen.append(match)
-            if len(chosen) == len(plan):
-                taken = {id(u) for u in chosen}
-                self._pending = [u for u in self._pending if id(u) not in taken]
-                return chosen
-            if time.monotonic() > deadline:
-                from composer.errors import WorkerError
+        from composer.parallel.plan import take_planned
 
-                raise WorkerError(
-                    f"rank 0 ran a step of a request this rank has not made (after {self.planner.timeout_s:.0f} s): "
-                    "every rank must make the same generate_video / stream_video calls with the same arguments")
-            self._cv.wait(timeout=0.05)
+        chosen, self._pending = take_planned(self._pending, [tuple(p) for p in plan],
+                                             lambda u: (u.request.key, plan_position(u)), self._cv,
+                                             self.planner.timeout_s, "a step of a request")
+        return chosen
 
 
 def _power_of_two(n: int) -> bool:

@@ -15,6 +15,7 @@ the same on every rank (the same models loaded in the same order).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -76,3 +77,29 @@ class PlanChannel:
             return True
         finally:
             self._turn.release()
+
+
+def take_planned(pending: list, plan: list, name_of: Callable[[Any], Any], cv: Any, timeout_s: float,
+                 what: str) -> tuple[list, list]:
+    """(`cv`'s lock held; a rank other than 0) The items of `pending` rank 0's plan names, in its order (`name_of(item)`
+    is an item's name in a plan), waiting on `cv` for this rank's threads to submit them; returns (the chosen items,
+    the rest of `pending`). A plan naming work this rank never gets is a WorkerError after `timeout_s` (the ranks'
+    calls differ), never a hang; `what` says what rank 0 ran ("a step of a request")."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        chosen: list = []
+        for name in plan:
+            match = next((item for item in pending if name_of(item) == name and all(item is not c for c in chosen)),
+                         None)
+            if match is None:
+                break
+            chosen.append(match)
+        if len(chosen) == len(plan):
+            taken = {id(item) for item in chosen}
+            return chosen, [item for item in pending if id(item) not in taken]
+        if time.monotonic() > deadline:
+            from composer.errors import WorkerError
+
+            raise WorkerError(f"rank 0 ran {what} this rank has not made (after {timeout_s:.0f} s): every rank must "
+                              "make the same generate_video / stream_video calls with the same arguments")
+        cv.wait(timeout=0.05)
