@@ -10,6 +10,11 @@ _SESSION_TMP = tempfile.mkdtemp(prefix="composer-tests-")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("HF_HOME", os.path.join(_SESSION_TMP, "hf-home"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread, here and in every process a test starts (CLI runs, scripts, benchmarks, torchrun ranks):
+# the models are tiny, a second thread made not even a 2048x2048 matmul faster on this project's 2-core
+# machine, and on a busy one its spinning OpenMP workers made forwards 10-100x slower (tests/test_causal.py:
+# 13 s alone; beside two busy processes 137 s with 2 threads, 26 s with 1). No result depends on the count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -17,7 +22,7 @@ import torch  # noqa: E402
 
 from composer.testing import build_tiny_wan  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -73,8 +78,9 @@ def cli(capsys):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """One intra-op thread for a module: its models are tiny, and on a busy 2-core machine a second thread
-    made each forward 50-100x slower (spinning workers), not faster."""
+    """One intra-op thread for a module (the session's default too, unless OMP_NUM_THREADS says otherwise): its
+    models are tiny, and on a busy 2-core machine a second thread made each forward 50-100x slower (spinning
+    workers), not faster."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -289,7 +289,7 @@ def test_training_script_runs_end_to_end_in_two_parts(tmp_path):
     """Every stage, run as the docs reproduce the shipped models: the VAE and latents first, then the rest from
     them (the work folder carries what one part hands the next)."""
     script = [sys.executable, str(REPO / "scripts" / "train_demo_model.py"), "--quick", "--work", str(tmp_path / "work"),
-              "--out", str(tmp_path / "models")]
+              "--out", str(tmp_path / "models"), "--threads", "1"]  # one thread, as every test (conftest.py)
     run = subprocess.run(script + ["--stages", "vae,data"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "work" / "data.pt").is_file() and not (tmp_path / "models").exists()

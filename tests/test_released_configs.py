@@ -10,8 +10,14 @@ import torch
 from composer.testing.released import RELEASED, composer_twin, released_config, released_dit
 
 
-def test_the_real_1_3b_dit_predicts_as_diffusers_at_a_tiny_resolution():
-    theirs = released_dit("wan2.1-t2v-1.3b")
+@pytest.fixture(scope="module")
+def dit_1_3b():
+    """diffusers' Wan2.1 1.3B DiT (seed 0), built once for the module: both tests below read it, neither changes it."""
+    return released_dit("wan2.1-t2v-1.3b")
+
+
+def test_the_real_1_3b_dit_predicts_as_diffusers_at_a_tiny_resolution(dit_1_3b):
+    theirs = dit_1_3b
     assert sum(p.numel() for p in theirs.parameters()) > 1.3e9  # the released size, not a reduced one
     ours = composer_twin(theirs)
     g = torch.Generator("cpu").manual_seed(0)
@@ -40,13 +46,14 @@ def test_every_released_config_builds_on_meta(name):
 
 
 @pytest.mark.slow
-def test_the_self_forcing_1_3b_causal_model_at_its_real_size():
+def test_the_self_forcing_1_3b_causal_model_at_its_real_size(dit_1_3b):
     """The Self-Forcing 1.3B (the 1.3B DiT as composer's block-causal model): its first block, alone in the video,
     attends to itself only, so it predicts what diffusers' full-attention DiT predicts on the same tensors; and the
     settings are Self-Forcing's (3 latent frames a block, four steps)."""
     from composer.testing.released import SELF_FORCING_1_3B
 
-    theirs = released_dit(SELF_FORCING_1_3B["base"])
+    assert SELF_FORCING_1_3B["base"] == "wan2.1-t2v-1.3b"  # the module's DiT (released_dit(base), seed 0)
+    theirs = dit_1_3b
     ours = composer_twin(theirs, causal=True)
     assert type(ours).__name__ == "CausalWanTransformer3DModel"
     g = torch.Generator("cpu").manual_seed(1)

@@ -89,32 +89,42 @@ _CHILD = textwrap.dedent("""
     import sys, numpy as np, torch
     torch.set_num_threads(1)
     from composer import VideoGenerator
-    model, mode, path = sys.argv[1:4]
-    gen = VideoGenerator.from_pretrained(model, progress=False)
-    size = {} if model == "shapes-causal" else {"height": 32, "width": 32, "guidance_scale": 3.0}
-    if mode == "write":
-        session = gen.open_session(seed=9, prompt_switch="keep", **size)
-        list(session.extend(sys.argv[4], 3))
-        open(path, "wb").write(session.snapshot())
-    else:
-        session = gen.resume_session(open(path, "rb").read())
-        list(session.extend(sys.argv[4], 2))
-        np.save(path + ".npy", session.frames)
+    mode, jobs = sys.argv[1], sys.argv[2:]
+    for model, path, prompt in zip(jobs[0::3], jobs[1::3], jobs[2::3]):  # (model, snapshot path, prompt) each
+        gen = VideoGenerator.from_pretrained(model, progress=False)
+        size = {} if model == "shapes-causal" else {"height": 32, "width": 32, "guidance_scale": 3.0}
+        if mode == "write":
+            session = gen.open_session(seed=9, prompt_switch="keep", **size)
+            list(session.extend(prompt, 3))
+            open(path, "wb").write(session.snapshot())
+        else:
+            session = gen.resume_session(open(path, "rb").read())
+            list(session.extend(prompt, 2))
+            np.save(path + ".npy", session.frames)
 """)
 
 
-@pytest.mark.slow  # two child processes per model; the in-process resume is in the quick tier
-@pytest.mark.parametrize("model", ["shapes", "windowed"])
-def test_a_snapshot_resumes_in_another_process_exactly(model, request, tmp_path):
-    gen = request.getfixturevalue(model)
-    name = "shapes-causal" if model == "shapes" else str(request.getfixturevalue("tiny_causal_dir"))
-    linear = frames_of(gen.stream_video([(P0, 3), (P1, 2)], seed=9, prompt_switch="keep", **small(gen)))
-    path = tmp_path / "session.bin"
+@pytest.fixture(scope="module")
+def resumed_in_another_process(tiny_causal_dir, tmp_path_factory):
+    """Each model's session written to a snapshot by one child process and resumed from it by another: the frames
+    the resumed session made, by model. Both models go through the same two children (two interpreter starts, not
+    four); each snapshot is its own file, read by a process that never held that session."""
+    root = tmp_path_factory.mktemp("snapshots")
+    names = {"shapes": "shapes-causal", "windowed": str(tiny_causal_dir)}
     for step, prompt in (("write", P0), ("read", P1)):
-        done = subprocess.run([sys.executable, "-c", _CHILD, name, step, str(path), prompt],
-                              capture_output=True, text=True, timeout=300)
+        jobs = [arg for model, name in names.items() for arg in (name, str(root / f"{model}.bin"), prompt)]
+        done = subprocess.run([sys.executable, "-c", _CHILD, step, *jobs], capture_output=True, text=True,
+                              timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-    assert np.array_equal(np.load(str(path) + ".npy"), linear)
+    return {model: np.load(str(root / f"{model}.bin") + ".npy") for model in names}
+
+
+@pytest.mark.slow  # two child processes; the in-process resume is in the quick tier
+@pytest.mark.parametrize("model", ["shapes", "windowed"])
+def test_a_snapshot_resumes_in_another_process_exactly(model, request, resumed_in_another_process):
+    gen = request.getfixturevalue(model)
+    linear = frames_of(gen.stream_video([(P0, 3), (P1, 2)], seed=9, prompt_switch="keep", **small(gen)))
+    assert np.array_equal(resumed_in_another_process[model], linear)
 
 
 def test_bad_snapshots_are_refused_clearly(shapes):
