@@ -361,10 +361,12 @@ def _check_input_images(result: VerificationResult, sp: Any, limits: ModelLimits
 def _check_video(result: VerificationResult, sp: Any, limits: ModelLimits) -> None:
     """Video-to-video: the video reads, has 4k + 1 frames, and `strength` keeps at least one step."""
     video = getattr(sp, "video", None)
-    if video is None:
+    strength = getattr(sp, "strength", None)
+    finite = isinstance(strength, (int, float)) and not isinstance(strength, bool) and math.isfinite(strength)
+    if video is None:  # (a non-finite strength is named by the number check)
         default = next((f.default for f in dataclasses.fields(type(sp)) if f.name == "strength"), None)
-        if getattr(sp, "strength", default) != default:
-            result.add_failure("strength", sp.strength, f"unset ({default}) without a video: strength is video-to-"
+        if finite and strength != default:
+            result.add_failure("strength", strength, f"unset ({default}) without a video: strength is video-to-"
                                "video's (give video= / --video too)")
         return
     from composer.stages.video_latents import read_video_frames, strength_problem
@@ -378,8 +380,6 @@ def _check_video(result: VerificationResult, sp: Any, limits: ModelLimits) -> No
     if (len(frames) - 1) % temporal:
         result.add_failure("video frames", len(frames), f"{temporal}k + 1 (the video's length is the request's "
                            f"num_frames: give {(len(frames) - 1) // temporal * temporal + 1} frames, for one)")
-    strength = getattr(sp, "strength", None)
-    finite = isinstance(strength, (int, float)) and not isinstance(strength, bool) and math.isfinite(strength)
     if finite and (problem := strength_problem(strength, sp.num_inference_steps)) is not None:
         result.add_failure("strength", strength, problem)  # (a non-finite one is named by the number check)
 

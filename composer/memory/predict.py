@@ -190,6 +190,8 @@ class MemoryPredictor:
                         if not stage.skips(batch):
                             batch = stage(batch)
                         continue
+                    if stage.name != "DecodingStage" and not stage.streams and stage.skips(batch):
+                        continue  # a mode this request does not use (video-to-video, TI2V's image): no memory
                     if batch.num_inference_steps and not stage.streams:  # (after the request's checks) every
                         # step allocates alike: two show a multistep solver's history
                         batch.num_inference_steps = min(batch.num_inference_steps, TRACED_STEPS)
