@@ -74,7 +74,8 @@ def test_random_seed_is_reported_and_reproduces(composer_gen):
 def test_timings_cover_every_stage(composer_gen):
     result = composer_gen.generate_video("a bird", seed=0, height=32, width=32, num_frames=5,
                                          num_inference_steps=2)
-    stage_names = [s.name for s in composer_gen.pipeline.stages]
+    # every stage the request runs; video-to-video's stage skips a text-to-video request and is not timed
+    stage_names = [s.name for s in composer_gen.pipeline.stages if s.name != "VideoLatentStage"]
     assert set(stage_names) | {"total"} == set(result.timings)
     assert result.timings["total"] >= sum(result.timings[n] for n in stage_names) * 0.99
 
