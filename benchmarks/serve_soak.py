@@ -20,12 +20,19 @@ chunks (the shapes model's 64x64 JPEGs are ~1 KB: megabytes of them would fit in
     python benchmarks/serve_soak.py                               # 200 requests, 8 clients, 10 malformed, 10 cancelled
     python benchmarks/serve_soak.py --requests 40 --clients 4 --steps 1 --timeout 120
     python benchmarks/serve_soak.py --streams 3 --stalled --requests 6 --clients 2 --rounds 2
+
+With `--base-url` the jobs soak runs against a server already running there instead (several replicas behind
+nginx, docs/deploy.md), with `--api-key` as its key; every accepted job is then checked by its id (each replica
+lists only its own jobs):
+
+    python benchmarks/serve_soak.py --base-url http://127.0.0.1:8000 --api-key "$KEY" --requests 40 --steps 0
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import io
 import json
 import os
 import shutil
@@ -35,6 +42,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -76,22 +85,45 @@ class Client:
     port: int
     timeout: float
     retries_429: list[int] = field(default_factory=lambda: [0])
+    retries_503: list[int] = field(default_factory=lambda: [0])  # behind a proxy: no replica could take it just now
+    host: str = "127.0.0.1"
+    key: str | None = None  # an API key of the server (--api-key): sent as Authorization: Bearer
+    tls: bool = False
 
-    def request(self, method: str, path: str, data: bytes | None = None) -> tuple[int, dict, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+    @classmethod
+    def of_url(cls, url: str, timeout: float, key: str | None = None) -> Client:
+        """A client of the server at `url` (http://HOST:PORT or https://...)."""
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+            raise ValueError(f"--base-url {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+        tls = parts.scheme == "https"
+        return cls(parts.port or (443 if tls else 80), timeout, host=parts.hostname, key=key, tls=tls)
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+    def ws_url(self, path: str) -> str:
+        return f"{'wss' if self.tls else 'ws'}://{self.host}:{self.port}{path}"
+
+    def request(self, method: str, path: str, data: bytes | None = None,
+                content_type: str = "application/json") -> tuple[int, dict, bytes]:
+        connection = http.client.HTTPSConnection if self.tls else http.client.HTTPConnection
+        conn = connection(self.host, self.port, timeout=60)
         try:
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            conn.request(method, path, body=data, headers={"Content-Type": content_type, **self.auth})
             resp = conn.getresponse()
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
         finally:
             conn.close()
 
-    def submit(self, body: bytes, deadline: float) -> tuple[int, dict, bytes]:
+    def submit(self, body: bytes, deadline: float, content_type: str = "application/json") -> tuple[int, dict, bytes]:
         while True:
-            status, headers, data = self.request("POST", "/v1/videos", body)
-            if status != 429 or time.monotonic() > deadline:
+            status, headers, data = self.request("POST", "/v1/videos", body, content_type)
+            busy = status == 429 or (status == 503 and "retry-after" in headers)
+            if not busy or time.monotonic() > deadline:
                 return status, headers, data
-            self.retries_429[0] += 1
+            (self.retries_429 if status == 429 else self.retries_503)[0] += 1
             time.sleep(min(float(headers.get("retry-after", "1")), 2.0) * 0.25)
 
     def wait(self, job_id: str, deadline: float) -> dict:
@@ -103,6 +135,34 @@ class Client:
             time.sleep(0.05)
 
 
+def multipart(fields: dict[str, str], files: dict[str, tuple[str, bytes, str]]) -> tuple[bytes, str]:
+    """A multipart/form-data body (fields, then files) and its Content-Type."""
+    boundary = uuid.uuid4().hex
+    out = bytearray()
+    for key, value in fields.items():
+        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"\r\n\r\n{value}\r\n'.encode()
+    for key, (name, data, kind) in files.items():
+        out += (f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"; filename="{name}"\r\n'
+                f"Content-Type: {kind}\r\n\r\n").encode() + data + b"\r\n"
+    return bytes(out + f"--{boundary}--\r\n".encode()), f"multipart/form-data; boundary={boundary}"
+
+
+def upload_png(index: int, size: int = 64) -> bytes:
+    """A start image: a coloured square on black."""
+    import numpy as np
+    import PIL.Image
+
+    image = np.zeros((size, size, 3), np.uint8)
+    image[size // 4: size // 2, size // 4: size // 2, index % 3] = 255
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# Broken uploads: a cut PNG, text, an mp4 header with nothing after it.
+BAD_UPLOADS = [b"\x89PNG\r\n\x1a\n\x00\x00", b"not an image at all", b"\x00\x00\x00\x18ftypisom" + bytes(32)]
+
+
 def run_one(client: Client, index: int, kind: str, args, deadline: float, frames_dir: Path) -> Outcome:
     from composer.video import read_frames
 
@@ -110,18 +170,31 @@ def run_one(client: Client, index: int, kind: str, args, deadline: float, frames
         body = MALFORMED[index % len(MALFORMED)]
         status, _, data = client.submit(body, deadline)
         return Outcome(kind, 400 <= status < 500, f"{status} {data[:80]!r}")
+    if kind == "bad-upload":  # a multipart body whose upload is broken: a 4xx, and the server goes on
+        fields = {"prompt": "a broken upload", "num_frames": str(args.num_frames)}
+        files = {"input_reference": ("cut.png", BAD_UPLOADS[index % len(BAD_UPLOADS)], "image/png")}
+        body, content_type = multipart(fields, files)
+        status, _, data = client.submit(body, deadline, content_type)
+        return Outcome(kind, 400 <= status < 500, f"{status} {data[:80]!r}")
     request = {"prompt": f"a {('red', 'blue', 'green')[index % 3]} circle moving left", "seed": index,
                "num_frames": args.num_frames}
     if args.steps is not None:  # None: the model's own (a distilled causal model's fixed steps)
         request["num_inference_steps"] = args.steps
     start = time.monotonic()
-    status, _, data = client.submit(json.dumps(request).encode(), deadline)
+    if kind == "upload":  # multipart/form-data, as the openai SDK sends it; with an image when the model takes one
+        files = {"input_reference": ("start.png", upload_png(index), "image/png")} if args.upload_image else {}
+        body, content_type = multipart({k: str(v) for k, v in request.items()}, files)
+        status, _, data = client.submit(body, deadline, content_type)
+    else:
+        status, _, data = client.submit(json.dumps(request).encode(), deadline)
     if status != 200:
         return Outcome(kind, False, f"submit: {status} {data[:120]!r}")
     job_id = json.loads(data)["id"]
     if kind == "cancel":
         time.sleep(0.05 * (index % 4))  # some while queued, some while running
-        client.request("DELETE", f"/v1/videos/{job_id}")
+        status, _, data = client.request("DELETE", f"/v1/videos/{job_id}")
+        if status == 200 and json.loads(data).get("deleted") is True:  # it finished first, and the DELETE removed it
+            return Outcome(kind, True, "deleted", None, status="completed")
         job = client.wait(job_id, deadline)
         return Outcome(kind, job["status"] in ("cancelled", "completed"), job["status"], job_id, status=job["status"])
     job = client.wait(job_id, deadline)
@@ -189,13 +262,18 @@ def stop_server(running: Running) -> None:
     running.tmp.cleanup()
 
 
-def final_check(running: Running, outcomes: list[Outcome]) -> tuple[bool, list[str]]:
-    """(healthy, the accepted jobs not listed in a final state)."""
-    client = running.client
-    healthy = running.thread.is_alive() and client.request("GET", "/health")[0] == 200
-    listed = {job["id"]: job["status"] for job in json.loads(client.request("GET", "/v1/videos")[2])["data"]}
-    lost = [o.job_id for o in outcomes if o.job_id and listed.get(o.job_id) not in ("completed", "failed", "cancelled")]
-    return healthy, lost
+def final_check(running: Running | Client, outcomes: list[Outcome]) -> tuple[bool, list[str]]:
+    """(healthy, the accepted jobs not in a final state when asked by id: behind a proxy each replica lists only
+    its own)."""
+    client = running if isinstance(running, Client) else running.client
+    alive = isinstance(running, Client) or running.thread.is_alive()
+    healthy = alive and client.request("GET", "/health")[0] == 200
+
+    def final(job_id: str) -> bool:
+        status, _, data = client.request("GET", f"/v1/videos/{job_id}")
+        return status == 200 and json.loads(data).get("status") in ("completed", "failed", "cancelled")
+
+    return healthy, [o.job_id for o in outcomes if o.job_id and not final(o.job_id)]
 
 
 # -- live streams ----------------------------------------------------------------------------------------------
@@ -266,7 +344,8 @@ def watch_stream(client: Client, index: int, args, frames_dir: Path) -> StreamRe
                          f"{('left', 'right', 'up', 'down')[index % 4]}", "seed": index, "num_blocks": args.stream_blocks}
     job_id, chunks, frames, times, server_fps, size, event = None, [], 0, [], None, None, {}
     try:
-        with connect(f"ws://127.0.0.1:{client.port}/v1/streams", open_timeout=60, close_timeout=10) as ws:
+        with connect(client.ws_url("/v1/streams"), additional_headers=client.auth, open_timeout=60,
+                     close_timeout=10) as ws:
             ws.send(json.dumps(request))
             expected = 0
             for message in ws:
@@ -309,7 +388,7 @@ def watch_stream(client: Client, index: int, args, frames_dir: Path) -> StreamRe
 
 
 def job_progress(client: Client, job_id: str) -> float:
-    return json.loads(client.request("GET", f"/v1/videos/{job_id}")[2])["progress"]
+    return json.loads(client.request("GET", f"/v1/videos/{job_id}")[2])["progress_fraction"]
 
 
 def start_stalled(client: Client, args, stack: ExitStack) -> tuple[str, float, float]:
@@ -480,7 +559,18 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--malformed", type=int, default=10)
     parser.add_argument("--cancel", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--uploads", type=int, default=20, help="requests sent as multipart/form-data (as the openai "
+                        "SDK sends them), with --upload-image an input_reference image each")
+    parser.add_argument("--upload-image", action="store_true", help="attach a start image to each --uploads request "
+                        "(for a model that takes one: a causal or image-to-video model)")
+    parser.add_argument("--bad-uploads", type=int, default=6, help="multipart requests with a broken image: each must "
+                        "get a 4xx")
+    parser.add_argument("--steps", type=int, default=2, help="denoising steps per job (0: the model's own, e.g. a "
+                        "distilled causal model's)")
+    parser.add_argument("--base-url", default=None, help="soak the server running there (http://HOST:PORT, e.g. "
+                        "nginx in front of several replicas) instead of starting one; the jobs soak only")
+    parser.add_argument("--api-key", default=os.environ.get("COMPOSER_API_KEY"), help="the server's API key "
+                        "(default: $COMPOSER_API_KEY)")
     parser.add_argument("--num-frames", type=int, default=5)
     parser.add_argument("--max-queue", type=int, default=16)
     parser.add_argument("--max-concurrent", type=int, default=None, help="jobs at once (default: the server's)")
@@ -501,22 +591,42 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("COMPOSER_LOG_LEVEL", "WARNING")
     if args.streams:  # jobs beside the streams are all well-formed and run to the end
+        if args.base_url:
+            parser.error("--streams runs its own servers (a fresh one per round): --base-url is for the jobs soak")
         return stream_soak(args)
     if args.malformed + args.cancel > args.requests:
         parser.error("--malformed + --cancel must not exceed --requests")
+    if args.steps == 0:
+        args.steps = None
 
     from composer import VideoGenerator
 
-    try:
-        running = start_server(lambda: VideoGenerator.from_pretrained(args.model_path, progress=False), args)
-    except RuntimeError as exc:
-        print(exc)
-        return 1
-    client, tmp = running.client, running.tmp
+    if args.base_url:
+        try:
+            client = Client.of_url(args.base_url, args.timeout, args.api_key)
+        except ValueError as exc:
+            parser.error(str(exc))
+        running, tmp = client, tempfile.TemporaryDirectory(prefix="composer-soak-")
+        try:
+            healthy = client.request("GET", "/health")[0] == 200
+        except OSError as exc:
+            healthy = False
+            print(f"{args.base_url}: {exc}")
+        if not healthy:
+            print(f"{args.base_url}/health does not answer 200: is the server (or a replica behind it) ready?")
+            return 1
+    else:
+        try:
+            running = start_server(lambda: VideoGenerator.from_pretrained(args.model_path, progress=False), args)
+        except RuntimeError as exc:
+            print(exc)
+            return 1
+        client, tmp = running.client, running.tmp
 
     # spread the malformed and cancelled requests over the run
     kinds = ["video"] * args.requests
-    for k, (count, offset) in {"malformed": (args.malformed, 1), "cancel": (args.cancel, 3)}.items():
+    for k, (count, offset) in {"malformed": (args.malformed, 1), "cancel": (args.cancel, 3),
+                               "bad-upload": (args.bad_uploads, 5), "upload": (args.uploads, 2)}.items():
         step = max(1, args.requests // max(1, count))
         placed = 0
         for i in range(offset, args.requests, step):
@@ -537,18 +647,25 @@ def main() -> int:
 
     failures = [o for o in outcomes if not o.ok]
     healthy, lost = final_check(running, outcomes)
-    stop_server(running)
+    if isinstance(running, Client):
+        tmp.cleanup()
+    else:
+        stop_server(running)
 
     latencies = [o.latency for o in outcomes if o.latency is not None]
     completed = len(latencies)
-    by_kind = {k: sum(o.kind == k for o in outcomes) for k in ("video", "malformed", "cancel")}
+    by_kind = {k: sum(o.kind == k for o in outcomes) for k in ("video", "malformed", "cancel", "upload", "bad-upload")}
     cancelled = sum(o.status == "cancelled" for o in outcomes if o.kind == "cancel")
-    print(f"{args.requests} requests from {args.clients} clients ({by_kind['video']} videos, {by_kind['malformed']} "
-          f"malformed, {by_kind['cancel']} cancelled) on the shapes model at {args.steps} steps, {args.num_frames} "
-          f"frames; queue {args.max_queue}")
+    steps = f"{args.steps} steps" if args.steps else "the model's own steps"
+    queue = "" if args.base_url else f"; queue {args.max_queue}"
+    print(f"{args.requests} requests from {args.clients} clients ({by_kind['video']} videos, {by_kind['upload']} "
+          f"multipart{' with an image' if args.upload_image else ''}, {by_kind['malformed']} malformed, "
+          f"{by_kind['bad-upload']} broken uploads, {by_kind['cancel']} cancelled) on {args.base_url or 'the shapes model'} at {steps}, "
+          f"{args.num_frames} frames{queue}")
     print(f"completed and fetched: {completed}; malformed refused with a 4xx: "
-          f"{sum(o.ok for o in outcomes if o.kind == 'malformed')}; cancel requests: {cancelled} cancelled, "
-          f"{by_kind['cancel'] - cancelled} finished first; 429 retries: {client.retries_429[0]}")
+          f"{sum(o.ok for o in outcomes if o.kind in ('malformed', 'bad-upload'))}; cancel requests: {cancelled} cancelled, "
+          f"{by_kind['cancel'] - cancelled} finished first; 429 retries: {client.retries_429[0]}"
+          + (f"; 503 retries: {client.retries_503[0]}" if client.retries_503[0] else ""))
     if latencies:
         print(f"latency submit -> completed: p50 {percentile(latencies, 0.5):.2f} s, p90 {percentile(latencies, 0.9):.2f} "
               f"s, p99 {percentile(latencies, 0.99):.2f} s, max {max(latencies):.2f} s; mean "

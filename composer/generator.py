@@ -457,6 +457,7 @@ class VideoGenerator:
         cancel: CancelToken | None = None,
         priority: int = 0,
         target_fps: float | None = None,
+        rtmp_url: str | None = None,
         **overrides: Any,
     ) -> VideoStream:
         """Generate block by block (causal models), yielding frames as each block is decoded.
@@ -474,9 +475,16 @@ class VideoGenerator:
         has delivered fewer frames than `target_fps` x the seconds since it was first read, its next steps go
         before the waiting steps of other requests of the same priority (docs/scheduling.md, "Realtime
         streams"); `stats.fps` and `stats.target_fps` tell the rate reached and the one asked for.
+        `rtmp_url`: also push the frames, as each chunk is made, to this rtmp:// or rtmps:// URL (H.264 in FLV through
+        ffmpeg; composer/rtmp.py, docs/causal-streaming.md "RTMP out"); a push that fails ends the stream with
+        RtmpError, whose message never shows the URL's stream key. Only rank 0 pushes.
         """
         priority = _checked_priority(priority)
         target_fps = _checked_target_fps(target_fps)
+        if rtmp_url is not None:
+            from composer.rtmp import check_rtmp_url
+
+            rtmp_url = check_rtmp_url(rtmp_url)  # before any work
         segments = None
         prompt = None
         ends_segment = getattr(prompts, "ends_segment", None)
@@ -505,7 +513,12 @@ class VideoGenerator:
             from composer.stages.causal_denoising import CausalPlan
 
             batch.get(CausalPlan).ends_segment = ends_segment
-        return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video)
+        pusher = None
+        if rtmp_url is not None and parallel_state.is_main_process():  # every rank makes the frames; one pushes
+            from composer.rtmp import RtmpPusher
+
+            pusher = RtmpPusher(rtmp_url, sp.fps)
+        return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video, rtmp=pusher)
 
     def open_session(self, *, seed: int | None = None, **kwargs: Any) -> Session:
         """A causal video that lives across calls: `session.extend(prompt, num_blocks)` yields the next blocks'
@@ -732,8 +745,10 @@ def request_key(*parts: Any) -> str:
 class VideoStream:
     """Chunks of a video as they are made. Iterate it once; then `frames`, `stats`, `seed` describe it all."""
 
-    def __init__(self, chunks: Iterator, batch: ForwardBatch, sampling: SamplingParam, keep_video: bool = True):
+    def __init__(self, chunks: Iterator, batch: ForwardBatch, sampling: SamplingParam, keep_video: bool = True,
+                 rtmp: Any = None):
         self._chunks = chunks
+        self.rtmp = rtmp  # a composer.rtmp.RtmpPusher the frames also go to (None: none)
         self._batch = batch
         self.sampling = sampling
         self.keep_video = keep_video
@@ -753,11 +768,19 @@ class VideoStream:
                 try:
                     chunk = next(self._chunks)
                 except StopIteration:
+                    if self.rtmp is not None:
+                        self.rtmp.close()  # the last frames sent (RtmpError if the push failed)
                     return
-                self._delivered(chunk)
+                try:
+                    self._delivered(chunk)
+                except BaseException:  # the push failed: the pipeline lets go of the request now
+                    self.close()
+                    raise
                 yield chunk
         finally:
             pace.pause()  # ended, failed or closed: no frames are due any more
+            if self.rtmp is not None and self.rtmp.running:  # failed or closed early: stop pushing now
+                self.rtmp.abort()
 
     def next_task(self):
         """The next chunk as a task for the generator's RequestLoop (`gen.request_loop.submit(stream.next_task(),
@@ -766,13 +789,17 @@ class VideoStream:
         self.pace.reading()
         try:
             chunk = yield from self._chunks.next_task()
+            if chunk is None:
+                self.pace.pause()
+                if self.rtmp is not None:  # ffmpeg's flush may wait on the network: off the loop's thread
+                    yield from wait_for(Blocking(self.rtmp.close, waits=True))
+                return None
+            self._delivered(chunk)
         except BaseException:
             self.pace.pause()
+            if self.rtmp is not None:
+                self.rtmp.abort()
             raise
-        if chunk is None:
-            self.pace.pause()
-            return None
-        self._delivered(chunk)
         return chunk
 
     @property
@@ -781,6 +808,8 @@ class VideoStream:
         return self._chunks.context
 
     def _delivered(self, chunk: VideoChunk) -> None:
+        if self.rtmp is not None:
+            self.rtmp.push(chunk.frames)  # never blocks: RtmpError once the receiver is too far behind or gone
         self._frames += len(chunk.frames)
         self.pace.delivered(len(chunk.frames))
         stats = self._batch.stats
@@ -796,9 +825,13 @@ class VideoStream:
         """End the stream now (read to its end or not): the pipeline lets go of the request, its place and its KV
         cache, at once rather than when the stream is collected."""
         close = getattr(self._chunks, "close", None)
-        if close is not None:
-            close()
-        self.pace.pause()
+        try:
+            if close is not None:
+                close()
+        finally:
+            self.pace.pause()
+            if self.rtmp is not None and self.rtmp.running:
+                self.rtmp.abort()
 
     @property
     def frames(self) -> np.ndarray:

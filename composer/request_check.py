@@ -22,7 +22,7 @@ from composer._fields import base_type, coerce, field_types, json_field_problems
 from composer.errors import InvalidInputError, ModelFormatError, problems_message
 from composer.images import describe_image, image_problem, refuse_image_knobs
 from composer.stages.validators import V, VerificationResult
-from composer.video import FRAME_FILE_PATTERN, SUPPORTED_OUTPUTS, output_kind, read_frames
+from composer.video import FRAME_FILE_PATTERN, SUPPORTED_OUTPUTS, output_kind
 
 SEED_MAX = 2**63 - 1
 CLI_FLAG_NAMES = {"num_inference_steps": "--steps", "output_path": "--output", "segments": "--segment"}
@@ -316,29 +316,50 @@ def _check_num_frames(result: VerificationResult, frames: Any, limits: ModelLimi
 
 
 def _check_start_frames(result: VerificationResult, sp: Any, temporal: int) -> int:
-    """Check start_image / start_video can be read; returns the latent frames they give."""
+    """Check start_image / start_video can be read (a file, or frames given in Python or uploaded); returns the
+    latent frames they give."""
     image, video = getattr(sp, "start_image", None), getattr(sp, "start_video", None)
-    if image and video:
-        result.add_failure("start_video", video, "unset when start_image is given (give one of them)")
+    given = [v is not None and not (isinstance(v, str) and not v) for v in (image, video)]
+    if all(given):
+        result.add_failure("start_video", _shown(video), "unset when start_image is given (give one of them)")
         return 0
-    name, path = ("start_image", image) if image else ("start_video", video)
-    if not path:
+    if not any(given):
         return 0
-    if not Path(path).is_file():
-        result.add_failure(name, path, "an existing file" + (" (it is a folder)" if Path(path).is_dir() else ""))
-        return 0
-    if image:  # read as every input image is read (composer.images)
-        if problem := image_problem(path):
-            result.add_failure(name, path, problem)
+    name, value = ("start_image", image) if given[0] else ("start_video", video)
+    if isinstance(value, (str, os.PathLike)):
+        path = value
+        if not Path(path).is_file():
+            result.add_failure(name, path, "an existing file" + (" (it is a folder)" if Path(path).is_dir() else ""))
+            return 0
+        if given[0]:  # read as every input image is read (composer.images)
+            if problem := image_problem(path):
+                result.add_failure(name, path, problem)
+                return 0
+            return 1
+    elif given[0]:
+        if problem := image_problem(value):
+            result.add_failure(name, describe_image(value), problem)
             return 0
         return 1
+    from composer.stages.start_frames import read_start_frames
+
     try:
-        frames = read_frames(path)
+        frames = read_start_frames(None, value, temporal)
     except InvalidInputError as exc:
         reason = str(exc).split(": ", 1)[-1].splitlines()[0]
-        result.add_failure(name, path, f"a readable video file ({reason})")
+        what = "a readable video file" if isinstance(value, (str, os.PathLike)) else "readable video frames"
+        result.add_failure(name, _shown(value), f"{what} ({reason})")
         return 0
     return (len(frames) - 1) // temporal + 1
+
+
+def _shown(value: Any) -> Any:
+    """A start input as a failure shows it: a path as given, frames by their shape."""
+    if isinstance(value, (str, os.PathLike)):
+        return value
+    shape = getattr(value, "shape", None)
+    return f"frames {list(shape)}" if shape is not None else f"{len(value)} frames" if isinstance(value, list) \
+        else type(value).__name__
 
 
 def _check_input_images(result: VerificationResult, sp: Any, limits: ModelLimits) -> None:

@@ -72,7 +72,7 @@ def test_a_failing_job_fails_alone_and_the_next_gives_generate_videos_frames(ser
     assert server.request("GET", f"/v1/videos/{bad}/content").status == 409
     done = server.wait(good)
     assert done["status"] == "completed", done
-    assert done["progress"] == 1.0 and done["seed"] == 7 and done["size"] == "64x64"
+    assert done["progress"] == 100 and done["seed"] == 7 and done["size"] == "64x64"
     reply = server.request("GET", f"/v1/videos/{good}/content")
     assert reply.status == 200 and reply.headers["content-type"] == "video/mp4"
     (tmp_path / "served.mp4").write_bytes(reply.body)
@@ -81,7 +81,7 @@ def test_a_failing_job_fails_alone_and_the_next_gives_generate_videos_frames(ser
     served = read_frames(tmp_path / "served.mp4")
     assert served.shape == direct.frames.shape
     np.testing.assert_array_equal(served, read_frames(tmp_path / "direct.mp4"))
-    listed = [job["id"] for job in server.request("GET", "/v1/videos").json["data"]]
+    listed = [job["id"] for job in server.request("GET", "/v1/videos?order=asc").json["data"]]
     assert listed == [bad, good]
     metrics = server.request("GET", "/metrics").body.decode()
     assert 'composer_jobs{state="completed"} 1' in metrics and 'composer_jobs{state="failed"} 1' in metrics
@@ -98,16 +98,18 @@ def test_cancel_a_queued_job_and_a_running_one(serial_server, scripted):
     assert server.request("GET", f"/v1/videos/{queued}/content").status == 409
     assert server.request("DELETE", f"/v1/videos/{running}").status == 200
     assert server.wait(running)["status"] == "cancelled"
-    assert server.request("DELETE", f"/v1/videos/{running}").status == 409  # already finished
+    deleted = server.request("DELETE", f"/v1/videos/{running}")  # finished: deleted, as OpenAI's API does
+    assert deleted.status == 200 and deleted.json == {"id": running, "object": "video.deleted", "deleted": True}
+    assert server.request("GET", f"/v1/videos/{running}").status == 404
 
 
 def test_cancel_stops_a_real_generation_at_the_next_step(server):
     job = submit(server, "a green triangle", num_inference_steps=1000)
     deadline = time.time() + 60
-    while server.request("GET", f"/v1/videos/{job}").json["progress"] == 0:
+    while server.request("GET", f"/v1/videos/{job}").json["progress_fraction"] == 0:
         assert time.time() < deadline
         time.sleep(0.02)
-    assert 0 < server.request("GET", f"/v1/videos/{job}").json["progress"] < 0.1
+    assert 0 < server.request("GET", f"/v1/videos/{job}").json["progress_fraction"] < 0.1
     start = time.time()
     server.request("DELETE", f"/v1/videos/{job}")
     assert server.wait(job)["status"] == "cancelled"
@@ -158,7 +160,7 @@ def test_restart_keeps_completed_jobs_and_fails_unfinished_ones(scripted, tmp_pa
         first.stop()
     # a job that was running when the server died
     crashed = json.loads((out / "jobs" / f"{done}.json").read_text())
-    crashed.update(id="video_crashed", status="in_progress")
+    crashed["fields"].update(id="video_crashed", status="in_progress")  # the record's own fields
     (out / "jobs" / "video_crashed.json").write_text(json.dumps(crashed))
     second = Server(lambda: scripted, ServeConfig(output_dir=out))
     try:

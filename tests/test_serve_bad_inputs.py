@@ -172,7 +172,7 @@ def test_the_server_keeps_serving_after_the_catalogue(server):
     assert seconds["request"]["num_frames"] == 17  # 2 s at 8 fps: 16 frames, the nearest valid length 17
     server.request("DELETE", f"/v1/videos/{seconds['id']}")
     server.request("DELETE", f"/v1/videos/{reply.json['id']}")
-    assert not any(job["status"] == "queued" for job in server.request("GET", "/v1/videos").json["data"][:-1])
+    assert not any(job["status"] == "queued" for job in server.request("GET", "/v1/videos?order=asc").json["data"][:-1])
 
 
 IMAGE_CASES = [
@@ -208,7 +208,7 @@ def test_a_causal_models_start_frames_are_never_read_from_the_servers_disk():
 
     causal = SimpleNamespace(default_sampling=CausalWanSamplingParam(), family="causal-wan", pipeline=None)
     for key in ("start_image", "start_video"):
-        with pytest.raises(RequestProblem, match="names a file on the server") as exc:
+        with pytest.raises(RequestProblem, match="not a URL or a path: this server does not fetch or read files") as exc:
             check_body({**OK, key: "/etc/passwd"}, causal, LIMITS, [])
         assert exc.value.field == key
 
@@ -220,6 +220,6 @@ def test_a_video_to_video_input_is_never_read_from_the_servers_disk():
     from composer.serve.requests import RequestProblem, check_body
 
     t2v = SimpleNamespace(default_sampling=WanT2V480PSamplingParam(), family="wan2.1-t2v", pipeline=None)
-    with pytest.raises(RequestProblem, match="video names a file on the server") as exc:
+    with pytest.raises(RequestProblem, match="video: .*not a URL or a path: this server does not fetch") as exc:
         check_body({**OK, "video": "/etc/passwd"}, t2v, LIMITS, [])
     assert exc.value.field == "video"

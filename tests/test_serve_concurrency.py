@@ -88,7 +88,8 @@ def test_a_short_job_submitted_after_a_long_one_finishes_first_with_its_solo_fra
         done_long = srv.wait(long["id"], timeout=300)
         assert done_short["status"] == done_long["status"] == "completed"
         # they ran at the same time: the short one started and ended while the long one ran
-        assert done_long["started_at"] < done_short["started_at"] < done_short["completed_at"] < done_long["completed_at"]
+        assert done_long["started_at"] < done_short["started_at"] < done_short["times"]["completed_at"] \
+            < done_long["times"]["completed_at"]
         assert metric(srv.request("GET", "/metrics").body.decode(), "composer_max_concurrent") == 4
         wait_metric(srv, "composer_jobs_running", 0)
         # other latent shapes: never in one call, so each video is its solo run's, bit for bit
@@ -115,7 +116,7 @@ def test_jobs_released_together_share_transformer_calls_and_give_their_solo_fram
         assert metric(metrics, "composer_jobs_running") == 3 and metric(metrics, "composer_queue_length") == 0
         gated.gate.set()
         done = [srv.wait(job, timeout=120) for job in jobs]
-        assert [d["status"] for d in done] == ["completed"] * 3 and all(d["progress"] == 1.0 for d in done)
+        assert [d["status"] for d in done] == ["completed"] * 3 and all(d["progress"] == 100 for d in done)
         metrics = srv.request("GET", "/metrics").body.decode()
         for name in ("composer_transformer_calls_total", "composer_scheduled_units_total",
                      "composer_batched_units_total"):
@@ -162,7 +163,7 @@ def test_text_to_video_jobs_run_as_tasks_with_no_thread_each(t2v, tmp_path):
         done = [srv.wait(job, timeout=120) for job in jobs]
         stop.set()
         watcher.join()
-        assert [d["status"] for d in done] == ["completed"] * 6 and all(d["progress"] == 1.0 for d in done)
+        assert [d["status"] for d in done] == ["completed"] * 6 and all(d["progress"] == 100 for d in done)
         assert not [n for n in seen if n.startswith("composer-serve-job")], seen
         after = srv.request("GET", "/metrics").body.decode()
         assert "# TYPE composer_tasks_running gauge" in after and metric(after, "composer_tasks_running") == 0
@@ -204,7 +205,7 @@ def test_with_one_slot_a_higher_priority_job_queued_later_starts_first(gated, tm
         assert metric(metrics, "composer_queue_wait_seconds_count") == 4
         # the three waited behind the gated job at least: low for as long as it stood in line
         waited = metric(metrics, "composer_queue_wait_seconds_sum") - waited_before
-        assert waited >= done["low"]["started_at"] - low["created_at"] - 0.05
+        assert waited >= done["low"]["started_at"] - low["times"]["created_at"] - 0.05
     finally:
         gated.gate.set()
         srv.stop()
@@ -317,7 +318,7 @@ def test_a_stalled_stream_holds_only_itself_the_other_stream_and_a_job_go_on_unw
             assert [e["type"] for e in events] == ["started"] + ["chunk"] * 6 + ["done"]
             assert sum(isinstance(m, bytes) for m in other["messages"]) == events[-1]["frames"] == 21
             now = srv.request("GET", f"/v1/videos/{started['id']}").json
-            assert now["status"] == "in_progress" and now["progress"] == stalled["progress"] < 0.9  # still held
+            assert now["status"] == "in_progress" and now["progress_fraction"] == stalled["progress_fraction"] < 0.9  # still held
             assert seen and all(busy < running for running, busy in seen), seen  # the stalled one never counted
             wait_metric(srv, "composer_jobs_running", 1)  # the stalled stream
         assert srv.wait(started["id"], timeout=60)["status"] == "cancelled"  # the client left

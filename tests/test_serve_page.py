@@ -512,7 +512,7 @@ def test_the_form_picks_a_loaded_lora_and_its_scale(t2v, page, tmp_path):
         page.fill("#lora_scale", "0.25")
         page.click("#submit")
         wait_for(page, "() => document.querySelector('#queue-list li[data-status=failed]')")  # no such file here
-        jobs = srv.request("GET", "/v1/videos").json["data"]
+        jobs = srv.request("GET", "/v1/videos?order=asc").json["data"]
     finally:
         srv.stop()
     assert [job["lora"] for job in jobs] == [[], [["motion", 0.25]]]
@@ -521,3 +521,34 @@ def test_the_form_picks_a_loaded_lora_and_its_scale(t2v, page, tmp_path):
 
 def test_model_lists_no_loras_when_none_are_loaded(server):
     assert server.request("GET", "/v1/model").json["loras"] == []
+
+
+def test_on_a_server_with_keys_the_page_asks_for_one_and_plays_its_video(page, t2v, tmp_path):
+    """With API keys on, the page's first call gets 401: it asks for the key once (a prompt), sends it as a bearer
+    token from then on, and its video element (a plain URL) carries it too, so the video plays."""
+    from composer.serve.keys import key_ring
+
+    key = "page-test-key-0123456789"
+    srv = Server(lambda: t2v, ServeConfig(output_dir=tmp_path / "serve", keys=key_ring([key])))
+    asked: list[str] = []
+
+    def answer(dialog):
+        asked.append(dialog.message)
+        dialog.accept(key)
+
+    page.on("dialog", answer)
+    try:
+        srv.wait_ready()
+        page.goto(f"http://127.0.0.1:{srv.port}/")
+        wait_for(page, "() => window.composerPage.model !== null")
+        fill_form(page, prompt="a red circle moving down", num_inference_steps=2, num_frames=5, seed=1)
+        page.click("#submit")
+        job_id = wait_for(page, "() => document.querySelector('#gallery-list figure')?.dataset.id")
+        src = page.get_attribute(f'figure[data-id="{job_id}"] video', "src")
+        assert src.startswith(f"/v1/videos/{job_id}/content?api_key=")
+        played = page.evaluate(PLAYS, job_id)
+        assert played["error"] is None and played["readyState"] >= 2, played
+        assert len(asked) == 1 and "API key" in asked[0]
+        assert srv.request("GET", "/v1/videos").status == 401  # the server still wants the key
+    finally:
+        srv.stop()

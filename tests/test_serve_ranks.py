@@ -527,13 +527,13 @@ def test_a_failure_on_rank_1_fails_the_job_naming_it_and_the_next_completes(laun
 def test_cancel_stops_every_rank_and_the_next_job_completes(launch):
     job = launch.submit("a green triangle", num_inference_steps=4000)
     deadline = time.time() + 60
-    while launch.job(job)["progress"] == 0:
+    while launch.job(job)["progress_fraction"] == 0:
         assert time.time() < deadline
         time.sleep(0.02)
     start = time.time()
     assert launch.request("DELETE", f"/v1/videos/{job}")[0] == 200
     done = launch.wait(job, timeout=20)
-    assert done["status"] == "cancelled" and done["progress"] < 0.5, done
+    assert done["status"] == "cancelled" and done["progress_fraction"] < 0.5, done
     assert time.time() - start < 10
     # rank 1 left the cancelled job too: otherwise it would still be in its steps and this one could not run
     assert launch.wait(launch.submit("a yellow star"), timeout=30)["status"] == "completed"
@@ -562,7 +562,7 @@ def test_a_killed_follower_fails_the_job_and_the_server_reports_unhealthy(tmp_pa
     try:
         run.wait_ready()
         job = run.submit("a long one", num_inference_steps=4000)
-        while run.job(job)["progress"] == 0:
+        while run.job(job)["progress_fraction"] == 0:
             time.sleep(0.02)
         run.procs[1].kill()
         failed = run.wait(job, timeout=40)

@@ -60,6 +60,11 @@ def add_parser(sub) -> None:
         "line or end of input finishes); implies --stream",
     )
     causal.add_argument(
+        "--rtmp-url", default=None, metavar="URL",
+        help="also push the video live to this rtmp:// or rtmps:// URL as each block is made (H.264 in FLV through "
+        "ffmpeg; messages never show the stream key); implies --stream",
+    )
+    causal.add_argument(
         "--blocks-per-prompt", type=int, default=DEFAULT_BLOCKS_PER_PROMPT,
         help=f"blocks for an interactive prompt given without ::BLOCKS (default {DEFAULT_BLOCKS_PER_PROMPT})",
     )
@@ -119,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
         silence_library_progress_bars()  # --no-progress: downloads and loading too, not only composer's bars
     if _is_text_model(args.model_path or preset.model_path, runtime_args.model_family):
         return _run_text(args, args.model_path or preset.model_path, runtime, sampling_overrides)
+    if args.rtmp_url is not None:
+        _check_rtmp(args, args.model_path or preset.model_path, runtime_args.model_family)
+        args.stream = True  # a live push is a stream
     segments = [parse_segment(s, args.blocks_per_prompt) for s in args.segment] if args.segment else None
     prompts = _prompt_file_prompts(args, sampling_overrides)  # before loading anything
     # and the whole request (types, values, output path) against what the folder's configs state
@@ -155,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                 source = itertools.chain(first, stdin_segments(args.blocks_per_prompt))
             else:
                 source = segments
-            frames, path, stats = _stream(generator, sp, source, cancel)
+            frames, path, stats = _stream(generator, sp, source, cancel, args.rtmp_url)
         else:
             result = generator.generate_video(sampling_param=sp, segments=segments, cancel=cancel)
             frames, path, stats = result.frames.shape[0], result.output_path, result.stats
@@ -167,6 +175,23 @@ def run(args: argparse.Namespace) -> int:
     if stats is not None:
         _say(f"profile: {stats.summary()}")
     return 0
+
+
+def _check_rtmp(args: argparse.Namespace, model_path: str | None, family: str | None) -> None:
+    """--rtmp-url, before loading: a URL composer can push to, a model that streams, no --prompt-file."""
+    from composer.generator import resolve_model
+    from composer.request_check import ModelLimits
+    from composer.rtmp import check_rtmp_url
+
+    check_rtmp_url(args.rtmp_url, "--rtmp-url")
+    if args.prompt_file is not None:
+        raise ConfigError("--rtmp-url pushes one live stream; it does not go with --prompt-file")
+    resolved = resolve_model(model_path, family)
+    config = resolved.configs.pipeline_config().updated_from_folder(resolved.index.extra)
+    if ModelLimits.from_folder(resolved.index.folder, config).frames_per_block is None:
+        raise ConfigError(f"--rtmp-url: {resolved.configs.family.name} makes the whole video at once and cannot "
+                          "stream it live; RTMP out needs a causal (block-autoregressive) model "
+                          "(docs/causal-streaming.md)")
 
 
 def _is_text_model(model_path: str | None, family: str | None) -> bool:
@@ -195,9 +220,9 @@ def _run_text(args: argparse.Namespace, model_path: str, runtime: dict, override
                           "--threshold, --decoding, ...)")
     if ignored:
         print(f"composer: ignoring video settings for a text model: {', '.join(ignored)}", file=sys.stderr)
-    if args.segment or args.interactive:
-        raise ConfigError("--segment and --interactive are for causal video models; a text model takes --prompt "
-                          "or --prompt-file")
+    if args.segment or args.interactive or args.rtmp_url:
+        raise ConfigError("--segment, --interactive and --rtmp-url are for causal video models; a text model takes "
+                          "--prompt or --prompt-file")
     settings = {k: v for k, v in overrides.items() if k in text_fields}
     prompts = _prompt_file_prompts(args, settings)
     if prompts is not None:
@@ -261,14 +286,18 @@ def _generate_prompt_list(generator, sp, prompts: list[str], name: str, cancel=N
     return 0
 
 
-def _stream(generator, sp, segments, cancel=None):
-    """Write chunks as they arrive; print one line per block."""
+def _stream(generator, sp, segments, cancel=None, rtmp_url=None):
+    """Write chunks as they arrive (and push them to `rtmp_url`); print one line per block."""
     from composer.video import VideoWriter
 
     stream = generator.stream_video(
         segments if segments is not None else sp.prompt, sampling_param=sp, keep_video=False,  # frames go to disk
-        cancel=cancel,
+        cancel=cancel, rtmp_url=rtmp_url,
     )
+    if rtmp_url is not None:
+        from composer.rtmp import redact_url
+
+        _say(f"pushing to {redact_url(rtmp_url)} as each block is made", flush=True)
     from composer.parallel import state as parallel_state
 
     if not parallel_state.is_main_process():  # every rank makes the chunks together; rank 0 writes them

@@ -33,6 +33,10 @@ def add_parser(sub) -> None:
     p.add_argument("--output-dir", default="outputs/serve", help="where videos and job records are kept and "
                    "reloaded from on restart (default: outputs/serve)")
     p.add_argument("--max-queue", type=int, default=16, help="jobs that may wait; more get 429 (default: 16)")
+    p.add_argument("--max-upload-mb", type=float, default=64.0, help="most megabytes (MiB) of one uploaded image or "
+                   "video (default: 64); bodies may be a third larger, for base64")
+    p.add_argument("--max-upload-frames", type=int, default=241, help="most frames of an uploaded video "
+                   "(default: 241)")
     p.add_argument("--max-frames", type=int, default=81, help="most frames a request may ask for (default: 81)")
     p.add_argument("--max-size", type=int, default=1280, help="most pixels of height or width (default: 1280)")
     p.add_argument("--max-steps", type=int, default=100, help="most denoising steps a request may ask for "
@@ -44,8 +48,20 @@ def add_parser(sub) -> None:
                    "once")
     p.add_argument("--session-ttl", type=float, default=600.0, help="causal models: seconds an idle session stays "
                    "open (snapshot it to keep it longer)")
+    p.add_argument("--replica", default=None, help="this replica's name behind a proxy (1 to 16 lowercase letters "
+                   "or digits): job and session ids begin with it, so the proxy sends each job's requests to the "
+                   "replica that holds it (docs/deploy.md)")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds a job may run before it is "
                    "cancelled and failed; 0: no limit (default: 1800)")
+    p.add_argument("--rtmp-allow", action="append", default=None, metavar="PREFIX", help="causal models: a live "
+                   "stream may push to an RTMP URL under this prefix (its `rtmp_url` field), e.g. "
+                   "rtmp://127.0.0.1:1935/live (repeatable; compared by scheme, host, port and path). Without it, "
+                   "streams push nowhere")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY", help="require this key as "
+                   "`Authorization: Bearer KEY` on every request but /health (repeatable; named key1, key2, ... in "
+                   "logs and metrics; COMPOSER_API_KEY adds one more, named env, out of `ps`'s sight)")
+    p.add_argument("--api-keys", default=None, metavar="FILE", help="a file of API keys, one per line: KEY NAME "
+                   "[queued=N] [streams=N] [rpm=N] (docs/serving.md, \"API keys\")")
     p.set_defaults(run=run, _runtime_names=add_flags(p.add_argument_group("runtime (RuntimeArgs fields)"),
                                                       dataclass_flags(RuntimeArgs)))
 
@@ -77,11 +93,31 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: expected an integer >= 1")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected a port number in [1, 65535]")
+    if not math.isfinite(args.max_upload_mb) or not 0 < args.max_upload_mb <= 4096:
+        raise ConfigError(f"--max-upload-mb {args.max_upload_mb}: expected a number of MiB in (0, 4096]")
+    if args.max_upload_frames < 1:
+        raise ConfigError(f"--max-upload-frames {args.max_upload_frames}: expected an integer >= 1")
+    if args.replica is not None:
+        from composer.serve.jobs import check_replica
+
+        try:
+            check_replica(args.replica)
+        except ConfigError as exc:
+            raise ConfigError(f"--replica: {exc}") from None
+    if args.rtmp_allow:
+        from composer.rtmp import check_rtmp_prefix
+
+        for prefix in args.rtmp_allow:
+            check_rtmp_prefix(prefix)
     if not math.isfinite(args.session_ttl) or args.session_ttl <= 0:
         raise ConfigError(f"--session-ttl {args.session_ttl}: expected a number of seconds > 0")
     if not math.isfinite(args.request_timeout) or args.request_timeout < 0:  # NaN passed `< 0` and became the timeout
         raise ConfigError(f"--request-timeout {args.request_timeout}: expected a finite number of seconds >= 0 "
                           "(0: no limit)")
+    from composer.serve.keys import key_ring
+
+    # a bad key or key file: one error before anything binds or loads (the message never shows a key)
+    args._api_keys = key_ring(args.api_key or (), args.api_keys, os.environ.get("COMPOSER_API_KEY"))
     runtime = collect(args, args._runtime_names)
     runtime_args = RuntimeArgs.from_kwargs(**runtime)  # bad runtime flags: one error before anything loads
     from composer.parallel import state as parallel_state
@@ -122,6 +158,7 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
 
     from composer.serve.app import ServeConfig, create_app
     from composer.serve.requests import ServerLimits
+    from composer.serve.uploads import UploadLimits
 
     config = ServeConfig(
         output_dir=Path(args.output_dir), max_queue=args.max_queue,
@@ -129,6 +166,10 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
         request_timeout=args.request_timeout or None,
         loras=lora_options(runtime_args.lora_path or [], runtime_args.lora_scale),
         max_concurrent=args.max_concurrent, max_sessions=args.max_sessions, session_ttl=args.session_ttl,
+        replica=args.replica, keys=args._api_keys,
+        rtmp_allow=list(args.rtmp_allow or []),
+        uploads=UploadLimits(max_bytes=int(args.max_upload_mb * 2**20), max_video_frames=args.max_upload_frames),
+        max_body_bytes=int(args.max_upload_mb * 2**20 * 4 / 3) + 2**20,  # base64 in JSON, and the other fields
     )
     leader = _Leader(load, runtime_args.dist_timeout, _call_slots(args)) if under_torchrun else None
     app = create_app(leader.load if leader else load, config)
@@ -142,6 +183,7 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
     _check_websockets()
     print(f"composer serve: http://{args.host}:{args.port}{ranks} (the web page at /, API docs at /docs; jobs in "
           f"{config.output_dir})")
+    _say_who_may_use_it(args)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run(sockets=[listening])
     return 0
 
@@ -154,10 +196,28 @@ def _serve_text(args: argparse.Namespace, load, listening: socket.socket) -> int
     from composer.serve.text import create_text_app
 
     app = create_text_app(load, ServeConfig(output_dir=Path(args.output_dir)))
+    if args._api_keys is not None:
+        from composer.serve.auth import install_auth
+
+        install_auth(app, app.state.composer, args._api_keys)
     print(f"composer serve: http://{args.host}:{args.port} (a text model: /v1/completions, /v1/chat/completions; "
           "API docs at /docs)")
+    _say_who_may_use_it(args)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run(sockets=[listening])
     return 0
+
+
+def _say_who_may_use_it(args: argparse.Namespace) -> None:
+    """One line at start: the API keys' names, or that anyone who can reach the address may use the server (a
+    warning when that is more than this machine)."""
+    from composer.logging import get_logger
+    from composer.serve.keys import access_note
+
+    line, warn = access_note(args._api_keys, args.host, args.port)
+    if warn:
+        get_logger(__name__).warning(line)
+    else:
+        print(f"composer serve: {line}")
 
 
 def bind_port(host: str, port: int) -> socket.socket:

@@ -6,6 +6,7 @@ Defaults are Self-Forcing's; a converted folder states its own values in model_i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from composer.configs.base import SamplingParam
 from composer.configs.wan import WanT2VConfig
@@ -37,11 +38,13 @@ class CausalWanSamplingParam(SamplingParam):
     num_inference_steps: int = 4
     guidance_scale: float = 1.0
     fps: int = 16
-    start_image: str | None = field(
-        default=None, metadata={"help": "causal models: an image file to start from (image-to-video)"}
+    start_image: Any = field(
+        default=None, metadata={"help": "causal models: an image file to start from (image-to-video; Python also "
+                                        "takes a PIL image or uint8 array [H, W, 3])"}
     )
-    start_video: str | None = field(
-        default=None, metadata={"help": "causal models: a video file to continue (its last 4k+1 frames)"}
+    start_video: Any = field(
+        default=None, metadata={"help": "causal models: a video file to continue (its last 4k+1 frames; Python also "
+                                        "takes uint8 frames [T, H, W, 3] or a list of frames)"}
     )
     rollout_blocks: int | None = field(
         default=None,

@@ -24,9 +24,8 @@ from composer.stages.causal_denoising import (
 )
 from composer.stages.decoding import DecodingStage
 from composer.stages.input_validation import InputValidationStage
-from composer.stages.start_frames import StartFrameEncodingStage, StartFrames
+from composer.stages.start_frames import StartFrameEncodingStage, StartFrames, read_start_frames
 from composer.stages.text_encoding import TextEncodingStage
-from composer.video import read_frames
 
 
 class CausalWanPipeline(ComposedPipeline):
@@ -80,15 +79,7 @@ class CausalWanPipeline(ComposedPipeline):
         as many blocks as `num_frames` asks (after any start frames)."""
         n = self.config.num_frames_per_block
         temporal = self.modules["vae"].config.scale_factor_temporal
-        if sampling.start_image and sampling.start_video:
-            raise InvalidInputError("give start_image or start_video, not both")
-        start_frames = None
-        if sampling.start_image:
-            start_frames = read_frames(sampling.start_image)[:1]
-        elif sampling.start_video:
-            frames = read_frames(sampling.start_video)
-            usable = (len(frames) - 1) // temporal * temporal + 1
-            start_frames = frames[len(frames) - usable:]
+        start_frames = read_start_frames(sampling.start_image, sampling.start_video, temporal)
         start_latent_frames = 0 if start_frames is None else (len(start_frames) - 1) // temporal + 1
         if start_frames is not None:
             batch.attach(StartFrames(start_frames))

@@ -16,21 +16,22 @@ from typing import Any
 
 from fastapi import FastAPI, Request  # the serve extra: `composer serve` checks it is installed first
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from composer.logging import get_logger
 from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, JobStore, new_job_id
 from composer.serve.page import add_page_routes
-from composer.serve.requests import LoraOption, RequestProblem, ServerLimits, check_body
+from composer.serve.requests import LoraOption, RequestProblem, ServerLimits, check_body, derive_body
 from composer.serve.sessions import SessionStore, add_session_routes
 from composer.serve.stream import add_stream_routes
+from composer.serve.uploads import UploadLimits, read_body
 from composer.serve.worker import QueueFull, Worker
 
 logger = get_logger(__name__)
 
-MAX_BODY_BYTES = 16 * 2**20
+MAX_BODY_BYTES = 96 * 2**20  # room for a 64 MiB video upload as base64 JSON
 
 
 @dataclass
@@ -46,6 +47,10 @@ class ServeConfig:
     max_concurrent: int | None = None  # jobs running at once (None: 4 if the model's requests can share it, else 1)
     max_sessions: int = 16  # sessions open at once (/v1/sessions)
     session_ttl: float = 600.0  # seconds an idle session stays open
+    uploads: UploadLimits = field(default_factory=UploadLimits)  # what an uploaded image or video may be
+    keys: Any = None  # composer.serve.auth.KeyRing (--api-key / --api-keys); None: no authentication
+    replica: str | None = None  # this replica's name (--replica): job and session ids start with it (docs/deploy.md)
+    rtmp_allow: list[str] = field(default_factory=list)  # URL prefixes a live stream may push to (--rtmp-allow)
 
 
 class ServerState:
@@ -77,7 +82,7 @@ class ServerState:
         if getattr(getattr(generator, "pipeline", None), "can_stream", False) and not (
                 isinstance(ranks, int) and ranks > 1):  # several ranks: sessions are not sent to the others
             self.sessions = SessionStore(generator, self.config.output_dir, self.config.max_sessions,
-                                         self.config.session_ttl)
+                                         self.config.session_ttl, replica=self.config.replica)
         self.generator = generator
 
     def stop(self) -> None:
@@ -125,6 +130,10 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
     app = FastAPI(title="composer serve", description="Video generation jobs (OpenAI video API shaped).",
                   lifespan=lifespan)
     app.state.composer = state
+    if config.keys is not None:  # Authorization: Bearer on every route but /health (auth.py)
+        from composer.serve.auth import install_auth
+
+        install_auth(app, state, config.keys)
     add_page_routes(app, state)  # the web page at / and GET /v1/model (page.py)
     streams = add_stream_routes(app, state)  # WebSocket /v1/streams (live streams of causal models)
     add_session_routes(app, state, lambda: state.sessions)  # /v1/sessions (sessions.py)
@@ -140,30 +149,19 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             return error(503, unhealthy)
         return None
 
-    def find(job_id: str) -> Job | Any:
+    def owner_of(request: Request) -> str | None:
+        """The name of the API key a request came with (auth.py sets it; None without keys)."""
+        return getattr(request.state, "api_key_name", None)
+
+    def find(job_id: str, request: Request, param: str = "id") -> Job | Any:
+        """The job, if it exists and the request's key may see it (a key sees only its own jobs); else a 404."""
         job = state.store.get(job_id)
-        return job if job is not None else error(404, f"no job {job_id!r} (GET /v1/videos lists the jobs)", "id")
+        if job is not None and (config.keys is None or job.owner == owner_of(request)):
+            return job
+        return error(404, f"no video {job_id!r} (GET /v1/videos lists the videos)", param)
 
-    @app.get("/health")
-    async def health():
-        """200 once the model is loaded, 503 while loading (or when loading failed, or the ranks of a multi-rank
-        server lost contact)."""
-        return ready() or {"status": "ok", "model": state.generator.model_path, "family": state.generator.family}
-
-    @app.post("/v1/videos", status_code=200)
-    async def create_video(request: Request):
-        """Queue a video. The body's fields are generate_video's (prompt, height, width, num_frames, ...);
-        `size` ("WIDTHxHEIGHT") and `seconds` are accepted as OpenAI's aliases."""
-        if (not_ready := ready()) is not None:
-            return not_ready
-        try:
-            body = await _read_json(request, config.max_body_bytes)
-            # image decoding and the request check off the event loop: other clients keep being answered
-            checked = await run_in_threadpool(check_body, body, state.generator, config.limits, config.loras)
-        except RequestProblem as exc:
-            return error(exc.status, str(exc), exc.field)
-        job = Job(new_job_id(), checked.params, model=str(state.generator.model_path), inputs=checked.inputs,
-                  lora=checked.lora, priority=checked.priority)
+    def queue(job: Job) -> dict | Any:
+        """Store and queue a checked job: its video object, or 429 when the queue is full (nothing kept)."""
         state.store.add(job)
         try:
             state.worker.submit(job)
@@ -173,41 +171,158 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
                          headers={"Retry-After": "10"})
         return job.to_json()
 
+    def new_job(checked: Any, request: Request, remixed_from: str | None = None) -> Job:
+        return Job(new_job_id(config.replica), checked.params, model=str(state.generator.model_path),
+                   inputs=checked.inputs, lora=checked.lora, priority=checked.priority, owner=owner_of(request),
+                   remixed_from=remixed_from)
+
+    @app.get("/health")
+    async def health():
+        """200 once the model is loaded, 503 while loading (or when loading failed, or the ranks of a multi-rank
+        server lost contact)."""
+        return ready() or {"status": "ok", "model": state.generator.model_path, "family": state.generator.family,
+                           "replica": config.replica}
+
+    @app.post("/v1/videos", status_code=200)
+    async def create_video(request: Request):
+        """Queue a video. The body is JSON or multipart/form-data (what the `openai` SDK sends): generate_video's
+        fields (prompt, height, width, num_frames, ...), OpenAI's `size` ("WIDTHxHEIGHT"), `seconds` and `model`,
+        and image / video inputs as files or base64 (`image`, `last_image`, `start_image`, `start_video`, `video`,
+        or OpenAI's `input_reference`: the model's first frame or input video)."""
+        if (not_ready := ready()) is not None:
+            return not_ready
+        try:
+            body = await read_body(request, config.max_body_bytes)
+            # uploads decoded and the request checked off the event loop: other clients keep being answered
+            checked = await run_in_threadpool(check_body, body, state.generator, config.limits, config.loras,
+                                              config.uploads)
+        except RequestProblem as exc:
+            return error(exc.status, str(exc), exc.field)
+        return queue(new_job(checked, request))
+
+    @app.post("/v1/videos/{job_id}/remix", status_code=200)
+    async def remix_video(job_id: str, request: Request):
+        """A new video from a completed one and a new prompt (other fields as in POST /v1/videos; the rest are the
+        source's): a causal model continues it (starting from its last frames), a video-to-video model redraws it
+        (`strength`); other models answer 422."""
+        return await derived(request, job_id, None)
+
+    @app.post("/v1/videos/edits", status_code=200)
+    async def edit_video(request: Request):
+        """OpenAI's edit: video-to-video of `video` (an uploaded video, or {"id": a completed video's id})."""
+        return await derived(request, None, "edit")
+
+    @app.post("/v1/videos/extensions", status_code=200)
+    async def extend_video(request: Request):
+        """OpenAI's extension: a causal model continues `video` (an uploaded video, or {"id": a completed video's id})
+        for `seconds` more."""
+        return await derived(request, None, "extend")
+
+    async def derived(request: Request, source_id: str | None, mode: str | None):
+        if (not_ready := ready()) is not None:
+            return not_ready
+        try:
+            body = await read_body(request, config.max_body_bytes)
+            if not isinstance(body, dict):
+                raise RequestProblem(f"the body must be a JSON object of request fields, not {type(body).__name__}")
+            source = None
+            if source_id is None:  # edits / extensions: `video` is an upload or a reference to a completed video
+                ref = body.get("video")
+                if isinstance(ref, dict):
+                    if set(ref) != {"id"} or not isinstance(ref.get("id"), str):
+                        raise RequestProblem('video: expected an uploaded video or {"id": a completed video\'s id}',
+                                             "video")
+                    source_id = ref["id"]
+                    body = {k: v for k, v in body.items() if k != "video"}
+                elif ref is None:
+                    raise RequestProblem('video is required: an uploaded video or {"id": a completed video\'s id}',
+                                         "video")
+            if source_id is not None:
+                source = find(source_id, request, "video" if mode else "id")
+                if not isinstance(source, Job):
+                    return source
+                if source.status != COMPLETED:
+                    return error(409, f"video {source_id} is {source.status}: only a completed video can be "
+                                 f"{'remixed' if mode is None else mode + 'ed'}", "id")
+            checked = await run_in_threadpool(derive_body, body, source, state.store, state.generator, config, mode)
+        except RequestProblem as exc:
+            return error(exc.status, str(exc), exc.field)
+        return queue(new_job(checked, request, source.id if source is not None else None))
+
     @app.get("/v1/videos")
-    async def list_videos():
-        """Every job, oldest first."""
-        return {"object": "list", "data": [job.to_json() for job in state.store.all()]}
+    async def list_videos(request: Request, after: str | None = None, limit: str = "20", order: str = "desc"):
+        """The videos, OpenAI's page: `data`, `first_id`, `last_id`, `has_more`; `order` asc or desc (by creation,
+        default desc), `limit` 1..100 (default 20), `after` a video id (the page after it)."""
+        try:
+            count = int(limit)
+        except ValueError:
+            count = 0
+        if not 1 <= count <= 100:
+            return error(400, f"limit = {limit!r}: expected an integer in [1, 100]", "limit")
+        if order not in ("asc", "desc"):
+            return error(400, f"order = {order!r}: expected 'asc' or 'desc'", "order")
+        jobs = [job for job in state.store.all() if config.keys is None or job.owner == owner_of(request)]
+        if order == "desc":
+            jobs.reverse()
+        if after is not None:
+            ids = [job.id for job in jobs]
+            if after not in ids:
+                return error(400, f"after = {after!r}: no such video in this list", "after")
+            jobs = jobs[ids.index(after) + 1:]
+        page = jobs[:count]
+        return {"object": "list", "data": [job.to_json() for job in page],
+                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+                "has_more": len(jobs) > count}
 
     @app.get("/v1/videos/{job_id}")
-    async def get_video(job_id: str):
-        """A job's status: queued, in_progress (with progress 0..1), completed, failed (with the error), cancelled."""
-        job = find(job_id)
+    async def get_video(job_id: str, request: Request):
+        """A video's status: queued, in_progress (progress 0..100), completed, failed (with the error), cancelled."""
+        job = find(job_id, request)
         return job.to_json() if isinstance(job, Job) else job
 
     @app.get("/v1/videos/{job_id}/content")
-    async def get_content(job_id: str):
-        """The finished video (mp4); 409 while the job is not completed."""
-        job = find(job_id)
+    async def get_content(job_id: str, request: Request, variant: str = "video"):
+        """The finished video (mp4), or `variant=thumbnail` (its first frame, JPEG); 409 while not completed."""
+        job = find(job_id, request)
         if not isinstance(job, Job):
             return job
+        if variant not in ("video", "thumbnail"):
+            return error(400, f"variant = {variant!r}: expected 'video' or 'thumbnail' (no spritesheets here)",
+                         "variant")
         if job.status != COMPLETED:
-            return error(409, f"job {job_id} is {job.status}: the video is available once it is completed", "id")
+            return error(409, f"video {job_id} is {job.status}: its content is available once it is completed", "id")
         path = state.store.video_path(job_id)
         if not path.is_file():
             return error(404, f"the video of job {job_id} is missing from the output folder", "id")
+        if variant == "thumbnail":
+            data = await run_in_threadpool(thumbnail, path)
+            return Response(data, media_type="image/jpeg")
         return FileResponse(path, media_type="video/mp4", filename=f"{job_id}.mp4")
 
-    @app.delete("/v1/videos/{job_id}")
-    async def delete_video(job_id: str):
-        """Cancel a queued or running job (a running one stops at its next transformer block)."""
-        job = find(job_id)
+    @app.post("/v1/videos/{job_id}/cancel")
+    async def cancel_video(job_id: str, request: Request):
+        """Cancel a queued or running video and keep its record (409 once it is finished: nothing is deleted)."""
+        job = find(job_id, request)
         if not isinstance(job, Job):
             return job
-        if job.status in FINISHED:
-            return error(409, f"job {job_id} is already {job.status}", "id")
-        if state.worker is None or not state.worker.cancel(job):
-            return error(409, f"job {job_id} is already {job.status}", "id")
+        if job.status in FINISHED or state.worker is None or not state.worker.cancel(job):
+            return error(409, f"video {job_id} is already {job.status}", "id")
         return job.to_json()
+
+    @app.delete("/v1/videos/{job_id}")
+    async def delete_video(job_id: str, request: Request):
+        """Cancel a queued or running video (a running one stops at its next transformer block; the answer is the
+        video object with `deleted: false`), or delete a finished one, record and file ({"id", "object":
+        "video.deleted", "deleted": true})."""
+        job = find(job_id, request)
+        if not isinstance(job, Job):
+            return job
+        if job.status not in FINISHED and state.worker is not None and state.worker.cancel(job):
+            return {**job.to_json(), "deleted": False}
+        if job.status not in FINISHED:  # not cancellable (a worker-less server): nothing changed
+            return error(409, f"video {job_id} is {job.status} and cannot be cancelled now", "id")
+        state.store.delete(job_id)
+        return {"id": job_id, "object": "video.deleted", "deleted": True}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
@@ -265,6 +380,8 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             lines += ["# HELP composer_kv_pool_waits_total KV caches that had to wait for pages",
                       "# TYPE composer_kv_pool_waits_total counter", f"composer_kv_pool_waits_total {pool.waits}"]
         lines += streams.metric_lines()
+        if getattr(state, "auth", None) is not None:  # API keys: requests, 401s, 429s, jobs and streams per key
+            lines += state.auth.metric_lines()
         return "\n".join(lines) + "\n"
 
     return app
@@ -276,6 +393,20 @@ def _gauges(prefix: str, rows: list[tuple[str, str, Any]]) -> list[str]:
     for name, help_text, value in rows:
         lines += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} gauge", f"{prefix}_{name} {value}"]
     return lines
+
+
+def thumbnail(path: Path) -> bytes:
+    """The first frame of a finished video as a JPEG."""
+    import io
+
+    import imageio.v2 as imageio
+    import PIL.Image
+
+    with imageio.get_reader(path, format="FFMPEG") as reader:
+        frame = reader.get_data(0)
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(frame).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
 
 
 async def _read_json(request: Any, limit: int) -> Any:

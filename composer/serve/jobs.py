@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import secrets
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from composer.errors import ConfigError
 
 QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
 STATES = (QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED)
@@ -38,36 +41,80 @@ class Job:
     lora: list = field(default_factory=list)  # [name, scale] pairs of the adapters it runs with ([]: none)
     kind: str = "video"  # "video" (POST /v1/videos) or "stream" (a live WebSocket stream, serve/stream.py)
     priority: int = 0  # higher starts first, and its steps are scheduled first
+    owner: str | None = None  # the name of the API key that created it (auth.py; None: no keys configured)
+    remixed_from: str | None = None  # the video this one remixes (POST /v1/videos/{id}/remix)
     inputs: dict[str, Any] = field(default_factory=dict, repr=False)  # decoded images: not in the record
 
     def to_json(self) -> dict[str, Any]:
-        """The record as the API returns it (OpenAI's video object fields, plus composer's request)."""
+        """The video object as the API returns it: OpenAI's fields with OpenAI's types (`progress` an integer 0..100,
+        `created_at` / `completed_at` integer seconds, `seconds` and `size` strings, `error` {code, message}), and
+        composer's beside them (`kind`, `progress_fraction` 0..1, `started_at`, `times` (the timestamps to the
+        microsecond), `seed`, `lora`, `priority` and the checked `request`)."""
         req = self.request
+        status = self.status
         return {
-            "id": self.id, "object": "video", "kind": self.kind, "status": self.status,
-            "progress": round(self.progress, 4), "model": self.model, "created_at": self.created_at,
-            "started_at": self.started_at,
-            "completed_at": self.completed_at, "size": f"{req.get('width')}x{req.get('height')}",
-            "seconds": _seconds(req), "prompt": req.get("prompt"), "seed": req.get("seed"),
-            "error": {"message": self.error} if self.error else None, "lora": self.lora, "priority": self.priority,
-            "request": req,
+            "id": self.id, "object": "video", "status": status, "model": self.model,
+            "progress": 100 if status == COMPLETED else min(int(self.progress * 100), 99),
+            "created_at": int(self.created_at),
+            "completed_at": None if self.completed_at is None else int(self.completed_at),
+            "expires_at": None, "size": f"{req.get('width')}x{req.get('height')}", "seconds": _seconds(req),
+            "prompt": req.get("prompt"), "remixed_from_video_id": self.remixed_from,
+            "error": {"code": _ERROR_CODES.get(status, "failed"), "message": self.error} if self.error else None,
+            # composer's fields
+            "kind": self.kind, "progress_fraction": round(self.progress, 4), "started_at": self.started_at,
+            "times": {"created_at": self.created_at, "started_at": self.started_at,  # fractional seconds
+                      "completed_at": self.completed_at},
+            "seed": req.get("seed"), "lora": self.lora, "priority": self.priority, "request": req,
         }
+
+    def record(self) -> dict[str, Any]:
+        """What the job's file keeps: every field at full precision (not the decoded inputs), and the API's view."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "inputs"}
+        return {**self.to_json(), "fields": fields}
 
     @classmethod
     def from_record(cls, data: dict[str, Any]) -> Job:
+        """A job from its file (this version's `record`, or an older file that kept only the API's view)."""
         names = {f.name for f in dataclasses.fields(cls)}
+        if isinstance(data.get("fields"), dict):
+            return cls(**{k: v for k, v in data["fields"].items() if k in names and k != "inputs"})
         values = {k: v for k, v in data.items() if k in names and k != "inputs"}
-        values["error"] = (data.get("error") or {}).get("message") if isinstance(data.get("error"), dict) else None
+        if isinstance(data.get("error"), dict):
+            values["error"] = data["error"].get("message")
         return cls(**values)
 
 
-def _seconds(req: dict[str, Any]) -> float | None:
+_ERROR_CODES = {FAILED: "generation_failed", CANCELLED: "cancelled"}
+
+
+def _seconds(req: dict[str, Any]) -> str | None:
+    """The video's length as OpenAI's `seconds` string ("5.06")."""
     frames, fps = req.get("num_frames"), req.get("fps")
-    return round(frames / fps, 3) if isinstance(frames, int) and isinstance(fps, int) and fps > 0 else None
+    if not (isinstance(frames, int) and isinstance(fps, int) and fps > 0):
+        return None
+    return f"{round(frames / fps, 2):g}"
 
 
-def new_job_id() -> str:
-    return "video_" + uuid.uuid4().hex[:24]
+REPLICA_NAME = re.compile(r"^[a-z0-9]{1,16}$")
+
+
+def check_replica(name: str) -> str:
+    """A replica's name (--replica) as ids carry it: 1 to 16 lowercase letters or digits, so that a proxy can
+    read it back from `video_<name>-...` and `sess_<name>-...` (docs/deploy.md)."""
+    if not isinstance(name, str) or not REPLICA_NAME.match(name):
+        raise ConfigError(f"replica name {name!r}: expected 1 to 16 lowercase letters or digits (a, b, gpu0, ...)")
+    return name
+
+
+def new_id(prefix: str, replica: str | None = None, hex_chars: int = 24) -> str:
+    """A fresh id, `<prefix>_<hex>`, or `<prefix>_<replica>-<hex>` on a named replica (a proxy routes by it)."""
+    tail = secrets.token_hex(hex_chars // 2)
+    return f"{prefix}_{tail}" if replica is None else f"{prefix}_{replica}-{tail}"
+
+
+def new_job_id(replica: str | None = None) -> str:
+    """A job's id: `video_<hex>`, or `video_<replica>-<hex>` on a named replica."""
+    return new_id("video", replica)
 
 
 class JobStore:
@@ -111,6 +158,16 @@ class JobStore:
             self._jobs.pop(job_id, None)
             (self.jobs_dir / f"{job_id}.json").unlink(missing_ok=True)
 
+    def delete(self, job_id: str) -> bool:
+        """Delete a finished job: its record and its video (DELETE /v1/videos/{id}). False if it was not there."""
+        with self._lock:
+            job = self._jobs.pop(job_id, None)
+            if job is None:
+                return False
+            (self.jobs_dir / f"{job_id}.json").unlink(missing_ok=True)
+            self.video_path(job_id).unlink(missing_ok=True)
+            return True
+
     def get(self, job_id: str) -> Job | None:
         with self._lock:
             return self._jobs.get(job_id)
@@ -137,5 +194,5 @@ class JobStore:
     def _write(self, job: Job) -> None:
         path = self.jobs_dir / f"{job.id}.json"
         temp = path.with_suffix(".json.tmp")
-        temp.write_text(json.dumps(job.to_json(), indent=1), encoding="utf-8")
+        temp.write_text(json.dumps(job.record(), indent=1), encoding="utf-8")
         os.replace(temp, path)

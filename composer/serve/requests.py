@@ -3,10 +3,8 @@ server's limits. Every problem is a RequestProblem naming the field (an HTTP 4xx
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
-import io
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,18 +12,30 @@ from typing import Any
 
 from composer._fields import field_types, json_value_problem
 from composer.errors import ComposerError, InvalidInputError
-from composer.images import refuse_image_knobs, to_rgb
+from composer.images import refuse_image_knobs
 from composer.request_check import ModelLimits, RequestError, check_request
 from composer.runtime import lora_scale_problem
+from composer.serve.uploads import (
+    IMAGE_FIELDS,
+    VIDEO_FIELDS,
+    UploadLimits,
+    decode_image,
+    decode_video,
+    form_value,
+    is_form_value,
+    media_kind,
+)
 
 # Set by the server, never by a request: where the video goes, and one video per job.
 SERVER_FIELDS = ("output_path", "overwrite", "num_videos_per_prompt")
-IMAGE_FIELDS = ("image", "last_image")
-# Paths on the server's disk (a causal model's start frames, a video-to-video input): a client must not name the
-# server's files.
-SERVER_PATHS = ("start_image", "start_video", "video")
+# Image and video inputs (uploads.py's IMAGE_FIELDS, VIDEO_FIELDS): uploads over HTTP (a multipart file, base64 or
+# a data URL), never a path on the server's disk; OpenAI's `input_reference` is the model's first image or input video.
+INPUT_FIELDS = IMAGE_FIELDS + VIDEO_FIELDS
+SERVER_PATHS: tuple[str, ...] = ()  # no field names a server file any more (kept for the page's hidden fields)
 # The server's own request fields (not SamplingParam's): OpenAI's aliases, the adapters, the queue priority.
-ALIASES = ("model", "size", "seconds", "lora", "lora_scale", "priority")
+ALIASES = ("model", "size", "seconds", "lora", "lora_scale", "priority", "input_reference")
+ALIAS_TYPES: dict[str, Any] = {"model": str, "size": str, "seconds": str, "lora": str | list[str],
+                               "lora_scale": float | list[float], "priority": int, "input_reference": Any}
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 
@@ -67,20 +77,21 @@ class CheckedRequest:
     priority: int = 0
 
 
-def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[LoraOption] = ()) -> CheckedRequest:
-    """Check a parsed JSON body for `generator`; RequestProblem on the first class of problem found."""
+def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[LoraOption] = (),
+               uploads: UploadLimits | None = None, given: dict[str, Any] | None = None) -> CheckedRequest:
+    """Check a parsed body (JSON, or a multipart form's fields and files) for `generator`; RequestProblem on the
+    first class of problem found. Uploaded images and videos are decoded here (call it off the event loop);
+    `given`: inputs the server supplies itself, decoded already (a remix's source frames)."""
     if not isinstance(body, dict):
         raise RequestProblem(f"the body must be a JSON object of request fields, not {type(body).__name__}")
+    uploads = uploads or UploadLimits()
     defaults = generator.default_sampling
     hints = field_types(type(defaults))
-    accepted = [name for name in hints
-                if name not in SERVER_FIELDS and name not in SERVER_PATHS and not name.startswith("_")]
+    accepted = [name for name in hints if name not in SERVER_FIELDS and not name.startswith("_")]
+    body = {key: form_value(value, hints.get(key, ALIAS_TYPES.get(key, Any))) if is_form_value(value) else value
+            for key, value in body.items()}
     unknown = [key for key in body if key not in accepted and key not in ALIASES]
-    paths = [key for key in unknown if key in SERVER_PATHS and key in hints]
-    if paths:
-        raise RequestProblem(f"{paths[0]} names a file on the server and is not accepted over HTTP (not built yet: "
-                             "uploaded start frames and videos)", paths[0])
-    image_keys = [key for key in unknown if key in IMAGE_FIELDS or key in SERVER_PATHS]
+    image_keys = [key for key in unknown if key in INPUT_FIELDS]
     if image_keys:  # composer's own message: a text-to-video model, or a first-frame-only one
         try:
             refuse_image_knobs(image_keys, hints, generator.family)
@@ -89,17 +100,26 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
     if unknown:
         raise RequestProblem(f"unknown field {unknown[0]!r}: accepted fields are {', '.join(accepted + list(ALIASES))}",
                              unknown[0])
-    if "prompt" not in body:
+    if body.get("prompt") is None:
         raise RequestProblem("prompt is required: a non-empty string", "prompt")
     params: dict[str, Any] = {}
     inputs: dict[str, Any] = {}
     for key, value in body.items():
         if key in ALIASES or value is None:
             continue
-        if key in IMAGE_FIELDS:
-            inputs[key] = decode_image(value, key)
+        if key in INPUT_FIELDS:
+            inputs[key] = _decode_input(key, value, uploads)
         else:
             params[key] = _typed(key, value, hints[key])
+    for key, value in (given or {}).items():
+        if key in inputs:
+            raise RequestProblem(f"{key}: this request's {key} is the source video; leave {key} out", key)
+        inputs[key] = value
+    if body.get("input_reference") is not None:
+        key, value = _input_reference(body["input_reference"], hints, generator, uploads)
+        if key in inputs:
+            raise RequestProblem(f"give input_reference or {key}, not both (both are the {key})", "input_reference")
+        inputs[key] = value
     _check_model(body, generator)
     _apply_aliases(body, params, generator)
     lora = select_lora(body, loras, generator)
@@ -117,8 +137,128 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
 
         sp = sp.updated(seed=random.randrange(2**31))
     record = {k: v for k, v in dataclasses.asdict(sp).items()
-              if k not in SERVER_FIELDS and k not in IMAGE_FIELDS and _json_safe(v)}
+              if k not in SERVER_FIELDS and k not in INPUT_FIELDS and _json_safe(v)}
     return CheckedRequest(record, inputs, lora, priority)
+
+
+def derive_body(body: dict, source: Any, store: Any, generator: Any, config: Any, mode: str | None) -> CheckedRequest:
+    """A request made from a video: a remix of the completed job `source` (mode None), OpenAI's edit (video-to-video)
+    or extension (a causal continuation) of `source` or of the body's uploaded `video`.
+
+    A causal model starts from the video's last (overlap_frames - 1) x 4 + 1 frames and makes as many new frames as
+    the source had (a remix) or `seconds` / `num_frames` say; a video-to-video model redraws the video (its first
+    4k + 1 frames, at most the server's max_frames) at `strength`. Made from a completed video, it keeps that video's
+    other fields (size, steps, guidance, adapters...) unless the body sets them; the seed is drawn anew unless
+    given."""
+    hints = field_types(type(generator.default_sampling))
+    causal, v2v = "start_video" in hints, "video" in hints and "strength" in hints
+    want = {"edit": "video-to-video", "extend": "causal"}.get(mode or "") or (
+        "causal" if causal else "video-to-video" if v2v else None)
+    if want is None or (want == "causal" and not causal) or (want == "video-to-video" and not v2v):
+        what = {None: "remix a video", "edit": "edit a video", "extend": "extend a video"}[mode]
+        can = ("it continues videos: use a remix or an extension" if causal else
+               "it redraws videos: use a remix or an edit" if v2v else
+               "neither a causal model (continuation) nor video-to-video")
+        raise RequestProblem(f"this model ({generator.family}) cannot {what}: {can}", "video" if mode else "id")
+    body = dict(body)
+    if source is not None:
+        from composer.errors import InvalidInputError as _Unreadable
+        from composer.video import read_frames
+
+        try:
+            frames = read_frames(store.video_path(source.id))
+        except _Unreadable as exc:
+            raise RequestProblem(f"the source video {source.id} cannot be read: {exc}", "id", 500) from None
+        # a video made from a completed one keeps its settings, unless the body sets them
+        inherited = {k: v for k, v in source.request.items()
+                     if v is not None and k not in ("prompt", "seed", "strength") and k in hints}
+        if "size" in body:
+            inherited.pop("height", None), inherited.pop("width", None)
+        if "seconds" in body or want == "causal":  # a continuation's length counts its new frames
+            inherited.pop("num_frames", None)
+        body = {**inherited, **body}
+        if "lora" not in body:  # the source's adapters, at its scales
+            body["lora"] = [name for name, _ in source.lora]
+            if source.lora and "lora_scale" not in body:
+                body["lora_scale"] = [scale for _, scale in source.lora]
+    else:
+        frames = decode_video(body.pop("video"), "video", config.uploads)
+    body = {key: form_value(value, hints.get(key, ALIAS_TYPES.get(key, Any))) if is_form_value(value) else value
+            for key, value in body.items()}
+    limits = ModelLimits.from_pipeline(generator.pipeline)
+    t = limits.temporal_factor or 1
+    fps = body.get("fps") if isinstance(body.get("fps"), int) and body.get("fps") > 0 else generator.default_sampling.fps
+    if want == "causal":
+        overlap = body.get("overlap_frames", generator.default_sampling.overlap_frames)
+        keep = (max(int(overlap) if isinstance(overlap, int) and overlap > 0 else 1, 1) - 1) * t + 1
+        usable = (len(frames) - 1) // t * t + 1
+        start = frames[len(frames) - min(keep, usable):]
+        if "num_frames" not in body:
+            new = _seconds_value(body.pop("seconds")) * fps if "seconds" in body else len(frames) - len(start)
+            n = limits.frames_per_block or 1
+            start_latent = (len(start) - 1) // t + 1
+            blocks = max(1, round(new / t / n))
+            body["num_frames"] = (start_latent + blocks * n - 1) * t + 1
+        body.pop("seconds", None)
+        return check_body(body, generator, config.limits, config.loras, config.uploads, {"start_video": start})
+    if "num_frames" not in body and "seconds" not in body:
+        most = min(len(frames), config.limits.max_frames or len(frames))
+        body["num_frames"] = (most - 1) // t * t + 1
+    checked_frames = body.get("num_frames")
+    if "seconds" in body:  # as POST /v1/videos reads it, to trim the video to that length
+        params: dict[str, Any] = {}
+        _apply_aliases({"seconds": body["seconds"], **({"fps": fps})}, params, generator)
+        checked_frames = params["num_frames"]
+    video = frames[:checked_frames] if isinstance(checked_frames, int) and checked_frames > 0 else frames
+    return check_body(body, generator, config.limits, config.loras, config.uploads, {"video": video})
+
+
+def _seconds_value(value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds) or not 0 < seconds <= 3600:
+        raise RequestProblem(f"seconds = {value!r}: expected a number of seconds > 0", "seconds")
+    return seconds
+
+
+def _decode_input(key: str, value: Any, uploads: UploadLimits) -> Any:
+    return decode_video(value, key, uploads) if key in VIDEO_FIELDS else decode_image(value, key, uploads)
+
+
+def _input_reference(value: Any, hints: dict, generator: Any, uploads: UploadLimits) -> tuple[str, Any]:
+    """OpenAI's `input_reference` (an uploaded image or video, or {"image_url": data URL}) as the field it is for
+    this model: an image is the first frame (`image`, or a causal model's `start_image`), a video the input of
+    video-to-video (`video`) or the video a causal model continues (`start_video`)."""
+    from composer.serve.uploads import input_bytes
+
+    if isinstance(value, dict):
+        if value.get("file_id") is not None:
+            raise RequestProblem("input_reference.file_id: this server keeps no uploaded files; send the image itself "
+                                 "(a multipart file, or {\"image_url\": a base64 data URL})", "input_reference")
+        if set(value) - {"image_url", "file_id"} or value.get("image_url") is None:
+            raise RequestProblem("input_reference: expected a file, base64 data, or {\"image_url\": a data URL}",
+                                 "input_reference")
+        value = value["image_url"]
+    data = input_bytes(value, "input_reference", "file", uploads)
+    kind = media_kind(data)
+    if kind is None:
+        raise RequestProblem("input_reference: the upload is neither an image (PNG, JPEG, WebP, GIF) nor a video "
+                             "(mp4, webm, mov, mkv, avi) this server reads", "input_reference")
+    from composer.serve.uploads import Upload
+
+    upload = Upload(data)
+    wanted = ("image", "start_image") if kind == "image" else ("video", "start_video")
+    for key in wanted:
+        if key in hints:
+            return key, _decode_input(key, upload, uploads)
+    roles = {"image": "an image (the first frame)", "last_image": "a last frame", "start_image": "an image to start "
+             "from", "start_video": "a video to continue", "video": "a video to redraw (video-to-video)"}
+    other = [roles[key] for key in INPUT_FIELDS if key in hints and key != "last_image"]
+    takes = (f"it takes {' or '.join(other)}" if other else "it takes no image or video: a text-to-video model")
+    raise RequestProblem(f"input_reference: the upload is {'an' if kind == 'image' else 'a'} {kind}, which this "
+                         f"model ({generator.family}) cannot start from; {takes}", "input_reference")
 
 
 def _typed(key: str, value: Any, annotation: Any) -> Any:
@@ -228,31 +368,6 @@ def _check_limits(sp: Any, limits: ServerLimits) -> None:
         value = getattr(sp, key)
         if limit is not None and value > limit:
             raise RequestProblem(f"{key} = {value}: this server allows at most {limit}", key)
-
-
-def decode_image(value: Any, key: str) -> Any:
-    """A base64 string or a `data:image/...;base64,` URL -> an RGB PIL image."""
-    import PIL.Image
-    import PIL.ImageOps
-
-    if not isinstance(value, str):
-        raise RequestProblem(f"{key}: expected a base64-encoded image (or a data URL), not {type(value).__name__}",
-                             key)
-    text = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
-    try:
-        data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise RequestProblem(f"{key}: expected base64-encoded image data (it does not decode as base64)", key) from None
-    try:
-        with PIL.Image.open(io.BytesIO(data)) as image:
-            image.load()
-            image = PIL.ImageOps.exif_transpose(image)
-    except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as exc:
-        raise RequestProblem(f"{key}: the base64 data is not a readable image ({exc})", key) from None
-    try:
-        return to_rgb(image, key)  # the one rule for every input image: 16-bit, CMYK, palette, alpha
-    except InvalidInputError as exc:
-        raise RequestProblem(str(exc), key) from None
 
 
 def _json_safe(value: Any) -> bool:

@@ -39,6 +39,7 @@ from starlette.concurrency import run_in_threadpool
 
 from composer.errors import ComposerError, InvalidInputError
 from composer.logging import get_logger
+from composer.serve.jobs import new_id
 
 logger = get_logger(__name__)
 
@@ -79,8 +80,9 @@ class SessionStore:
     """The server's open sessions over one generator."""
 
     def __init__(self, generator: Any, output_dir: Path, max_sessions: int = 16, ttl_s: float = 600.0,
-                 fps: int = 16):
+                 fps: int = 16, replica: str | None = None):
         self.generator = generator
+        self.replica = replica  # the server's --replica: session ids name it, `sess_<replica>-<hex>`
         self.output_dir = Path(output_dir)
         self.snapshots = self.output_dir / "sessions"
         self.max_sessions = max_sessions
@@ -92,9 +94,7 @@ class SessionStore:
 
     # -- open / close ----------------------------------------------------------------------------------
     def _new_id(self) -> str:
-        import secrets
-
-        return "sess_" + secrets.token_hex(8)
+        return new_id("sess", self.replica, 16)
 
     def _admit(self, make) -> Held:
         """Make a session with `make()` (which may wait: a fork or resume waits for KV pages) in a reserved slot."""
@@ -377,8 +377,10 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
         if refused:
             return refused
         limits = state.config.limits if hasattr(state, "config") else ServerLimits()
-        try:  # the stream/job field rules; a session has no prompt until its first extend
-            checked = check_body({**body, "prompt": body.get("prompt") or "(session)"}, store.generator, limits)
+        uploads = getattr(getattr(state, "config", None), "uploads", None)
+        try:  # the stream/job field rules (uploads decoded off the loop); no prompt until the first extend
+            checked = await run_in_threadpool(check_body, {**body, "prompt": body.get("prompt") or "(session)"},
+                                              store.generator, limits, (), uploads)
         except RequestProblem as exc:
             return problem(400, str(exc), exc.field)
         sampling = {k: v for k, v in checked.params.items() if k in body and k != "prompt"}

@@ -351,8 +351,11 @@ def add_stream_routes(app: FastAPI, state: Any) -> StreamRoutes:
         except RequestProblem as exc:
             return await _refuse(ws, str(exc), exc.field)
 
-        job = Job(new_job_id(), checked.params, model=str(generator.model_path), kind=STREAM, lora=checked.lora,
-                  priority=checked.priority)
+        job = Job(new_job_id(state.config.replica), checked.params, model=str(generator.model_path), kind=STREAM,
+                  lora=checked.lora, priority=checked.priority,
+                  owner=getattr(ws.state, "api_key_name", None))  # the API key's name (auth.py; None: no keys)
+        if "rtmp_url" in checked.inputs:  # its stream key is a secret: kept out of the record GET /v1/videos shows
+            job.inputs["rtmp_url"] = checked.inputs["rtmp_url"]
         prompts = LivePrompts(checked.params["prompt"], num_blocks)
         session = StreamSession(asyncio.get_running_loop(), job, prompts, routes.stall_timeout)
         state.store.add(job)
@@ -410,6 +413,7 @@ def _check_stream_body(body: Any, generator: Any, config: Any) -> tuple[Any, int
     body = dict(body)
     blocks = body.pop("num_blocks", None)
     target_fps = body.pop("target_fps", None)
+    rtmp_url = _checked_rtmp_url(body.pop("rtmp_url", None), config)
     if target_fps is not None and (isinstance(target_fps, bool) or not isinstance(target_fps, (int, float))
                                    or not math.isfinite(target_fps) or target_fps <= 0):
         raise RequestProblem(f"target_fps = {target_fps!r}: expected a number of frames per second > 0 (or leave it "
@@ -422,15 +426,38 @@ def _check_stream_body(body: Any, generator: Any, config: Any) -> tuple[Any, int
             raise RequestProblem(f"give num_blocks or {given[0]}, not both", "num_blocks")
         body["num_frames"] = (blocks * per_block - 1) * temporal + 1
     try:
-        checked = check_body(body, generator, config.limits, config.loras)
+        checked = check_body(body, generator, config.limits, config.loras, config.uploads)
     except RequestProblem as exc:
         if blocks is not None and exc.field == "num_frames":
             raise RequestProblem(f"num_blocks = {blocks} is {body['num_frames']} frames; {exc}", "num_blocks") from None
         raise
     if target_fps is not None:  # stream_video's own argument: the worker passes the record's fields on
         checked.params["target_fps"] = float(target_fps)
+    if rtmp_url is not None:  # stream_video's too, passed on from the job's inputs (not its record)
+        checked.inputs["rtmp_url"] = rtmp_url
     latent = (checked.params["num_frames"] - 1) // temporal + 1
     return checked, latent // per_block
+
+
+def _checked_rtmp_url(url: Any, config: Any) -> str | None:
+    """The first message's `rtmp_url`: only under a prefix the server allows (`--rtmp-allow`), so a client cannot make
+    the server connect where it likes (SSRF); messages show it without its stream key."""
+    if url is None:
+        return None
+    from composer.rtmp import check_rtmp_url, redact_url, url_allowed
+
+    allowed = list(getattr(config, "rtmp_allow", None) or [])
+    if not allowed:
+        raise RequestProblem("rtmp_url: this server pushes streams to no RTMP URL (start it with --rtmp-allow PREFIX "
+                             "to allow some)", "rtmp_url")
+    try:
+        url = check_rtmp_url(url, "rtmp_url")
+    except ComposerError as exc:
+        raise RequestProblem(str(exc), "rtmp_url") from None
+    if not url_allowed(url, allowed):
+        raise RequestProblem(f"rtmp_url = {redact_url(url)!r}: not under a prefix this server allows (its "
+                             "--rtmp-allow)", "rtmp_url")
+    return url
 
 
 async def _pump(ws: WebSocket, session: StreamSession, lock: asyncio.Lock, routes: StreamRoutes) -> None:

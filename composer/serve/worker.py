@@ -467,7 +467,7 @@ class Worker:
         job, token = run.job, run.token
         request = {k: v for k, v in job.request.items() if k != "prompt"}  # the session's prompts name them
         stream = self.generator.stream_video(session.prompts, keep_video=False, cancel=token, priority=job.priority,
-                                             **request)
+                                             **request, **job.inputs)  # (inputs: an rtmp_url, kept off the record)
         session.source = stream  # its stats (the frame rate reached) for /metrics and the chunk messages
         chunks = iter(stream)
         session.started(job)
@@ -494,7 +494,8 @@ class Worker:
         try:
             request = {k: v for k, v in job.request.items() if k != "prompt"}  # the session's prompts name them
             state.stream = self.generator.stream_video(state.session.prompts, keep_video=False, cancel=token,
-                                                       priority=job.priority, **request)
+                                                       priority=job.priority, **request,
+                                                       **job.inputs)  # (inputs: an rtmp_url, kept off the record)
             state.session.source = state.stream  # its stats (the frame rate reached) for /metrics and the chunks
             state.chunks = iter(state.stream)
             state.writer = VideoWriter(self.store.video_path(job.id), fps=job.request.get("fps", 16))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from composer.batch import ForwardBatch
+from composer.errors import InvalidInputError
 from composer.stages.base import Stage
 from composer.stages.vae_tiling import encode_mode
 from composer.stages.validators import V, Validator, VerificationResult
@@ -24,6 +26,38 @@ class StartFrames:
 # read_frames gives these for every file; a caller attaching its own frames gets this rule, not a conv error
 _RGB_FRAMES = Validator("uint8 RGB frames [T, H, W, 3]",
                         lambda f: f.dtype == np.uint8 and f.ndim == 4 and f.shape[-1] == 3 and min(f.shape) > 0)
+
+
+def read_start_frames(start_image: Any = None, start_video: Any = None, temporal: int = 4) -> np.ndarray | None:
+    """A causal request's start frames: `start_image` (an image file, PIL image or uint8 array: one frame) or the
+    last 4k+1 frames of `start_video` (a video file, uint8 frames [T, H, W, 3] or a list of frames); None without
+    either. InvalidInputError naming the field when a value does not load."""
+    import os
+
+    from composer.images import load_image
+    from composer.video import read_frames
+
+    if _given(start_image) and _given(start_video):
+        raise InvalidInputError("give start_image or start_video, not both")
+    if _given(start_image):
+        if isinstance(start_image, (str, os.PathLike)):
+            return read_frames(start_image)[:1]
+        return np.array(load_image(start_image, "start_image"))[None]  # writable (torch.from_numpy)
+    if not _given(start_video):
+        return None
+    if isinstance(start_video, (str, os.PathLike)):
+        frames = read_frames(start_video)
+    else:
+        from composer.stages.video_latents import read_video_frames
+
+        frames = np.stack([np.asarray(f) for f in read_video_frames(start_video, "start_video")])
+    usable = (len(frames) - 1) // temporal * temporal + 1
+    return np.ascontiguousarray(frames[len(frames) - usable:])
+
+
+def _given(value: Any) -> bool:
+    """A start input is given: not None and not an empty path (arrays have no truth value)."""
+    return value is not None and not (isinstance(value, str) and not value)
 
 
 def normalize_latents(latents: torch.Tensor, vae_config) -> torch.Tensor:

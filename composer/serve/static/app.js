@@ -17,13 +17,34 @@ window.composerPage = page;  // for the browser test and the curious
 
 const $ = (id) => document.getElementById(id);
 
-async function api(method, path, body) {
+// A server started with API keys answers 401: the page asks for a key once and keeps it for this tab
+// (sessionStorage), sending it as `Authorization: Bearer` (and as ?api_key= where a URL is all there is: the
+// video elements, downloads and the live streams' WebSockets; the server keeps it out of its logs).
+function apiKey() { return sessionStorage.getItem("composer-api-key") || ""; }
+
+function withKey(url) {
+  const key = apiKey();
+  return key ? `${url}${url.includes("?") ? "&" : "?"}api_key=${encodeURIComponent(key)}` : url;
+}
+window.composerWithKey = withKey;  // live.js: the WebSocket's URL
+
+async function api(method, path, body, asked = false) {
   const init = {method, headers: {}};
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
   }
+  const sent = apiKey();
+  if (sent) init.headers["Authorization"] = `Bearer ${sent}`;
   const response = await fetch(path, init);
+  if (response.status === 401 && !asked) {
+    if (apiKey() && apiKey() !== sent) return api(method, path, body, true);  // another call asked meanwhile
+    const key = window.prompt("This server needs an API key (it stays in this tab only):");
+    if (key && key.trim()) {
+      sessionStorage.setItem("composer-api-key", key.trim());
+      return api(method, path, body, true);
+    }
+  }
   let json = null;
   try { json = await response.json(); } catch (e) { /* a body that is not JSON (none expected) */ }
   return {status: response.status, ok: response.ok, json};
@@ -203,9 +224,9 @@ function schedulePoll(delay) {
 async function pollJobs() {
   let active = false;
   try {
-    const reply = await api("GET", "/v1/videos");
+    const reply = await api("GET", "/v1/videos?order=desc&limit=100");  // the newest 100
     if (reply.ok) {
-      for (const job of reply.json.data) upsertJob(job);
+      for (const job of [...reply.json.data].reverse()) upsertJob(job);
       active = reply.json.data.some((job) => ACTIVE.includes(job.status));
       if (page.health === "unreachable") setHealth(page.model ? "ready" : "loading");
     }
@@ -251,9 +272,9 @@ function renderQueue() {
     li.querySelector(".job-prompt").textContent = job.prompt;
     li.querySelector(".job-prompt").title = describe(job);
     const bar = li.querySelector("progress");
-    bar.value = job.progress || 0;
+    bar.value = job.progress_fraction || 0;
     bar.hidden = !ACTIVE.includes(job.status);
-    bar.setAttribute("aria-label", `progress of "${job.prompt}": ${Math.round((job.progress || 0) * 100)}%`);
+    bar.setAttribute("aria-label", `progress of "${job.prompt}": ${job.progress || 0}%`);
     const cancel = li.querySelector(".cancel");
     cancel.hidden = !ACTIVE.includes(job.status);
     cancel.setAttribute("aria-label", `cancel "${job.prompt}"`);
@@ -266,7 +287,7 @@ function renderQueue() {
 
 async function cancelJob(id) {
   try {
-    const reply = await api("DELETE", `/v1/videos/${id}`);
+    const reply = await api("POST", `/v1/videos/${id}/cancel`);  // never deletes a finished one
     if (reply.ok) upsertJob(reply.json);
   } finally {
     schedulePoll(0);
@@ -285,7 +306,7 @@ function addToGallery(job) {
     figure.querySelector(".video-meta").textContent =
       `${describe(job)} · this browser cannot play it (H.264 mp4): download it`;
   });
-  video.src = url;
+  video.src = withKey(url);
   video.setAttribute("aria-label", `video: ${job.prompt}`);
   // the size as attributes: the box keeps the video's aspect ratio before its first frame loads
   video.width = (job.request && job.request.width) || 256;
@@ -293,9 +314,9 @@ function addToGallery(job) {
   figure.querySelector(".video-prompt").textContent = job.prompt;
   figure.querySelector(".video-meta").textContent = describe(job);
   const link = figure.querySelector(".video-download");
-  link.href = url;
+  link.href = withKey(url);
   link.download = `${job.id}.mp4`;
-  // newest first: the jobs list is oldest first, so each new video goes to the front
+  // newest first: the page lists jobs oldest first, so each new video goes to the front
   gallery.prepend(figure);
   $("gallery-empty").hidden = true;
 }

@@ -94,7 +94,8 @@ class LiveStream {
 
 function streamUrl() {
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-  return `${scheme}//${location.host}/v1/streams`;
+  const url = `${scheme}//${location.host}/v1/streams`;
+  return window.composerWithKey ? window.composerWithKey(url) : url;  // an API key, if the server asked for one
 }
 
 // One stream's tile: made from #live-tile-template, it owns its LiveStream. `log` and `frameTimes` are its
