@@ -214,6 +214,7 @@ def test_remix_and_edit_redraw_a_video_as_video_to_video_does(t2v, composer_gen,
     assert refused.status == 422 and "cannot extend a video: it redraws videos" in refused.json["error"]["message"]
 
 
+@pytest.mark.slow  # about 5 s: three causal videos and their direct runs
 def test_a_causal_model_starts_from_an_uploaded_image_and_continues_a_video(causal, causal_gen, tmp_path):
     client = client_for(causal)
     start = np.zeros((48, 64, 3), np.uint8)
