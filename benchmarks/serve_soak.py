@@ -627,6 +627,7 @@ def main() -> int:
     kinds = ["video"] * args.requests
     for k, (count, offset) in {"malformed": (args.malformed, 1), "cancel": (args.cancel, 3),
                                "bad-upload": (args.bad_uploads, 5), "upload": (args.uploads, 2)}.items():
+        count = min(count, kinds.count("video"))  # never more than the plain requests left (a short soak)
         step = max(1, args.requests // max(1, count))
         placed = 0
         for i in range(offset, args.requests, step):

@@ -22,10 +22,12 @@ def test_a_small_soak_loses_nothing():
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     run = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "serve_soak.py"), "--requests", "12",
                           "--clients", "3", "--malformed", "2", "--cancel", "2", "--steps", "1", "--max-queue", "2",
-                          "--timeout", "180"], capture_output=True, text=True, env=env, timeout=300)
+                          "--uploads", "3", "--bad-uploads", "2", "--timeout", "180"],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "server crashes: 0; lost jobs: 0; failed checks: 0" in run.stdout
-    assert "malformed refused with a 4xx: 2" in run.stdout
+    assert "(3 videos, 3 multipart, 2 malformed, 2 broken uploads, 2 cancelled)" in run.stdout
+    assert "malformed refused with a 4xx: 4" in run.stdout  # the malformed bodies and the broken uploads
 
 
 @pytest.mark.slow
