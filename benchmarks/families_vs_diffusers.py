@@ -50,6 +50,7 @@ class Family:
     request: dict = field(default_factory=dict)
     image: bool = False
     video: bool = False  # video-to-video: a moving seeded pattern as `video` (`strength` in the request)
+    control: bool = False  # VACE: a control video of the request's size, a mask and a reference image
 
 
 FAMILIES: dict[str, Family] = {
@@ -65,8 +66,21 @@ FAMILIES: dict[str, Family] = {
                               dict(height=48, width=80, num_frames=9, guidance_scale=3.5), image=True),
     "hunyuanvideo": Family("build_tiny_hunyuan", "HunyuanVideoPipeline",
                            dict(height=48, width=80, num_frames=9)),
+    # CFG at the folder guider's scale (diffusers' __call__ takes none)
+    "hunyuanvideo-1.5": Family("build_tiny_hunyuan15", "HunyuanVideo15Pipeline",
+                               dict(height=48, width=80, num_frames=9)),
+    # diffusers sizes the video from the image (60x40: 64x48, its bucket nearest 3:2); composer is given that size
+    "hunyuanvideo-1.5-i2v": Family("build_tiny_hunyuan15_i2v", "HunyuanVideo15ImageToVideoPipeline",
+                                   dict(height=48, width=64, num_frames=9), image=True),
     "wan2.1-v2v": Family("build_tiny_wan", "WanVideoToVideoPipeline",
                          dict(height=48, width=80, num_frames=9, guidance_scale=5.0, strength=0.75), video=True),
+    "wan2.1-vace": Family("build_tiny_wan_vace", "WanVACEPipeline",
+                          dict(height=48, width=80, num_frames=9, guidance_scale=5.0, conditioning_scale=0.8),
+                          control=True),
+    # diffusion forcing: 33 frames in three windows of at most 17, asynchronous, the overlap re-noised
+    "skyreels-v2-df": Family("build_tiny_skyreels_df", "SkyReelsV2DiffusionForcingPipeline",
+                             dict(height=48, width=80, num_frames=33, guidance_scale=5.0, base_num_frames=17,
+                                  overlap_history=5, addnoise_condition=20, ar_step=1, causal_block_size=1)),
 }
 
 
@@ -76,6 +90,15 @@ def make_video(count: int = 9, width: int = 70, height: int = 40) -> list:
 
     base = (np.random.default_rng(0).random((height, width, 3)) * 255).astype(np.uint8)
     return [Image.fromarray(np.roll(base, 3 * i, axis=1)) for i in range(count)]
+
+
+def make_mask(count: int, width: int, height: int) -> list:
+    """A VACE mask: keep the left half of every frame (black), redraw the right half (white)."""
+    from PIL import Image
+
+    mask = np.zeros((height, width), np.uint8)
+    mask[:, width // 2:] = 255
+    return [Image.fromarray(mask) for _ in range(count)]
 
 
 def make_image(width: int = 60, height: int = 40):
@@ -114,11 +137,14 @@ class TransformerTimer:
 def load_diffusers(folder: Path, class_name: str, device: torch.device):
     import diffusers
 
-    if class_name in ("WanImageToVideoPipeline", "WanVideoToVideoPipeline"):
+    if class_name in ("WanImageToVideoPipeline", "WanVideoToVideoPipeline", "SkyReelsV2DiffusionForcingPipeline",
+                      "WanVACEPipeline"):
+        import diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2_diffusion_forcing as df
         import diffusers.pipelines.wan.pipeline_wan_i2v as i2v
+        import diffusers.pipelines.wan.pipeline_wan_vace as vace
         import diffusers.pipelines.wan.pipeline_wan_video2video as v2v
 
-        for module in (i2v, v2v):  # diffusers 0.42.1's prompt cleaning there calls ftfy even when absent
+        for module in (i2v, v2v, df, vace):  # diffusers 0.42.1's prompt cleaning there calls ftfy even when absent
             if not hasattr(module, "ftfy"):
                 module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
     pipe = getattr(diffusers, class_name).from_pretrained(str(folder)).to(device)
@@ -149,8 +175,14 @@ def run_family(name: str, family: Family, root: Path, args, device: torch.device
         request["image"] = make_image()
     if family.video:
         request["video"] = make_video(request["num_frames"])
+    if family.control:  # VACE: the control at the request's size (diffusers conditions on the video's own size)
+        size = dict(width=request["width"], height=request["height"])
+        request.update(video=make_video(request["num_frames"], **size), mask=make_mask(request["num_frames"], **size),
+                       reference_images=make_image())
     # the steps that run (video-to-video runs the last int(steps x strength) of the schedule)
     steps = int(args.steps * request["strength"]) if "strength" in request else args.steps
+    if "ar_step" in request:  # diffusion forcing: one transformer pass per iteration of each window's schedule
+        steps = forcing_iterations(request, args.steps)
     gen = VideoGenerator.from_pretrained(folder, device=str(device), dtype="fp32", progress=False)
     pipe = load_diffusers(folder, family.diffusers_class, device)
     transformers = [m for n in ("transformer", "transformer_2") if isinstance(m := getattr(pipe, n, None),
@@ -165,6 +197,8 @@ def run_family(name: str, family: Family, root: Path, args, device: torch.device
 
         crop = gen.pipeline.stage("TemplateTextEncodingStage").crop_start
         call["prompt_template"] = {"template": DEFAULT_PROMPT_TEMPLATE["template"], "crop_start": crop}
+    if family.diffusers_class.startswith("HunyuanVideo15"):  # the same for its chat template (108 hard-coded)
+        pipe.prompt_template_encode_start_idx = gen.pipeline.stage("ChatTextEncodingStage").crop_start
 
     def run_composer() -> tuple[np.ndarray, float, float]:
         result = gen.generate_video(PROMPT, negative_prompt=NEGATIVE_PROMPT, **request)
@@ -174,6 +208,7 @@ def run_family(name: str, family: Family, root: Path, args, device: torch.device
     def run_diffusers() -> tuple[np.ndarray, float, float]:
         timer.seconds = 0.0
         start = time.perf_counter()
+        torch.manual_seed(args.seed)  # what SkyReels-V2 DF draws its re-noised overlap from (composer: the seed)
         out = pipe(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(args.seed), output_type="np", **call)
         synchronize(device)
         total = time.perf_counter() - start
@@ -194,6 +229,16 @@ def run_family(name: str, family: Family, root: Path, args, device: torch.device
         video_ours=statistics.median(r[2] for r in ours), video_theirs=statistics.median(r[2] for r in theirs),
         diff=diff,
     )
+
+
+def forcing_iterations(request: dict, steps: int) -> int:
+    """Transformer passes (per guidance branch) of a diffusion-forcing request: every window's schedule."""
+    from composer.stages.diffusion_forcing import forcing_schedule, plan_windows
+
+    block = request["causal_block_size"]
+    windows = plan_windows(request["num_frames"], request["base_num_frames"], request.get("overlap_history"), block, 4)
+    return sum(len(forcing_schedule(w.frames, torch.zeros(steps), request["ar_step"], w.prefix, block).timesteps)
+               for w in windows)
 
 
 def parse_overrides(pairs: list[str]) -> list[tuple[str, object]]:

@@ -84,15 +84,31 @@ class EmbeddedGuidance:
 
 
 @dataclass
+class GuidanceSettings:
+    """Attached by a family whose folder has a diffusers guider (HunyuanVideo-1.5): classifier-free guidance beyond
+    its scale, as `composer.engine.ClassifierFreeGuidance` takes it (`rescale`; CFG only for steps
+    [int(start * n), int(stop * n)))."""
+
+    rescale: float = 0.0
+    start: float = 0.0
+    stop: float = 1.0
+
+
+@dataclass
 class PromptExtras:
     """What a text stage makes beyond `prompt_embeds` for a transformer that takes it (HunyuanVideo): the
     text's token mask [B, L] (1: a token, 0: right padding; None: no padding) and a pooled text vector [B, D],
-    for the prompt and, under CFG, the negative prompt."""
+    for the prompt and, under CFG, the negative prompt; a second text encoder's states [B, L2, D2] with their mask
+    (HunyuanVideo-1.5's ByT5 glyph text; None: no tokens)."""
 
     mask: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
     negative_mask: torch.Tensor | None = None
     negative_pooled: torch.Tensor | None = None
+    text_2: torch.Tensor | None = None
+    mask_2: torch.Tensor | None = None
+    negative_text_2: torch.Tensor | None = None
+    negative_mask_2: torch.Tensor | None = None
 
 
 @dataclass

@@ -71,7 +71,7 @@ class ModelLimits:
         return cls(
             spatial_multiple=int(spatial) * spatial_patch, temporal_factor=int(temporal),
             frames_per_block=block, fixed_steps=len(steps) if steps else None, supports_flow_shift=block is None,
-            **_image_inputs(transformer),
+            **_image_inputs(transformer, config),
         )
 
     @classmethod
@@ -80,20 +80,25 @@ class ModelLimits:
         stage = next((s for s in pipeline.stages if s.name == "InputValidationStage"), None)
         block = getattr(pipeline.config, "num_frames_per_block", None)
         transformer = getattr(pipeline, "modules", {}).get("transformer")
-        images = _image_inputs(getattr(getattr(transformer, "config", None), "__dict__", {}))
+        images = _image_inputs(getattr(getattr(transformer, "config", None), "__dict__", {}),
+                                getattr(pipeline, "config", None))
         if stage is None:
             return cls(frames_per_block=block, **images)
         return cls(stage.spatial_multiple, stage.temporal_factor, block, stage.fixed_steps, stage.supports_flow_shift,
                    **images)
 
 
-def _image_inputs(transformer_config: dict) -> dict[str, bool]:
+def _image_inputs(transformer_config: dict, config: Any = None) -> dict[str, bool]:
     """The input images a transformer config implies: image cross-attention (`image_dim`, Wan2.1 I2V) or an image
     condition on the channel axis (more input than output channels: Wan2.1 I2V, Wan2.2 I2V A14B) needs the first
-    frame; a position embedding over two images' tokens (`pos_embed_seq_len`, FLF2V) takes the last too."""
+    frame; a position embedding over two images' tokens (`pos_embed_seq_len`, FLF2V) takes the last too. A family
+    whose PipelineConfig says `requires_image` is taken at its word (HunyuanVideo-1.5's transformer has the
+    condition channels for text-to-video too: zeros)."""
     channels_in, channels_out = transformer_config.get("in_channels"), transformer_config.get("out_channels")
     conditioned = channels_in is not None and channels_out is not None and channels_in > channels_out
-    return {"requires_image": transformer_config.get("image_dim") is not None or conditioned,
+    stated = getattr(config, "requires_image", None)
+    requires = transformer_config.get("image_dim") is not None or conditioned if stated is None else stated
+    return {"requires_image": requires,
             "takes_last_image": bool(transformer_config.get("pos_embed_seq_len"))}
 
 
@@ -136,6 +141,8 @@ def check_request(
     start_latent_frames = _check_start_frames(result, sp, limits.temporal_factor or 4)
     _check_input_images(result, sp, limits)
     _check_video(result, sp, limits)
+    if hasattr(sp, "check_inputs"):  # the family's own input rules (its SamplingParam's: SamplingParam.check_inputs)
+        sp.check_inputs(result, limits)
     explicit = list(segments) if isinstance(segments, (list, tuple)) else None
     if segments is not None and limits.frames_per_block is None:
         result.add_failure("segments", segments, "none: this model makes the whole video at once (a causal model "

@@ -19,6 +19,7 @@ class Flag:
     help: str
     choices: Any = None  # a tuple of accepted values, or a function returning it (read when the parser is built)
     default: str | None = None  # the dataclass default as --help shows it (the flag's own default stays None)
+    aliases: tuple[str, ...] = ()  # more spellings, from the field's metadata ("aliases": a family declares its own)
 
 
 def dataclass_flags(*classes: type) -> list[Flag]:
@@ -34,7 +35,7 @@ def dataclass_flags(*classes: type) -> list[Flag]:
             defaults.setdefault(f.name, []).append(_field_default(f))
             if f.name not in flags:
                 flags[f.name] = Flag(f.name, base_type(types[f.name]), f.metadata.get("help", ""),
-                                     f.metadata.get("choices"))
+                                     f.metadata.get("choices"), aliases=tuple(f.metadata.get("aliases", ())))
     return [dataclasses.replace(flag, default=_shown_default(defaults[name])) for name, flag in flags.items()]
 
 
@@ -63,7 +64,7 @@ def _shown_default(values: list[Any]) -> str | None:
 def add_flags(group: argparse._ArgumentGroup, flags: list[Flag]) -> list[str]:
     """Add the flags (default None, so only what the user typed overrides presets); returns their names."""
     for flag in flags:
-        names = [f"--{flag.name.replace('_', '-')}", *ALIASES.get(flag.name, [])]
+        names = [f"--{flag.name.replace('_', '-')}", *ALIASES.get(flag.name, []), *flag.aliases]
         help_text = flag.help
         if flag.choices is not None:  # listed, not enforced here: the dataclass reports every bad value at once
             choices = flag.choices() if callable(flag.choices) else flag.choices

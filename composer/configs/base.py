@@ -112,3 +112,9 @@ class SamplingParam(SamplingSettings):
         default=False, metadata={"help": "replace an existing output file (or a folder of earlier frames)"}
     )
 
+    def check_inputs(self, result: Any, limits: Any) -> None:
+        """This family's own input rules, run by the request check with every other rule before any work (in the
+        CLI before the model loads): add each problem to `result` (a VerificationResult) under the knob's name.
+        `limits`: the model's request_check.ModelLimits. None here: a family whose knobs have rules of their own
+        (VACE's mask and reference_images) overrides it, so the request check needs no line per family."""
+

@@ -290,7 +290,7 @@ class DenoisingEngine:
                     if hasattr(hook, "before_step"):
                         hook.before_step(info)
                 model_timestep = steps.model_timestep(t, latents)
-                if guidance is None:
+                if guidance is None or not guidance.active(index, num_steps):
                     pred = (yield from wait_for(ModelStep(self, latents, model_timestep, [cond], None, "step",
                                                           info)))[0]
                 else:

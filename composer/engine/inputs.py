@@ -25,7 +25,11 @@ class ModelInputs:
       frame mask and the encoded condition video);
     - `text_mask` [B, L] (1: a text token, 0: padding), `pooled_text` [B, D] and `guidance` [B] (an embedded
       guidance scale): what a transformer like HunyuanVideo's takes beside the text states (passed as diffusers
-      names them: `encoder_attention_mask`, `pooled_projections`, `guidance`).
+      names them: `encoder_attention_mask`, `pooled_projections`, `guidance`);
+    - `text_2` [B, L2, D2] with `text_mask_2`: a second text encoder's states (HunyuanVideo-1.5's ByT5), passed as
+      `encoder_hidden_states_2` / `encoder_attention_mask_2`;
+    - `extra`: a family's own transformer inputs, passed by keyword, one row per video like the fields above (VACE's
+      `control_hidden_states` and `control_hidden_states_scale`): a new conditioning needs no field here.
     """
 
     text: torch.Tensor | None = None
@@ -40,6 +44,9 @@ class ModelInputs:
     text_mask: torch.Tensor | None = None
     pooled_text: torch.Tensor | None = None
     guidance: torch.Tensor | None = None
+    text_2: torch.Tensor | None = None
+    text_mask_2: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] | None = None
 
     def at(self, frame_offset: int, **changes: Any) -> ModelInputs:
         """The same conditioning for a pass starting at another frame."""
@@ -65,6 +72,12 @@ class ModelInputs:
             kwargs["pooled_projections"] = self.pooled_text
         if self.guidance is not None:
             kwargs["guidance"] = self.guidance
+        if self.text_2 is not None:
+            kwargs["encoder_hidden_states_2"] = self.text_2
+        if self.text_mask_2 is not None:
+            kwargs["encoder_attention_mask_2"] = self.text_mask_2
+        if self.extra:
+            kwargs.update(self.extra)
         return kwargs
 
     @staticmethod
@@ -86,16 +99,27 @@ class ModelInputs:
                 tuple(torch.cat(parts) for parts in zip(*(b.cross_kv[i] for b in branches)))
                 for i in range(len(first.cross_kv))
             ]
-        text_mask = None
-        if any(b.text_mask is not None for b in branches):  # a branch without padding: all its tokens count
-            text_mask = torch.cat([b.text_mask if b.text_mask is not None else
-                                   torch.ones(b.text.shape[:2], dtype=torch.int64, device=b.text.device)
-                                   for b in branches])
+
+        def masks(mask_of, states_of):  # a branch without padding: all its tokens count
+            if all(mask_of(b) is None for b in branches):
+                return None
+            return torch.cat([mask_of(b) if mask_of(b) is not None else
+                              torch.ones(states_of(b).shape[:2], dtype=torch.int64, device=states_of(b).device)
+                              for b in branches])
+
+        extra = None
+        if first.extra:
+            if any(set(b.extra or ()) != set(first.extra) for b in branches):
+                raise ValueError("batched guidance branches must give the same extra transformer inputs")
+            extra = {name: torch.cat([b.extra[name] for b in branches]) for name in first.extra}
+        text_mask = masks(lambda b: b.text_mask, lambda b: b.text)
+        text_mask_2 = masks(lambda b: b.text_mask_2, lambda b: b.text_2)
         return ModelInputs(
             text=cat([b.text for b in branches]), cross_kv=cross_kv, kv_cache=first.kv_cache,
             frame_offset=first.frame_offset, attn_mask=first.attn_mask,
             context=cat([b.context for b in branches]), context_timestep=cat([b.context_timestep for b in branches]),
             image=cat([b.image for b in branches]), condition=cat([b.condition for b in branches]),
             text_mask=text_mask, pooled_text=cat([b.pooled_text for b in branches]),
-            guidance=cat([b.guidance for b in branches]),
+            guidance=cat([b.guidance for b in branches]), text_2=cat([b.text_2 for b in branches]),
+            text_mask_2=text_mask_2, extra=extra,
         )

@@ -23,7 +23,8 @@ units go before the other units of its priority (never before a higher priority)
 Budgets: `max_batch_size` counts videos (a unit's latent rows; a CFG pair is one video), `max_batch_tokens` counts
 transformer tokens (`token_count`: rows with their guidance branches x latent positions after patchify with the
 transformer's patch size). Partners join the first unit only while both budgets hold; the first unit itself always
-runs, alone if it is over a budget by itself.
+runs, alone if it is over a budget by itself. Under a memory budget (`call_memory`: composer.memory.admission) a
+partner also joins only while the call's predicted activations fit beside what the running requests hold.
 
 Exactness: rows of one batch do not interact in the transformer (attention and norms are per row), so a request's
 output equals its solo run up to the floating-point order of a larger matrix product (tests: latents <= 1e-5).
@@ -47,6 +48,8 @@ from composer.logging import get_logger
 
 logger = get_logger(__name__)
 
+CALL_POLL_S = 0.005  # a call held back for another scheduler's call (memory_budget) is looked at again this soon
+
 # -- the request a thread is running -------------------------------------------------------------------------
 
 
@@ -66,6 +69,8 @@ class RequestContext:
     deadline: float | None = None
     # a task on a RequestLoop (submit_video, a server's job): no per-step progress bar on the console
     background: bool = False
+    # the request's reservation of a shared memory budget (composer.memory.admission), which `call_memory` reads
+    memory: Any = None
 
     def due(self, now: float) -> bool:
         """Whether this request is a realtime stream whose next frames are due (or late) at `now`."""
@@ -124,6 +129,8 @@ def _shape_key(value: Any) -> Any:
         return (tuple(value.shape[1:]), value.dtype, str(value.device))
     if isinstance(value, (list, tuple)):
         return tuple(_shape_key(v) for v in value)
+    if isinstance(value, dict):  # ModelInputs.extra: a family's own inputs by name
+        return tuple(sorted((name, _shape_key(v)) for name, v in value.items()))
     return ("unbatchable", id(value))
 
 
@@ -139,7 +146,8 @@ def batch_key(latents: torch.Tensor, timestep: torch.Tensor, branches: list[Mode
         if not isinstance(first.kv_cache, KVCache) or any(b.kv_cache is not first.kv_cache for b in branches):
             return None  # branches with caches of their own (sequential CFG) or a cache we do not know
         cache = KVCacheGroup.signature(first.kv_cache, first.frame_offset, latents.shape[2])
-    fields = ("text", "cross_kv", "image", "condition", "text_mask", "pooled_text", "guidance")
+    fields = ("text", "cross_kv", "image", "condition", "text_mask", "pooled_text", "guidance", "text_2",
+              "text_mask_2", "extra")
     layout = tuple(tuple(_shape_key(getattr(b, f)) for f in fields) for b in branches)
     return (kind, _shape_key(latents), _shape_key(timestep), len(branches), first.frame_offset, cache, layout)
 
@@ -214,6 +222,9 @@ class StepScheduler:
         self.max_batch_tokens = max_batch_tokens  # transformer tokens in one call (Unit.tokens)
         self.bucketed = bucketed  # compile: power-of-two videos per call (few graphs, no steady-state recompiles)
         self.planner: Any = None  # a parallel layout's PlanChannel (composer/parallel/plan.py): rank 0 plans
+        # a memory budget's admission (composer.memory.admission.MemoryAdmission): `admits(self, units)` says
+        # whether a call over `units` fits, `started(self, units)` / `ended(self)` count the call while it runs
+        self.call_memory: Any = None
         self.patch_size = tuple(patch_size)  # (t, h, w) latent positions per token, for Unit.tokens
         self.gather_s = gather_s
         self.settle_s = settle_s
@@ -295,6 +306,14 @@ class StepScheduler:
 
     def _wait_before_running(self) -> float | None:
         """0: this thread should run an iteration now; else how long to wait (None: until notified)."""
+        wait = self._wait_to_gather()
+        if wait == 0.0 and self.call_memory is not None and not self.call_memory.admits(
+                self, [self._first(time.monotonic())]):
+            return CALL_POLL_S  # another scheduler's call holds the memory this one's first unit needs
+        return wait
+
+    def _wait_to_gather(self) -> float | None:
+        """`_wait_before_running` before the memory rule: when the requests in step have their units here."""
         if self._running or not self._pending:
             return None
         waiting = {u.request.id for u in self._pending}
@@ -331,8 +350,7 @@ class StepScheduler:
         a budget (a unit larger than max_batch_tokens runs alone rather than never)."""
         now = time.monotonic() if now is None else now
         ordered = sorted(self._pending, key=lambda u: self.pick_order(u, now))
-        # a causal pass one unit ahead of another stream's waits for it to catch up (`_behind`)
-        first = next((u for u in ordered if not any(_behind(v, u) for v in self._pending)), ordered[0])
+        first = self._first(now, ordered)
         chosen = [first]
         if first.key is not None:
             videos, tokens = first.videos, first.tokens
@@ -343,6 +361,8 @@ class StepScheduler:
                     continue
                 if self.max_batch_tokens is not None and tokens + unit.tokens > self.max_batch_tokens:
                     continue
+                if self.call_memory is not None and not self.call_memory.admits(self, [*chosen, unit]):
+                    continue  # its activations would not fit beside the others' (memory_budget)
                 chosen.append(unit)
                 videos += unit.videos
                 tokens += unit.tokens
@@ -353,12 +373,21 @@ class StepScheduler:
         self._pending = [u for u in self._pending if id(u) not in taken]
         return chosen
 
+    def _first(self, now: float, ordered: list[Unit] | None = None) -> Unit:
+        """The unit the next call is made around: the first pending one in pick order, except that a causal pass one
+        unit ahead of another stream's waits for it to catch up (`_behind`)."""
+        if ordered is None:
+            ordered = sorted(self._pending, key=lambda u: self.pick_order(u, now))
+        return next((u for u in ordered if not any(_behind(v, u) for v in self._pending)), ordered[0])
+
     def _run_one_iteration(self) -> None:
         """Called with the lock held: take one batch, run it without the lock, hand out the results. Under a
         parallel layout (`planner`, rank 0) the plan goes to the other ranks first, and the process's transformer
         calls (every scheduler's) run one at a time in the order of the plans."""
         units = self._pick()
         self._running = True
+        if self.call_memory is not None:
+            self.call_memory.started(self, units)
         if self._settling is not None:
             self.stats.settle_seconds += time.monotonic() - self._settling
             self._settling = None
@@ -373,6 +402,8 @@ class StepScheduler:
             for unit in units:
                 unit.error = unit.error or exc
         finally:
+            if self.call_memory is not None:
+                self.call_memory.ended(self)
             self._cv.acquire()
             self._running = False
             self._finished(units)

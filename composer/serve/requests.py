@@ -17,6 +17,7 @@ from composer.request_check import ModelLimits, RequestError, check_request
 from composer.runtime import lora_scale_problem
 from composer.serve.uploads import (
     IMAGE_FIELDS,
+    IMAGE_LIST_FIELDS,
     VIDEO_FIELDS,
     UploadLimits,
     decode_image,
@@ -30,7 +31,7 @@ from composer.serve.uploads import (
 SERVER_FIELDS = ("output_path", "overwrite", "num_videos_per_prompt")
 # Image and video inputs (uploads.py's IMAGE_FIELDS, VIDEO_FIELDS): uploads over HTTP (a multipart file, base64 or
 # a data URL), never a path on the server's disk; OpenAI's `input_reference` is the model's first image or input video.
-INPUT_FIELDS = IMAGE_FIELDS + VIDEO_FIELDS
+INPUT_FIELDS = IMAGE_FIELDS + VIDEO_FIELDS + IMAGE_LIST_FIELDS
 SERVER_PATHS: tuple[str, ...] = ()  # no field names a server file any more (kept for the page's hidden fields)
 # The server's own request fields (not SamplingParam's): OpenAI's aliases, the adapters, the queue priority.
 ALIASES = ("model", "size", "seconds", "lora", "lora_scale", "priority", "input_reference")
@@ -224,6 +225,9 @@ def _seconds_value(value: Any) -> float:
 
 
 def _decode_input(key: str, value: Any, uploads: UploadLimits) -> Any:
+    if key in IMAGE_LIST_FIELDS:  # one upload, or several (repeated multipart parts, a JSON list)
+        values = value if isinstance(value, list) else [value]
+        return [decode_image(v, f"{key}[{i}]", uploads) for i, v in enumerate(values)]
     return decode_video(value, key, uploads) if key in VIDEO_FIELDS else decode_image(value, key, uploads)
 
 
@@ -249,12 +253,13 @@ def _input_reference(value: Any, hints: dict, generator: Any, uploads: UploadLim
     from composer.serve.uploads import Upload
 
     upload = Upload(data)
-    wanted = ("image", "start_image") if kind == "image" else ("video", "start_video")
+    wanted = ("image", "start_image", "reference_images") if kind == "image" else ("video", "start_video")
     for key in wanted:
         if key in hints:
             return key, _decode_input(key, upload, uploads)
     roles = {"image": "an image (the first frame)", "last_image": "a last frame", "start_image": "an image to start "
-             "from", "start_video": "a video to continue", "video": "a video to redraw (video-to-video)"}
+             "from", "start_video": "a video to continue", "video": "a video to redraw (video-to-video)",
+             "mask": "a mask video", "reference_images": "reference images"}
     other = [roles[key] for key in INPUT_FIELDS if key in hints and key != "last_image"]
     takes = (f"it takes {' or '.join(other)}" if other else "it takes no image or video: a text-to-video model")
     raise RequestProblem(f"input_reference: the upload is {'an' if kind == 'image' else 'a'} {kind}, which this "

@@ -25,10 +25,12 @@ from typing import Any
 from composer.errors import InvalidInputError
 from composer.images import to_rgb
 
-# Inputs that are one image, and those that are a video (a causal model's video to continue, video-to-video's input).
+# Inputs that are one image, those that are a video (a causal model's video to continue, video-to-video's input, VACE's
+# control video and mask), and those that are a list of images (VACE's reference images: repeated parts, or a list).
 IMAGE_FIELDS = ("image", "last_image", "start_image")
-VIDEO_FIELDS = ("start_video", "video")
-UPLOAD_FIELDS = IMAGE_FIELDS + VIDEO_FIELDS + ("input_reference",)
+VIDEO_FIELDS = ("start_video", "video", "mask")
+IMAGE_LIST_FIELDS = ("reference_images",)
+UPLOAD_FIELDS = IMAGE_FIELDS + VIDEO_FIELDS + IMAGE_LIST_FIELDS + ("input_reference",)
 
 # The containers and codecs a video upload may be, by their first bytes (anything else is refused before ffmpeg
 # sees it): ISO BMFF (mp4, mov: "ftyp" at byte 4), Matroska / WebM (EBML), AVI (RIFF....AVI ), GIF.

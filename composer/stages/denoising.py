@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from composer.batch import ForwardBatch, PromptExtras
+from composer.batch import ForwardBatch, GuidanceSettings, PromptExtras
 from composer.engine import ClassifierFreeGuidance, DenoisingEngine, ModelInputs, SchedulerSteps, StepRule
 from composer.engine.loop import drive
 from composer.engine.scheduler import current_request
@@ -46,6 +46,13 @@ class DenoisingStage(Stage):
         guidance_scale, or true_cfg_scale for a family whose guidance_scale is embedded."""
         return batch.cfg_scale
 
+    def guidance(self, batch: ForwardBatch) -> ClassifierFreeGuidance:
+        """How the branches combine, for a request with CFG: `guidance_scale(batch)`, with the request's
+        GuidanceSettings where its family attached them (rescale, a window of steps)."""
+        settings = batch.get(GuidanceSettings, None)
+        extra = {} if settings is None else dataclasses.asdict(settings)
+        return ClassifierFreeGuidance(self.guidance_scale(batch), **extra)
+
     def branch_inputs(self, batch: ForwardBatch, text: torch.Tensor) -> ModelInputs:
         """One guidance branch's conditioning, from its text embedding (an image-conditioned stage adds the image)."""
         return self.engine.text_inputs(text)
@@ -59,10 +66,16 @@ class DenoisingStage(Stage):
         if found is not None:
             mask = found.negative_mask if negative else found.mask
             pooled = found.negative_pooled if negative else found.pooled
+            text_2 = found.negative_text_2 if negative else found.text_2
+            mask_2 = found.negative_mask_2 if negative else found.mask_2
             if mask is not None:
                 extra["text_mask"] = mask.to(device)
             if pooled is not None:
                 extra["pooled_text"] = pooled.to(device, dtype)
+            if text_2 is not None:
+                extra["text_2"] = text_2.to(device, dtype)
+            if mask_2 is not None:
+                extra["text_mask_2"] = mask_2.to(device)
         if batch.embedded_guidance is not None:
             extra["guidance"] = torch.full((batch.batch_size,), float(batch.embedded_guidance), device=device)
         return dataclasses.replace(inputs, **extra) if extra else inputs
@@ -84,7 +97,7 @@ class DenoisingStage(Stage):
         if batch.do_classifier_free_guidance:
             uncond = self._with_extra(self.branch_inputs(batch, batch.negative_prompt_embeds.to(dtype)), batch,
                                       negative=True)
-            guidance = ClassifierFreeGuidance(self.guidance_scale(batch))
+            guidance = self.guidance(batch)
         request = current_request()
         progress = self.progress and not (request is not None and request.background)
         batch.latents = yield from self.engine.run_task(batch.latents, steps, cond, uncond, guidance,

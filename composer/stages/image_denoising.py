@@ -22,7 +22,10 @@ class ImageToVideoDenoisingStage(DenoisingStage):
 
     @property
     def takes_image_states(self) -> bool:
-        return getattr(self.engine.transformer.config, "image_dim", None) is not None
+        """Image states as the transformer's input: Wan2.1's CLIP (`image_dim`), HunyuanVideo-1.5's SigLIP
+        (`image_embed_dim`, text tokens of its joint attention)."""
+        config = self.engine.transformer.config
+        return getattr(config, "image_dim", None) is not None or getattr(config, "image_embed_dim", None) is not None
 
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
         super().verify_input(batch, result)

@@ -36,15 +36,15 @@ from composer.models.hunyuan.blocks import (
     embed_scalar,
 )
 from composer.models.hunyuan.config import HunyuanVideoTransformerConfig
+from composer.models.hunyuan.grid import HunyuanTokenGrid
 from composer.models.hunyuan.mapping import DIFFUSERS_TO_COMPOSER
-from composer.models.layers.rotary import rope_frequencies
 from composer.models.runner import RunsBlocks, TokenPlan
 
 # The released model embeds the guidance scale as a timestep: guidance x 1000 (the reference pipeline's factor).
 GUIDANCE_EMBED_FACTOR = 1000.0
 
 
-class HunyuanVideoTransformer3DModel(RunsBlocks, nn.Module):
+class HunyuanVideoTransformer3DModel(HunyuanTokenGrid, RunsBlocks, nn.Module):
     """HunyuanVideo T2V DiT. Loads diffusers `HunyuanVideoTransformer3DModel` checkpoints."""
 
     class_names = ("HunyuanVideoTransformer3DModel",)
@@ -87,26 +87,6 @@ class HunyuanVideoTransformer3DModel(RunsBlocks, nn.Module):
         self.proj_out = nn.Linear(dim, config.out_channels * config.patch_size_t * config.patch_size**2)
         self._rope_cache: OrderedDict[tuple, Rotary] = OrderedDict()
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.proj_out.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.proj_out.weight.device
-
-    def rotary(self, grid: tuple[int, int, int], device: torch.device) -> Rotary:
-        """RoPE cos/sin for a token grid (frames, rows, cols), cached per (grid, device): steps reuse one table."""
-        key = (grid, str(device))
-        if key not in self._rope_cache:
-            if len(self._rope_cache) >= 8:
-                self._rope_cache.popitem(last=False)
-            self._rope_cache[key] = rope_frequencies(
-                self.config.attention_head_dim, grid, 0, self.config.rope_theta, device,
-                axis_dims=tuple(self.config.rope_axes_dim),
-            )
-        return self._rope_cache[key]
-
     def conditioning(self, timestep: torch.Tensor, pooled: torch.Tensor, guidance: torch.Tensor | None
                      ) -> torch.Tensor:
         """temb [B, D]: timestep + embedded guidance + pooled CLIP text, in the pooled vector's dtype."""
@@ -124,24 +104,6 @@ class HunyuanVideoTransformer3DModel(RunsBlocks, nn.Module):
         """The timestep's embedding [B, D]: what TeaCache plans its skips from (the rest of temb, guidance and
         pooled text, is the same at every step of a video)."""
         return embed_scalar(self.time_text_embed.timestep_embedder, timestep, self.dtype)
-
-    @staticmethod
-    def joint_key_mask(video_len: int, text_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """[B, 1, 1, S + L] boolean key mask over [video; text]: every video token and each row's first
-        `text_mask.sum()` text tokens (the reference's rule: the text is right-padded). None: no padding."""
-        if text_mask is None:
-            return None
-        batch, text_len = text_mask.shape
-        valid = video_len + text_mask.sum(dim=1, dtype=torch.int64)
-        index = torch.arange(video_len + text_len, device=text_mask.device)
-        return (index.unsqueeze(0) < valid.unsqueeze(1))[:, None, None, :]
-
-    def unpatchify(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """[B, S, C*pt*p*p] (channels outermost within a patch) -> [B, C, F, H, W]."""
-        pt, p = self.config.patch_size_t, self.config.patch_size
-        f, h, w = grid
-        x = tokens.reshape(tokens.shape[0], f, h, w, -1, pt, p, p)
-        return x.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
     def forward(
         self,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -227,11 +228,16 @@ class WanConditionEmbedder(nn.Module):
         """timestep [B], [B, F] (per latent frame) or [B, S] (per token) -> temb [B, T, D] and timestep_proj
         [B, T, 6, D] in `dtype` (the activations' dtype), T being 1, F or S."""
         grid = timestep.shape if timestep.ndim == 2 else (timestep.shape[0], 1)
-        freq = sinusoidal_timestep_embedding(timestep.flatten(), self.freq_dim)
+        freq = self.timestep_frequencies(timestep.flatten())
         weight_dtype = self.time_embedder.linear_1.weight.dtype
         temb = self.time_embedder(freq.to(weight_dtype)).to(dtype)
         proj = self.time_proj(F.silu(temb)).unflatten(1, (6, -1))
         return temb.unflatten(0, grid), proj.unflatten(0, grid)
+
+    def timestep_frequencies(self, timestep: torch.Tensor) -> torch.Tensor:
+        """[N] timesteps -> [N, freq_dim] sinusoids, [cos | sin], in fp32; the caller casts them to the embedder's
+        dtype (a variant computing them at another precision overrides this: SkyReels-V2's in float64)."""
+        return sinusoidal_timestep_embedding(timestep, self.freq_dim)
 
     def embed_text(self, text: torch.Tensor) -> torch.Tensor:
         return self.text_embedder(text)
@@ -352,7 +358,22 @@ class WanTransformer3DModel(RunsBlocks, nn.Module):
         image model given CLIP image states: compute once per prompt, reuse every step."""
         context = self.condition_embedder.embed_text(encoder_hidden_states)
         image = self._embedded_image(encoder_hidden_states_image)
-        return [block.attn2.project_kv(context, image) for block in self.blocks]
+        return [block.attn2.project_kv(context, image) for block in self.cross_attention_blocks()]
+
+    def cross_attention_blocks(self) -> list[nn.Module]:
+        """The blocks whose cross-attention reads the text, in the order of `cross_attention_kv`'s entries: the
+        repeated blocks, then a variant's own (VACE's control blocks, composer/models/wan/vace.py)."""
+        return list(self.blocks)
+
+    def block_residuals(self, x: torch.Tensor, *, contexts: list, timestep_proj: torch.Tensor, rotary: Rotary,
+                        token_grid: tuple[int, int, int] | None, image: torch.Tensor | None,
+                        split: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{block index: residual [B, S, D]} added to the stream after that block: a variant's control branch,
+        computed from the blocks' input `x` (this rank's tokens) and what the blocks read (`contexts`: one entry per
+        `cross_attention_blocks()`); `split(tokens)` gives this rank's part of more tokens of x's grid. The plain DiT
+        has none; VACE's hints are its (composer/models/wan/vace.py), with the control latents `_forward` was given
+        by keyword."""
+        return {}
 
     def _embedded_image(self, encoder_hidden_states_image: torch.Tensor | None) -> torch.Tensor | None:
         """The CLIP image states in the model's width; an image model requires them, a text model refuses them."""
@@ -375,6 +396,7 @@ class WanTransformer3DModel(RunsBlocks, nn.Module):
         frame_offset: int = 0,
         attn_mask: torch.Tensor | None = None,
         kv_cache=None,
+        modulation_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states [B, C, F, H, W], timestep [B] (or [B, F]: one per latent frame, or [B, S]: one per
         token, as Wan2.2 TI2V's `expand_timesteps` gives it), and the text as encoder_hidden_states
@@ -387,37 +409,48 @@ class WanTransformer3DModel(RunsBlocks, nn.Module):
         for RoPE), `attn_mask` (a [S, S] boolean mask over tokens) and `kv_cache` (a composer.cache.KVCache:
         this pass covers frames [frame_offset, frame_offset + F); their keys/values are appended to it, or
         overwrite the newest frames on a re-run, and every cached frame the window shows is attended to).
+        `modulation_bias` [B, 6, D]: added to every timestep's modulation vectors (not to the output norm's), in the
+        activations' dtype: a variant's per-row conditioning (SkyReels-V2's fps embedding).
         """
         if kv_cache is not None:
             with kv_cache.pass_over(frame_offset, hidden_states.shape[2]):
                 return self._forward(hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset,
-                                     attn_mask, kv_cache, encoder_hidden_states_image)
+                                     attn_mask, kv_cache, encoder_hidden_states_image, modulation_bias)
         return self._forward(hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset, attn_mask,
-                             image=encoder_hidden_states_image)
+                             image=encoder_hidden_states_image, modulation_bias=modulation_bias)
 
     def _forward(self, hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset, attn_mask,
-                 kv_cache=None, image=None) -> torch.Tensor:
+                 kv_cache=None, image=None, modulation_bias=None, **control) -> torch.Tensor:
+        """`control`: a variant's own inputs, by keyword, for its `block_residuals` (none for the plain DiT)."""
         x, grid = self.patchify(hidden_states)
         rotary = self.rotary(grid, x.device, frame_offset)
         runner = self.runner
         check_timestep_layout(timestep, x.shape[0], grid, sharded=not runner.holds_whole_sequence)
+        whole_rotary = rotary
         x, rotary = runner.enter(x, rotary, frames=grid[0])  # this rank's tokens, once for all blocks
         # the token grid, for a windowed attention backend: only a pass holding every token of the grid
         token_grid = grid if runner.holds_whole_sequence and kv_cache is None else None
         if cross_kv is None:
             context = self.condition_embedder.embed_text(encoder_hidden_states)
-            contexts = [context] * len(self.blocks)
+            contexts = [context] * len(self.cross_attention_blocks())
             image = self._embedded_image(image)
             act_dtype = encoder_hidden_states.dtype
         else:
             contexts, image = cross_kv, None  # an image model's cross_kv holds the image tokens' k/v too
             act_dtype = cross_kv[0][0].dtype
         temb, timestep_proj = self.condition_embedder.embed_timestep(timestep, act_dtype)
+        if modulation_bias is not None:
+            timestep_proj = timestep_proj + modulation_bias.unsqueeze(1)  # [B, T, 6, D] + [B, 1, 6, D]
+        residuals = self.block_residuals(
+            x, contexts=contexts, timestep_proj=timestep_proj, rotary=rotary, token_grid=token_grid, image=image,
+            split=lambda tokens: runner.enter(tokens, whole_rotary, frames=grid[0])[0], **control)
 
         def run_blocks(x: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
             for i in range(start, len(self.blocks) if end is None else end):
                 layer_cache = kv_cache.layer(i) if kv_cache is not None else None
                 x = self.blocks[i](x, contexts[i], timestep_proj, rotary, attn_mask, layer_cache, token_grid, image)
+                if i in residuals:
+                    x = x + residuals[i]
             return x
 
         # a step cache (composer.accel.step_cache) may reuse an earlier step's residual instead of the blocks
