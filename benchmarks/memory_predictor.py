@@ -13,6 +13,10 @@ For each size, in a fresh subprocess: the model folder loads, one small warmup v
 Prints a row per size: predicted, measured, error (predicted / measured - 1), the prediction's own seconds; with
 `--json` writes them. Exit status 1 when an error exceeds `--tolerance` (default 0.15).
 
+`--concurrent N`: N requests of each size at once (submit_video, seeds 0..N-1: their steps batched, their decodes
+batched), against what a shared budget counts for them (composer.memory.admission): N times each request's held
+share plus N times its calls' excess (every request at its peak at once, all its steps in one call).
+
     python benchmarks/memory_predictor.py                                   # a mid-size random Wan on CPU
     python benchmarks/memory_predictor.py --model-path /path/to/Wan2.1-T2V-1.3B-Diffusers --device cuda \\
         --sizes 17x480x832,33x480x832,81x480x832 --steps 2
@@ -71,7 +75,31 @@ def measure(args) -> dict:
     seconds = time.perf_counter() - start
     device = pipeline.device
     out = {"size": args.size, "device": str(device), "predict_s": seconds, "stages": predicted.describe()}
-    if device.type == "cuda":
+    if args.concurrent > 1:
+        from composer.memory import MemoryShare
+
+        share = MemoryShare.of(predicted)
+        n = args.concurrent
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        before = rss()
+        futures = [gen.submit_video(sp.prompt, num_frames=frames, height=height, width=width,
+                                    **{**request, "seed": i}) for i in range(n)]
+        for future in futures:
+            future.result()
+        scheduler = pipeline.engines[0].scheduler
+        out["batched"] = f"{scheduler.stats.units} steps in {scheduler.stats.calls} calls"
+        out["predicted"] = n * share.held + n * max(0, share.excess)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            out["measured"] = torch.cuda.max_memory_allocated(device)
+            out["predicted"] += device_peak(predictor, "none", predicted)[1]
+            out["what"] = f"max_memory_allocated of {n} requests at once (weights included)"
+        else:
+            out["measured"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+            out["what"] = f"peak RSS rise of {n} requests at once"
+    elif device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         gen.generate_video(sp.prompt, num_frames=frames, height=height, width=width, **request)
@@ -99,6 +127,7 @@ def main() -> int:
     p.add_argument("--guidance", type=float, default=5.0)
     p.add_argument("--tolerance", type=float, default=0.15)
     p.add_argument("--json", default=None)
+    p.add_argument("--concurrent", type=int, default=1, help="requests of each size at once (see the module)")
     p.add_argument("--size", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
@@ -116,7 +145,8 @@ def main() -> int:
     print(f"{'size':>14} {'predicted':>11} {'measured':>11} {'error':>7} {'predict':>8}  stages (predicted)")
     for size in (args.sizes or CPU_SIZES).split(","):
         cmd = [sys.executable, __file__, "--size", size, "--model-path", args.model_path, "--device", args.device,
-               "--dtype", args.dtype, "--steps", str(args.steps), "--guidance", str(args.guidance)]
+               "--dtype", args.dtype, "--steps", str(args.steps), "--guidance", str(args.guidance),
+               "--concurrent", str(args.concurrent)]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
         if res.returncode or line is None:
@@ -125,7 +155,8 @@ def main() -> int:
         row = json.loads(line[len("RESULT "):])
         rows.append(row)
         print(f"{size:>14} {row['predicted'] / 2**20:>9.1f}Mi {row['measured'] / 2**20:>9.1f}Mi "
-              f"{row['error']:>+7.1%} {row['predict_s']:>7.2f}s  {row['stages']}")
+              f"{row['error']:>+7.1%} {row['predict_s']:>7.2f}s  {row['stages']}"
+              f"{'; ' + row['batched'] if 'batched' in row else ''}")
     print(f"measured: {rows[0]['what']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -200,6 +200,10 @@ class VideoGenerator:
             defaults = dataclasses.replace(defaults, **{k: getattr(stated, k) for k in settings.sampling})
         generator = cls(pipeline, defaults, model_path, configs.family.name)
         generator.memory_guard = guard
+        if guard is not None:  # concurrent requests share the budget: each step scheduler asks it about its calls
+            for engine in pipeline.engines:
+                if engine.scheduler is not None:
+                    engine.scheduler.call_memory = guard.admission
         return generator
 
     def set_lora(self, paths: str | os.PathLike | list, scales: float | list[float] | None = None,
@@ -276,29 +280,30 @@ class VideoGenerator:
         scheduled together, compatible steps sharing one transformer call (docs/scheduling.md); each video equals
         the one a lone call makes. `priority` (an int, higher first) orders the waiting steps.
         """
-        sp, videos, priority = self._checked(prompt, sampling_param, segments, overrides, priority)
-        return drive(self._generate_task(sp, videos, segments, cancel, priority))
+        sp, videos, priority, share = self._checked(prompt, sampling_param, segments, overrides, priority)
+        return drive(self._generate_task(sp, videos, segments, cancel, priority, share=share))
 
     def _checked(self, prompt: Any, sampling_param: SamplingParam | None, segments: Any, overrides: dict[str, Any],
-                 priority: Any) -> tuple[SamplingParam, VideoRequests | None, int]:
-        """A request's checks, before any work: its SamplingParam, its videos and its priority."""
+                 priority: Any) -> tuple[SamplingParam, VideoRequests | None, int, Any]:
+        """A request's checks, before any work: its SamplingParam, its videos, its priority and, under a memory
+        budget, its share of it (composer.memory.MemoryShare; None without a budget)."""
         priority = _checked_priority(priority)
         sp, videos = self._request(prompt, sampling_param, segments, overrides)
         checked = sp if videos is None else dataclasses.replace(sp, prompt=videos.prompts)
         check_request(checked, ModelLimits.from_pipeline(self.pipeline), segments)
-        self._check_memory(sp, videos, segments)
-        return sp, videos, priority
+        memory = self._check_memory(sp, videos, segments)
+        return sp, videos, priority, None if memory is None else self.memory_guard.share(memory)
 
-    def _check_memory(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any) -> None:
+    def _check_memory(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any) -> Any:
         """With a memory budget: refuse a request whose predicted peak does not fit (MemoryBudgetError), before it
-        starts."""
+        starts; its predicted activations (composer.memory.RequestMemory), or None without a budget."""
         if self.memory_guard is None:
-            return
+            return None
         from composer.memory import request_key as memory_key
 
         segments = list(segments) if segments is not None else None
         shaped = sp if sp.seed is not None else sp.updated(seed=0)  # (the twin's batch: no seed drawn for it)
-        self.memory_guard.check(new_batch(shaped, videos), shaped, memory_key(sp, videos, segments), segments)
+        return self.memory_guard.check(new_batch(shaped, videos), shaped, memory_key(sp, videos, segments), segments)
 
     def submit_video(
         self,
@@ -319,7 +324,7 @@ class VideoGenerator:
         (`RuntimeArgs.stage_threads`) only while they work. Elsewhere (model offload, several ranks) it runs on a
         thread of its own. The future's result is `generate_video`'s; a `Cancelled` (its
         `cancel` token) or any error of the request is the future's exception."""
-        sp, videos, priority = self._checked(prompt, sampling_param, segments, overrides, priority)
+        sp, videos, priority, share = self._checked(prompt, sampling_param, segments, overrides, priority)
         if not self.pipeline.runs_tasks:
             future: Future = Future()
             future.set_running_or_notify_cancel()
@@ -334,7 +339,7 @@ class VideoGenerator:
             threading.Thread(target=run, name="composer-request", daemon=True).start()
             return future
         context = RequestContext(priority=priority, cancel=cancel, background=True)
-        return self.request_loop.submit(self._generate_task(sp, videos, segments, cancel, priority, context),
+        return self.request_loop.submit(self._generate_task(sp, videos, segments, cancel, priority, context, share),
                                         context)
 
     @property
@@ -349,13 +354,33 @@ class VideoGenerator:
             return self._loop
 
     def _generate_task(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any,
-                       cancel: CancelToken | None, priority: int, context: RequestContext | None = None):
+                       cancel: CancelToken | None, priority: int, context: RequestContext | None = None,
+                       share: Any = None):
         """`generate_video`'s work (after its checks) as a task: each batch through `pipeline.forward_task`, its
         results made (and files written) as blocking work. `context`: a task's RequestContext, shared by its
-        batches (None: each batch gets its own, as a call on a thread does)."""
+        batches (None: each batch gets its own, as a call on a thread does). `share`: under a memory budget, the
+        request first waits until it fits beside the running requests (composer.memory.admission), and holds its
+        reservation to its end."""
+        reservation = None
+        if share is not None:
+            admission = self.memory_guard.admission
+            reservation = admission.try_reserve(share, priority)
+            if reservation is None:  # others hold the memory: wait, off a request loop's own threads
+                reservation = yield from wait_for(Blocking(lambda: admission.reserve(share, priority, cancel),
+                                                           waits=True))
+        try:
+            return (yield from self._reserved_task(sp, videos, segments, cancel, priority, context, reservation))
+        finally:
+            if reservation is not None:
+                reservation.release()
+
+    def _reserved_task(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any,
+                       cancel: CancelToken | None, priority: int, context: RequestContext | None, reservation: Any):
+        """`_generate_task` once the request holds its memory (`reservation`, or None without a budget)."""
         limit = self.pipeline.runtime.max_batch_size
         if videos is None or not limit or videos.count <= limit:
-            results = yield from self._batch_task(sp, videos, segments, cancel, priority, context)
+            results = yield from self._batch_task(sp, videos, segments, cancel, priority, context,
+                                                  reservation=reservation)
             return results if videos is not None and not videos.single else results[0]
         # More videos than one batch may hold: consecutive batches, each row keeping its seed and number.
         seed = sp.seed if sp.seed is not None else parallel_state.random_seed()
@@ -365,16 +390,17 @@ class VideoGenerator:
             part = dataclasses.replace(videos, prompts=videos.prompts[rows], single=False,
                                        negative_prompts=videos.negative_prompts[rows] if videos.negative_prompts else None)
             results += yield from self._batch_task(sp.updated(seed=seed + first), part, segments, cancel, priority,
-                                                   context, row_offset=first, several=True)
+                                                   context, row_offset=first, several=True, reservation=reservation)
         return results
 
     def _batch_task(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any,
                     cancel: CancelToken | None, priority: int, context: RequestContext | None,
-                    row_offset: int = 0, several: bool | None = None):
+                    row_offset: int = 0, several: bool | None = None, reservation: Any = None):
         """One batch through the pipeline, as a task; a result per row (rows numbered from `row_offset`)."""
         batch = self._new_batch(sp, videos, cancel, priority)
         if context is not None:
             batch.attach(context)  # the task's: what its units and cancel checks name
+        batch.get(RequestContext).memory = reservation  # what the step scheduler's memory rule reads
         start = time.perf_counter()
         self.pipeline.prepare(batch, sp, list(segments) if segments is not None else None)
         batch = yield from self.pipeline.forward_task(batch)

@@ -1,13 +1,14 @@
 """Memory planning: predict what a request needs before it runs (`predict`), pick the placement that fits a budget
-(`plan`). See docs/memory.md."""
+(`plan`; under torchrun one plan for every rank: `ranks`), admit concurrent requests against it (`admission`). See
+docs/memory.md."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from composer.errors import ConfigError
 from composer.logging import get_logger
+from composer.memory.admission import AdmissionStats, MemoryAdmission, MemoryShare, Reservation
 from composer.memory.plan import (
     HEADROOM,
     MemoryGuard,
@@ -22,11 +23,12 @@ from composer.memory.weights import ComponentWeights, component_weights
 
 logger = get_logger(__name__)
 
-__all__ = ["HEADROOM", "ComponentWeights", "LiveBytes", "MemoryGuard", "MemoryPlan", "MemoryPredictor",
-           "RequestMemory", "component_weights", "device_peak", "fake_mode", "fmt_bytes", "plan_memory",
-           "planned_runtime", "request_key", "resolve_memory_budget", "traced_peak"]
+__all__ = ["HEADROOM", "AdmissionStats", "ComponentWeights", "LiveBytes", "MemoryAdmission", "MemoryGuard",
+           "MemoryPlan", "MemoryPredictor", "MemoryShare", "RequestMemory", "Reservation", "component_weights",
+           "device_peak", "fake_mode", "fmt_bytes", "plan_memory", "planned_runtime", "request_key",
+           "resolve_memory_budget", "traced_peak"]
 
-_IMAGE_FIELDS = ("image", "last_image", "reference_image", "video", "mask")
+_IMAGE_FIELDS = ("image", "last_image", "reference_images", "video", "mask")
 
 
 def request_key(sampling: Any, videos: Any, segments: Any) -> tuple:
@@ -43,9 +45,6 @@ def planned_runtime(resolved: Any, runtime: Any, parallel_state: Any) -> tuple[A
     from composer.generator import new_batch
     from composer.prompt_lists import video_requests
 
-    if parallel_state is not None:
-        raise ConfigError("offload = auto and memory_budget plan one process's memory; under a parallel layout "
-                          "(torchrun, num_gpus) set offload yourself (docs/memory.md)")
     index, configs = resolved.index, resolved.configs
     predictor = MemoryPredictor(resolved.pipeline_cls, index, configs.pipeline_config().updated_from_folder(index.extra),
                                 runtime)
@@ -65,11 +64,23 @@ def planned_runtime(resolved: Any, runtime: Any, parallel_state: Any) -> tuple[A
         return new_batch(sampling, videos), sampling, request_key(sampling, videos, None)
 
     offload = runtime.offload
-    no_disk = offload == "auto" and bool(runtime.lora_path or runtime.quantize != "none")  # (hooks.py refuses both)
-    plan = plan_memory(predictor, make_request, budget, video, offload=offload,
-                       streaming=predictor.twin().can_stream, no_disk=no_disk)
-    offload_modes_note = " (disk left out: LoRA and quantization need the blocks in memory)" if no_disk else ""
-    logger.info("memory plan: %s%s; considered %s", plan.describe(), offload_modes_note, "; ".join(plan.considered))
+    # (hooks.py refuses disk with each of these)
+    no_disk = offload == "auto" and bool(runtime.lora_path or runtime.quantize != "none" or runtime.tp_size > 1)
+
+    def plan_here() -> MemoryPlan:
+        return plan_memory(predictor, make_request, budget, video, offload=offload,
+                           streaming=predictor.twin().can_stream, no_disk=no_disk)
+
+    offload_modes_note = (" (disk left out: LoRA, quantization and tensor parallel need the blocks in memory)"
+                          if no_disk else "")
+    if parallel_state is None:
+        plan = plan_here()
+        logger.info("memory plan: %s%s; considered %s", plan.describe(), offload_modes_note,
+                    "; ".join(plan.considered))
+    else:  # torchrun: every rank plans on its own device, all take the most conservative plan (logged by rank 0)
+        from composer.memory.ranks import agree_plan
+
+        plan = agree_plan(parallel_state, predictor, plan_here, make_request, video)
     if offload == "auto":
         runtime = dataclasses.replace(runtime, offload=plan.offload)
     if plan.vae_tiling and runtime.vae_tile_size is None:

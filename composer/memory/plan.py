@@ -149,11 +149,18 @@ def plan_memory(predictor: MemoryPredictor, make_request, budget: int, video: di
 
 
 class MemoryGuard:
-    """Checks each request against the plan before it runs (composer.generator)."""
+    """Checks each request against the plan before it runs (composer.generator), and admits concurrent requests
+    against the plan's one budget (`admission`: composer.memory.admission)."""
 
     def __init__(self, predictor: MemoryPredictor, plan: MemoryPlan):
+        from composer.memory.admission import MemoryAdmission
+
         self.predictor = predictor
         self.plan = plan
+        usable = int(plan.budget / (1 + HEADROOM))
+        # model offload moves each stage's components in and out: its weights travel with each request's stages
+        weights = 0 if plan.offload == "model" else plan.weights_on_device
+        self.admission = MemoryAdmission(usable - weights, weights)
 
     def check(self, batch, sampling, key: tuple, segments: Any = None) -> RequestMemory:
         request = self.predictor.request(batch, sampling, segments, key=key, tiled_decode=self.plan.vae_tiling)
@@ -167,3 +174,11 @@ class MemoryGuard:
                 "height, width, num_frames or the number of videos, or raise memory_budget"
             )
         return request
+
+    def share(self, request: RequestMemory):
+        """The request's share of the budget beside the weights (composer.memory.admission.MemoryShare)."""
+        from composer.memory.admission import MemoryShare
+
+        if self.plan.offload == "model":  # requests run one at a time (a serial pipeline): all of it, held
+            return MemoryShare(device_peak(self.predictor, "model", request)[0])
+        return MemoryShare.of(request)

@@ -50,6 +50,9 @@ class StageMemory:
     components: tuple[str, ...]
     peak: int
     carried: int
+    # its transformer calls go through a step scheduler, where concurrent requests' calls are batched: its peak is
+    # one call's (composer.memory.admission counts the calls running, not every request's)
+    calls: bool = False
 
 
 @dataclass
@@ -104,9 +107,12 @@ def _fake_component(spec, folder: Path, dtype: torch.dtype | None) -> Any:
 
 def twin_runtime(runtime):
     """The runtime a twin is built with: the request's device, dtypes and attention backend, without the hooks
-    that move or change weights (offload, quantization, compile, caches, LoRA): activations are the same."""
+    that move or change weights (offload, quantization, compile, caches, LoRA): activations are the same. Under a
+    parallel layout the twin is one process running the whole request: an upper bound of a rank's share (sequence
+    parallel splits the tokens, tensor parallel the weights and heads)."""
     return dataclasses.replace(runtime, offload="none", quantize="none", compile="none", cache="none", lora_path=None,
-                               lora_scale=None, progress=False, kv_cache_offload=False)
+                               lora_scale=None, progress=False, kv_cache_offload=False, ulysses_degree=1,
+                               ring_degree=1, tp_size=1, cfg_parallel=False, num_gpus=None)
 
 
 class MemoryPredictor:
@@ -202,7 +208,8 @@ class MemoryPredictor:
                             batch = self._stream(stage, batch, block_frames)
                         elif not stage.skips(batch):
                             batch = stage(batch)
-                    result.stages.append(StageMemory(stage.name, components, peak(), carried))
+                    calls = not stage.streams and any(n.startswith("transformer") for n in components)
+                    result.stages.append(StageMemory(stage.name, components, peak(), carried, calls))
             result.seconds = time.perf_counter() - start
             if full_key is not None:
                 self._cache[full_key] = result

@@ -379,6 +379,17 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
                 ("shared_pages", "KV pages shared by more than one cache (forks)", pool.shared_pages)])
             lines += ["# HELP composer_kv_pool_waits_total KV caches that had to wait for pages",
                       "# TYPE composer_kv_pool_waits_total counter", f"composer_kv_pool_waits_total {pool.waits}"]
+        admission = getattr(getattr(state.generator, "memory_guard", None), "admission", None)
+        if admission is not None:  # --memory-budget: jobs admitted against one budget (docs/memory.md)
+            memory = admission.stats()
+            lines += _gauges("composer_memory", [
+                ("room_bytes", "the memory budget after headroom, less the weights", memory.room),
+                ("weights_bytes", "the weights on the device, counted once", memory.weights),
+                ("reserved_bytes", "memory the running requests reserved (their predicted activations)",
+                 memory.reserved),
+                ("waiting", "requests waiting for memory now", memory.waiting)])
+            lines += ["# HELP composer_memory_waits_total requests that had to wait for memory",
+                      "# TYPE composer_memory_waits_total counter", f"composer_memory_waits_total {memory.waits}"]
         lines += streams.metric_lines()
         if getattr(state, "auth", None) is not None:  # API keys: requests, 401s, 429s, jobs and streams per key
             lines += state.auth.metric_lines()
