@@ -43,6 +43,14 @@ def describe_image(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
+def shown_input(value: Any) -> Any:
+    """An input image or video as a request failure shows it: a path as given, arrays and images by type and size
+    (no pixels), anything else as it is."""
+    if isinstance(value, (str, os.PathLike)):
+        return str(value)
+    return describe_image(value) if hasattr(value, "size") or hasattr(value, "shape") else value
+
+
 class _Unusable(Exception):
     """Why a value is not an image: the rule it breaks, as "expected ..." text."""
 

@@ -10,7 +10,6 @@ pipeline's InputValidationStage stays as the second line of defence.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tempfile
 from collections.abc import Iterable
@@ -20,7 +19,7 @@ from typing import Any
 
 from composer._fields import base_type, coerce, field_types, json_field_problems
 from composer.errors import InvalidInputError, ModelFormatError, problems_message
-from composer.images import describe_image, image_problem, refuse_image_knobs
+from composer.images import describe_image, image_problem, refuse_image_knobs, shown_input
 from composer.stages.validators import V, VerificationResult
 from composer.video import FRAME_FILE_PATTERN, SUPPORTED_OUTPUTS, output_kind
 
@@ -92,14 +91,16 @@ def _image_inputs(transformer_config: dict, config: Any = None) -> dict[str, boo
     """The input images a transformer config implies: image cross-attention (`image_dim`, Wan2.1 I2V) or an image
     condition on the channel axis (more input than output channels: Wan2.1 I2V, Wan2.2 I2V A14B) needs the first
     frame; a position embedding over two images' tokens (`pos_embed_seq_len`, FLF2V) takes the last too. A family
-    whose PipelineConfig says `requires_image` is taken at its word (HunyuanVideo-1.5's transformer has the
-    condition channels for text-to-video too: zeros)."""
+    whose PipelineConfig says `requires_image` or `takes_last_image` is taken at its word (HunyuanVideo-1.5's
+    transformer has the condition channels for text-to-video too: zeros; SkyReels-V2 DF's sampler takes a last
+    frame with no transformer input for it)."""
     channels_in, channels_out = transformer_config.get("in_channels"), transformer_config.get("out_channels")
     conditioned = channels_in is not None and channels_out is not None and channels_in > channels_out
     stated = getattr(config, "requires_image", None)
     requires = transformer_config.get("image_dim") is not None or conditioned if stated is None else stated
-    return {"requires_image": requires,
-            "takes_last_image": bool(transformer_config.get("pos_embed_seq_len"))}
+    stated_last = getattr(config, "takes_last_image", None)
+    last = bool(transformer_config.get("pos_embed_seq_len")) if stated_last is None else stated_last
+    return {"requires_image": requires, "takes_last_image": last}
 
 
 # The config values read here, before the loaders' own checks: a value of another type is refused naming the file.
@@ -140,7 +141,6 @@ def check_request(
     result = VerificationResult()
     start_latent_frames = _check_start_frames(result, sp, limits.temporal_factor or 4)
     _check_input_images(result, sp, limits)
-    _check_video(result, sp, limits)
     if hasattr(sp, "check_inputs"):  # the family's own input rules (its SamplingParam's: SamplingParam.check_inputs)
         sp.check_inputs(result, limits)
     explicit = list(segments) if isinstance(segments, (list, tuple)) else None
@@ -386,37 +386,9 @@ def _check_input_images(result: VerificationResult, sp: Any, limits: ModelLimits
         result.add_failure("last_image", _shown(last), problem)
 
 
-def _check_video(result: VerificationResult, sp: Any, limits: ModelLimits) -> None:
-    """Video-to-video: the video reads, has 4k + 1 frames, and `strength` keeps at least one step."""
-    video = getattr(sp, "video", None)
-    strength = getattr(sp, "strength", None)
-    finite = isinstance(strength, (int, float)) and not isinstance(strength, bool) and math.isfinite(strength)
-    if video is None:  # (a non-finite strength is named by the number check)
-        default = next((f.default for f in dataclasses.fields(type(sp)) if f.name == "strength"), None)
-        if finite and strength != default:
-            result.add_failure("strength", strength, f"unset ({default}) without a video: strength is video-to-"
-                               "video's (give video= / --video too)")
-        return
-    from composer.stages.video_latents import read_video_frames, strength_problem
-
-    try:
-        frames = read_video_frames(video)
-    except InvalidInputError as exc:
-        result.add_failure("video", _shown(video), f"a readable video ({exc})")
-        return
-    temporal = limits.temporal_factor or 4
-    if (len(frames) - 1) % temporal:
-        result.add_failure("video frames", len(frames), f"{temporal}k + 1 (the video's length is the request's "
-                           f"num_frames: give {(len(frames) - 1) // temporal * temporal + 1} frames, for one)")
-    if finite and (problem := strength_problem(strength, sp.num_inference_steps)) is not None:
-        result.add_failure("strength", strength, problem)  # (a non-finite one is named by the number check)
-
-
 def _shown(value: Any) -> Any:
     """An image value as a message shows it: a path as given, arrays and images by type and size (no pixels)."""
-    if isinstance(value, (str, os.PathLike)):
-        return str(value)
-    return describe_image(value) if hasattr(value, "size") or hasattr(value, "shape") else value
+    return shown_input(value)
 
 
 def _check_output(result: VerificationResult, path_text: str, overwrite: bool, cli: bool) -> None:

@@ -1,8 +1,9 @@
 """SkyReels-V2 diffusion forcing (diffusers' SkyReelsV2DiffusionForcingPipeline folders): the DiT and the frames equal
 diffusers' on a tiny folder saved by diffusers' own classes (non-square, with and without CFG, synchronous and
-asynchronous, causal blocks, long videos in windows with a re-noised overlap); the schedule equals diffusers'
-`generate_timestep_matrix`; the family's knobs are refused before any work with the field named; LoRA, layerwise
-offload, Ulysses on 2 gloo ranks and two requests through the step scheduler equal their references."""
+asynchronous, causal blocks, long videos in windows with a re-noised overlap), for text-, image- (with a last frame)
+and video-to-video (a folder saved by diffusers' video-to-video class); the schedule equals diffusers'
+`generate_timestep_matrix`; the family's knobs and inputs are refused before any work with the field named; LoRA,
+layerwise offload, Ulysses on 2 gloo ranks and two requests through the step scheduler equal their references."""
 
 from __future__ import annotations
 
@@ -47,6 +48,27 @@ IMAGE_CASES = {
                      causal_block_size=1),
 }
 QUICK_IMAGE = {"i2v-sync-cfg"}
+# image-to-video with a last frame (diffusers' `last_image`: fed clean after the last window's frames, dropped);
+# diffusers runs a long video with one only when the overlap is one latent frame (overlap_history 1 to 4)
+LAST_IMAGE_CASES = {
+    "last-sync-cfg": dict(num_frames=9, ar_step=0, causal_block_size=1),
+    "last-async-addnoise-no-cfg": dict(num_frames=17, ar_step=2, causal_block_size=1, addnoise_condition=20,
+                                       guidance_scale=1.0, negative_prompt=None),
+    "last-long": dict(num_frames=33, base_num_frames=17, overlap_history=1, addnoise_condition=20, ar_step=1,
+                      causal_block_size=1),
+}
+QUICK_LAST_IMAGE = {"last-sync-cfg"}
+# video-to-video (diffusers' SkyReelsV2DiffusionForcingVideoToVideoPipeline): the video's last overlap_history frames
+# start the new ones; the video has 11 frames (no 4k + 1 rule)
+VIDEO_CASES = {
+    "v2v-sync-cfg": dict(num_frames=17, overlap_history=5, ar_step=0, causal_block_size=1),
+    "v2v-long-async-addnoise-no-cfg": dict(num_frames=33, base_num_frames=17, overlap_history=5, addnoise_condition=20,
+                                           ar_step=1, causal_block_size=1, guidance_scale=1.0, negative_prompt=None),
+    # the video's overlap (3 latent frames) and each window's cut to blocks of 2; fps 16
+    "v2v-long-causal-cut-overlap": dict(num_frames=37, base_num_frames=21, overlap_history=9, ar_step=2,
+                                        causal_block_size=2, fps=16),
+}
+QUICK_VIDEO = {"v2v-sync-cfg"}
 
 
 def input_image():
@@ -57,9 +79,40 @@ def input_image():
     return PIL.Image.fromarray(small).resize((60, 40), PIL.Image.BILINEAR)
 
 
+def input_video(count: int = 11) -> list:
+    """A moving seeded pattern of another size than the video (the resize path)."""
+    import PIL.Image
+
+    base = np.random.default_rng(1).integers(0, 255, (40, 70, 3)).astype(np.uint8)
+    return [PIL.Image.fromarray(np.roll(base, i * 3, axis=1)) for i in range(count)]
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return build_tiny_skyreels_df(tmp_path_factory.mktemp("models") / "tiny-skyreels-df")
+
+
+@pytest.fixture(scope="module")
+def v2v_folder(tmp_path_factory):
+    """A folder saved by diffusers' video-to-video class (its `_class_name`; the same weights as `folder`)."""
+    return build_tiny_skyreels_df(tmp_path_factory.mktemp("models") / "tiny-skyreels-df-v2v",
+                                  pipeline="SkyReelsV2DiffusionForcingVideoToVideoPipeline")
+
+
+@pytest.fixture(scope="module")
+def v2v_gen(v2v_folder):
+    return VideoGenerator.from_pretrained(v2v_folder, dtype="fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference_video_pipe(v2v_folder):
+    import diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2_diffusion_forcing_v2v as module
+    from diffusers import SkyReelsV2DiffusionForcingVideoToVideoPipeline
+
+    _patched_ftfy(module)
+    pipe = SkyReelsV2DiffusionForcingVideoToVideoPipeline.from_pretrained(str(v2v_folder))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 @pytest.fixture(scope="module")
@@ -150,28 +203,66 @@ def test_image_to_video_matches_diffusers(gen, reference_image_pipe, name):
     assert max_uint8_diff(ours.frames, gen.generate_video(**request).frames) > 1
 
 
-def test_video_to_video_is_refused_by_name(folder, tmp_path):
-    """A folder saved by diffusers' video-to-video class; and a last frame (diffusers' image-to-video takes one)."""
-    import json
-
-    copy = tmp_path / "df-v2v"
-    copy.mkdir()
-    for part in folder.iterdir():
-        (copy / part.name).symlink_to(part)
-    (copy / "model_index.json").unlink()
-    index = json.loads((folder / "model_index.json").read_text())
-    (copy / "model_index.json").write_text(json.dumps({**index, "_class_name":
-                                                       "SkyReelsV2DiffusionForcingVideoToVideoPipeline"}))
-    with pytest.raises(UnsupportedError, match="SkyReels-V2 DF video-to-video .* is not supported"):
-        VideoGenerator.from_pretrained(copy, dtype="fp32", progress=False)
+@pytest.mark.parametrize("name", [n if n in QUICK_VIDEO else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in VIDEO_CASES])
+def test_video_to_video_matches_diffusers(v2v_gen, reference_video_pipe, name):
+    """The result is the input video (resized) followed by num_frames new frames, as diffusers returns it."""
+    request = {**REQUEST, **VIDEO_CASES[name]}
+    ours = v2v_gen.generate_video(video=input_video(), **request)
+    assert ours.frames.shape == (11 + request["num_frames"], 48, 80, 3)
+    assert max_uint8_diff(ours.frames, reference(reference_video_pipe, {**request, "video": input_video()})) <= 1
+    # the video matters: text-to-video from the same seed is another video
+    made = v2v_gen.generate_video(**{**request, "overlap_history": None, "base_num_frames": request["num_frames"]})
+    assert max_uint8_diff(ours.frames[11:], made.frames) > 1
 
 
-def test_video_and_last_image_knobs_are_refused_by_name(gen):
-    frames = np.zeros((9, 48, 80, 3), np.uint8)
-    with pytest.raises(InvalidInputError, match="video: expected unset: SkyReels-V2 DF video-to-video .*not supported"):
-        gen.generate_video(**{**REQUEST, "num_frames": 9}, video=frames)
-    with pytest.raises(InvalidInputError, match="last_image given, but skyreels-v2-df conditions on the first frame"):
-        gen.generate_video(**{**REQUEST, "num_frames": 9}, image=input_image(), last_image=input_image())
+@pytest.mark.parametrize("name", [n if n in QUICK_LAST_IMAGE else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LAST_IMAGE_CASES])
+def test_last_image_matches_diffusers(gen, reference_image_pipe, name):
+    request = {**REQUEST, **LAST_IMAGE_CASES[name]}
+    last = input_image().transpose(0)  # (mirrored: another image)
+    ours = gen.generate_video(image=input_image(), last_image=last, **request)
+    assert ours.frames.shape == (request["num_frames"], 48, 80, 3)
+    expected = reference(reference_image_pipe, {**request, "image": input_image(), "last_image": last})
+    assert max_uint8_diff(ours.frames, expected) <= 1
+    # the last frame matters: the latents differ from image-to-video's without it
+    assert (ours.latents - gen.generate_video(image=input_image(), **request).latents).abs().max() > 1e-3
+
+
+def test_bad_inputs_are_refused_before_any_work(gen, v2v_folder, tmp_path):
+    """Video-to-video and the last frame: which inputs go together, and what the video must give the overlap."""
+    def refused(match, **knobs):
+        with pytest.raises(InvalidInputError, match=match):
+            gen.generate_video(**{**REQUEST, "num_frames": 17, "causal_block_size": 1, **knobs})
+
+    video = input_video()
+    refused(r"overlap_history: expected a number of frames when a video is given", video=video)
+    refused(r"video = '/nonexistent/in.mp4': expected a readable video", video="/nonexistent/in.mp4")
+    refused(r"image: expected unset when a video is given", video=video, overlap_history=5, image=input_image())
+    refused(r"last_image: expected unset when a video is given", video=video, overlap_history=5,
+            last_image=input_image())
+    refused(r"last_image: expected an image too", last_image=input_image())
+    refused(r"last_image: expected causal_block_size = 1 with a last frame \(it is 5\)", image=input_image(),
+            last_image=input_image(), causal_block_size=5)
+    refused(r"overlap_history = 17: expected fewer frames than base_num_frames \(17\)", video=video,
+            overlap_history=17, num_frames=33, base_num_frames=17)
+    refused(r"num_frames = 5: expected more frames than overlap_history \(5\).*\(nearest valid: 9\)", video=video,
+            overlap_history=5, num_frames=5)
+    refused(r"video frames = 3: expected at least 5 frames: .*causal_block_size = 2.*condition nothing",
+            video=input_video(3), overlap_history=9, causal_block_size=2, num_frames=21, base_num_frames=21)
+    # before the model loads: the CLI's check reads the folder's JSON and the video
+    from composer.request_check import RequestError, check_cli_request
+    from composer.video import save_video
+
+    clip = save_video(np.stack([np.asarray(f.resize((80, 48))) for f in video]), tmp_path / "in.mp4", fps=8)
+    with pytest.raises(RequestError, match=r"--overlap-history: expected a number of frames when a video is given"):
+        check_cli_request(str(v2v_folder), None, {"prompt": "x", "height": 48, "width": 80, "num_frames": 17,
+                                                  "video": str(clip)})
+    with pytest.raises(RequestError, match=r"--video /nonexistent/in.mp4: expected a readable video"):
+        check_cli_request(str(v2v_folder), None, {"prompt": "x", "video": "/nonexistent/in.mp4"})
+    # step caches stay refused, on every DF folder
+    with pytest.raises(UnsupportedError, match="cache = teacache: .*diffusion forcing"):
+        VideoGenerator.from_pretrained(v2v_folder, dtype="fp32", progress=False, cache="teacache")
 
 
 def test_schedule_equals_diffusers_timestep_matrix():
@@ -255,6 +346,13 @@ def test_hooks_act_on_diffusion_forcing(gen, folder, reference_pipe, tmp_path):
 
 
 @pytest.mark.slow
+def test_layerwise_offload_extends_a_video_as_the_plain_run(v2v_gen, v2v_folder):
+    request = {**REQUEST, **VIDEO_CASES["v2v-long-async-addnoise-no-cfg"], "video": input_video()}
+    offloaded = VideoGenerator.from_pretrained(v2v_folder, dtype="fp32", progress=False, offload="layerwise")
+    assert max_uint8_diff(offloaded.generate_video(**request).frames, v2v_gen.generate_video(**request).frames) == 0
+
+
+@pytest.mark.slow
 def test_two_requests_through_the_scheduler_equal_their_solo_runs(gen):
     """A synchronous and an asynchronous request at once: their iterations share transformer calls while both run
     (same window shapes, per-frame timesteps stacked by rows); each video is its solo video."""
@@ -308,6 +406,23 @@ def test_the_cli_generates_and_refuses(cli, folder, tmp_path):
     code, _, stderr = cli("generate", "--model-path", folder, "--prompt", "x", "--num-frames", "33",
                           "--base-num-frames", "17", "--output", tmp_path / "bad.mp4")
     assert code == 1 and "--overlap-history: expected a number of frames" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_the_cli_extends_a_video_file(cli, v2v_folder, v2v_gen, tmp_path):
+    from composer.video import read_frames, save_video
+
+    source = save_video(np.stack([np.asarray(f.resize((80, 48))) for f in input_video()]), tmp_path / "in.mp4", fps=8)
+    out = tmp_path / "out.mp4"
+    code, _, stderr = cli("generate", "--model-path", v2v_folder, "--prompt", REQUEST["prompt"], "--video", source,
+                          "--overlap-history", "5", "--height", "48", "--width", "80", "--num-frames", "17",
+                          "--steps", "2", "--causal-block-size", "1", "--seed", "3", "--output", out)
+    assert code == 0, stderr
+    assert read_frames(out).shape == (11 + 17, 48, 80, 3)
+    code, _, stderr = cli("generate", "--model-path", v2v_folder, "--prompt", "x", "--video", source,
+                          "--output", tmp_path / "bad.mp4")
+    assert code == 1 and "--overlap-history: expected a number of frames when a video is given" in stderr
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.parametrize("name", ["1.3b-540p", "14b-540p", "14b-720p"])

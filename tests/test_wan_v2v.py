@@ -82,6 +82,30 @@ def test_bad_video_inputs_are_refused_clearly(composer_gen):
         composer_gen.generate_video(video=[frames(1)[0], "not an image"], **REQUEST)
 
 
+def test_the_video_rule_is_wans_and_every_caller_sees_it(tiny_wan_dir, composer_gen):
+    """The rule lives in Wan's SamplingParam (`check_inputs`), not in the shared request check: the CLI's check
+    before loading and the server's body check see it; a family whose `video` means another thing has its own."""
+    from composer.configs.skyreels_v2 import SkyReelsV2DF540PSamplingParam
+    from composer.configs.wan import WanT2V480PSamplingParam
+    from composer.request_check import ModelLimits, RequestError, check_cli_request, check_request
+    from composer.serve.requests import RequestProblem, ServerLimits, check_body
+
+    with pytest.raises(RequestError, match=r"--strength 0.5: expected unset \(0.8\) without a video"):
+        check_cli_request(str(tiny_wan_dir), None, {"prompt": "x", "strength": "0.5"})
+    with pytest.raises(RequestError, match=r"--video /nonexistent/in.mp4: expected a readable video"):
+        check_cli_request(str(tiny_wan_dir), None, {"prompt": "x", "video": "/nonexistent/in.mp4"})
+    with pytest.raises(RequestProblem, match=r"strength = 0.5: expected unset \(0.8\) without a video") as exc:
+        check_body({"prompt": "x", "strength": 0.5}, composer_gen, ServerLimits(), [])
+    assert exc.value.field == "strength"
+    limits = ModelLimits(spatial_multiple=16, temporal_factor=4)
+    ten = WanT2V480PSamplingParam(prompt="x", height=48, width=80, num_frames=9, video=frames(10))
+    with pytest.raises(RequestError, match=r"video frames = 10: expected 4k \+ 1"):
+        check_request(ten, limits)
+    # SkyReels-V2 DF extends a video of any length: no 4k + 1 rule for it
+    check_request(SkyReelsV2DF540PSamplingParam(prompt="x", height=48, width=80, num_frames=17, overlap_history=5,
+                                                causal_block_size=1, video=frames(10)), limits)
+
+
 @pytest.mark.slow
 def test_concurrent_video_to_video_requests_equal_their_solo_runs(composer_gen):
     """Two requests at once (their steps batched by the scheduler when they meet) give their solo videos; the

@@ -1,17 +1,17 @@
-"""SkyReels-V2 diffusion forcing (text- and image-to-video): defaults of diffusers' `SkyReelsV2DiffusionForcingPipeline` and
-the released folders (Skywork/SkyReels-V2-DF-{1.3B-540P,14B-540P,14B-720P}-Diffusers). docs/skyreels.md."""
+"""SkyReels-V2 diffusion forcing (text-, image- and video-to-video): defaults of diffusers'
+`SkyReelsV2DiffusionForcingPipeline` and the released folders (Skywork/SkyReels-V2-DF-{1.3B-540P,14B-540P,14B-720P}-
+Diffusers). docs/skyreels.md."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from composer.configs.base import PipelineConfig, SamplingParam
 from composer.configs.wan_i2v import input_image_field
 from composer.registry.configs import register_configs
 
-# diffusers' diffusion-forcing pipeline classes (the image-to-video one loads the same folders; composer refuses the
-# video-to-video one by name, composer/pipelines/skyreels_v2.py)
+# diffusers' diffusion-forcing pipeline classes (its image- and video-to-video ones load the same folders)
 DF_PIPELINES = ("SkyReelsV2DiffusionForcingPipeline", "SkyReelsV2DiffusionForcingImageToVideoPipeline",
                 "SkyReelsV2DiffusionForcingVideoToVideoPipeline")
 
@@ -22,6 +22,9 @@ class SkyReelsV2DFConfig(PipelineConfig):
     WanT2VConfig: a Wan2.1 folder never takes this family, nor this family Wan2.1's TeaCache fit."""
 
     text_encoder_max_length: int = 512
+    # diffusers' image-to-video DF pipeline takes a last frame (the request check then lets `last_image` through;
+    # the family's own rule, `forcing_problems`, says when it runs)
+    takes_last_image: ClassVar[bool] = True
 
 
 AR_STEP_HELP = ("diffusion forcing: 0 denoises every frame together (synchronous); k > 0 starts each causal block k "
@@ -35,8 +38,12 @@ ADDNOISE_HELP = ("diffusion forcing, long videos: re-noise the overlap frames to
 IMAGE_HELP = ("SkyReels-V2 DF: an optional first frame (image-to-video, as diffusers' "
               "SkyReelsV2DiffusionForcingImageToVideoPipeline; without it, text-to-video), an image file (Python also "
               "takes a PIL image, a uint8 numpy array [H, W, 3] or a torch tensor); resized to height x width")
-VIDEO_HELP = ("video-to-video: SkyReels-V2 DF's (extending a video, diffusers' "
-              "SkyReelsV2DiffusionForcingVideoToVideoPipeline) is not supported; refused by name")
+VIDEO_HELP = ("SkyReels-V2 DF: a video to extend (diffusers' SkyReelsV2DiffusionForcingVideoToVideoPipeline), a file "
+              "(Python also takes uint8 frames [T, H, W, 3] or a list of images), of any length, resized to height x "
+              "width: its last overlap_history frames (required) start the new ones; the result is the video followed "
+              "by num_frames new frames, the first of which re-make the overlap")
+LAST_IMAGE_HELP = ("SkyReels-V2 DF image-to-video: an optional last frame, given like image: fed clean after the video's "
+                   "last frame and not shown (diffusers' last_image; causal_block_size 1)")
 BASE_HELP = "diffusion forcing: frames the model makes at once (97 at 540P, 121 at 720P); longer videos go in windows"
 
 
@@ -60,20 +67,22 @@ class SkyReelsV2DF540PSamplingParam(SamplingParam):
     addnoise_condition: float = field(default=0.0, metadata={"help": ADDNOISE_HELP})
     base_num_frames: int = field(default=97, metadata={"help": BASE_HELP})
     image: Any = input_image_field(IMAGE_HELP)
+    last_image: Any = field(default=None, metadata={"help": LAST_IMAGE_HELP})
     video: Any = field(default=None, metadata={"help": VIDEO_HELP})
 
     def check_inputs(self, result: Any, limits: Any) -> None:
-        """ar_step, causal_block_size, base_num_frames, overlap_history and addnoise_condition, and that every
-        window's latent frames fill whole causal blocks (composer/stages/diffusion_forcing.py)."""
+        """ar_step, causal_block_size, base_num_frames, overlap_history and addnoise_condition; every window's latent
+        frames fill whole causal blocks; which inputs go together, and a video that reads and that its overlap
+        uses (composer/stages/diffusion_forcing.py)."""
         from composer.stages.diffusion_forcing import forcing_problems
+        from composer.stages.video_latents import check_video_input
 
-        if self.video is not None:
-            result.failures.append(("video", "", "unset: SkyReels-V2 DF video-to-video (extending a video, diffusers' "
-                                    "SkyReelsV2DiffusionForcingVideoToVideoPipeline) is not supported; text-to-video "
-                                    "and image-to-video (image) are"))
+        frames = None if self.video is None else check_video_input(result, self.video)
+        video = None if frames is None else len(frames)  # (an unreadable one: its rules wait, the knobs' do not)
         for name, value, rule in forcing_problems(
             self.num_frames, self.base_num_frames, self.overlap_history, self.ar_step, self.causal_block_size,
-            self.addnoise_condition, limits.temporal_factor or 4,
+            self.addnoise_condition, limits.temporal_factor or 4, image=self.image is not None,
+            last_image=self.last_image is not None, video_frames=video,
         ):
             if value is None:  # a knob that must be given: no value to show ("overlap_history: expected ...")
                 result.failures.append((name, "", rule))

@@ -66,6 +66,13 @@ class WanT2V480PSamplingParam(SamplingParam):
     video: Any = video_field()
     strength: float = strength_field(0.8)
 
+    def check_inputs(self, result: Any, limits: Any) -> None:
+        """Video-to-video's rule: the video reads and has 4k + 1 frames (the request's num_frames), and `strength`
+        keeps at least one step (composer/stages/video_latents.py)."""
+        from composer.stages.video_latents import check_video_to_video
+
+        check_video_to_video(self, result, limits.temporal_factor or 4)
+
 
 register_configs(
     WanT2VConfig,

@@ -58,7 +58,7 @@ class WanVACESamplingParam(SamplingParam):
     def check_inputs(self, result: Any, limits: Any) -> None:
         from composer.stages.vace import check_vace_inputs
 
-        check_vace_inputs(self, result)
+        check_vace_inputs(self, result, limits.temporal_factor or 4)
 
 
 @dataclass

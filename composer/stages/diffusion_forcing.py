@@ -18,6 +18,8 @@ The sampler of diffusers' `SkyReelsV2DiffusionForcingPipeline`, as composer stag
   first starts from `overlap_history` frames of the video so far as a clean prefix (cut to whole blocks), which
   is never stepped (and with `addnoise_condition` > 0 is fed re-noised at that timestep, fresh noise each
   iteration), and adds its frames past the overlap to the video.
+- **Inputs** (composer/stages/forcing_inputs.py): an image's latent frame, or an extended video's overlap, is the
+  first window's clean prefix; a last image's frame follows the last window's frames, clean, and is dropped.
 
 Noise: each row's initial noise of every window from its own CPU generator seeded `seed + row`, continued
 window after window (diffusers' `generator`); the re-noising of the prefix from a second CPU generator per row,
@@ -37,12 +39,8 @@ from composer.batch import ForwardBatch
 from composer.engine import ModelInputs
 from composer.engine.scheduler import current_request
 from composer.models.wan.causal import block_causal_mask
-from composer.stages.base import Stage
 from composer.stages.denoising import DenoisingStage
-from composer.stages.image_encoding import ImageCondition
-from composer.stages.image_latents import image_to_pixels
-from composer.stages.start_frames import normalize_latents
-from composer.stages.vae_tiling import encode_mode
+from composer.stages.forcing_inputs import ForcingInputs
 from composer.stages.validators import V, Validator, VerificationResult
 
 # What diffusers feeds a block that has not started (a placeholder timestep; its frames are pure noise).
@@ -60,9 +58,10 @@ def latent_count(frames: int, temporal: int) -> int:
 @dataclass(frozen=True)
 class Window:
     """One run of the sampler: `frames` latent frames, the first `prefix` of them clean at the start: the video frames
-    [prefix_from, prefix_from + prefix) (the first window's: the input image's); its frames from `keep_from` on are
-    appended to the video. The schedule holds the prefix's whole blocks, never stepped (a 1-frame image prefix in
-    blocks of more frames is stepped with its block, as diffusers does)."""
+    [prefix_from, prefix_from + prefix) (the first window's: the request's own, `ForcingInputs.start`: the input
+    image's frame or the extended video's overlap); its frames from `keep_from` on are appended to the video. The
+    schedule holds the prefix's whole blocks, never stepped (a 1-frame image prefix in blocks of more frames is
+    stepped with its block, as diffusers does)."""
 
     frames: int
     prefix: int = 0
@@ -71,12 +70,13 @@ class Window:
 
 
 def plan_windows(num_frames: int, base_num_frames: int, overlap_history: int | None, block: int,
-                 temporal: int, image: bool = False) -> list[Window]:
+                 temporal: int, first_prefix: int = 0) -> list[Window]:
     """The windows of a request, as diffusers' loop makes them (its frame counts included: the overlap is counted
-    whole where it places the window and drops the new frames, cut to whole blocks where it is the prefix). With an
-    `image` (image-to-video) the first window's first latent frame is the image's, its prefix (whatever the block)."""
+    whole where it places the window and drops the new frames, cut to whole blocks where it is the prefix).
+    `first_prefix`: the first window's clean latent frames (1: image-to-video's image, whatever the block; the
+    extended video's overlap, cut to whole blocks: `video_prefix`)."""
     total = latent_count(num_frames, temporal)
-    first = int(image)
+    first = first_prefix
     if overlap_history is None or num_frames <= base_num_frames:
         return [Window(total, first)]
     base, overlap = latent_count(base_num_frames, temporal), latent_count(overlap_history, temporal)
@@ -90,15 +90,38 @@ def plan_windows(num_frames: int, base_num_frames: int, overlap_history: int | N
     return windows
 
 
+def video_prefix(video_frames: int, overlap_history: int, block: int, temporal: int) -> int:
+    """Video-to-video: the first window's clean latent frames, those of the video's last `overlap_history` frames
+    (all of a shorter video) cut to whole causal blocks, as diffusers cuts them."""
+    encoded = latent_count(min(video_frames, overlap_history), temporal)
+    return encoded - encoded % block
+
+
 AR_STEP_RULE = Validator("an integer >= 0 (0: every frame at the same noise level; k > 0: each causal block k steps "
                          "behind the one before)", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 
 
 def forcing_problems(num_frames: object, base_num_frames: object, overlap_history: object, ar_step: object,
-                     causal_block_size: object, addnoise_condition: object, temporal: int) -> list[tuple]:
-    """Every (field, value, rule) a diffusion-forcing request breaks (empty: it runs). `causal_block_size` None: not
-    known yet (the model's config states it; checked once the model is loaded)."""
+                     causal_block_size: object, addnoise_condition: object, temporal: int, *, image: bool = False,
+                     last_image: bool = False, video_frames: int | None = None) -> list[tuple]:
+    """Every (field, value, rule) a diffusion-forcing request breaks (empty: it runs); value None: none to show.
+    `causal_block_size` None: not known yet (the model's config states it; checked once the model is loaded). The
+    inputs given: an `image`, a `last_image`, a video of `video_frames` frames to extend (None: no video)."""
     problems: list[tuple] = []
+    video = video_frames is not None
+    if video and image:
+        problems.append(("image", None, "unset when a video is given: the video's last frames start the new ones "
+                         "(diffusers' video-to-video pipeline takes no image)"))
+    if last_image and video:
+        problems.append(("last_image", None, "unset when a video is given (diffusers' video-to-video pipeline takes "
+                         "no last frame)"))
+    elif last_image and not image:
+        problems.append(("last_image", None, "an image too: the last frame closes an image-to-video request (give "
+                         "image, the first frame)"))
+    if last_image and V.positive_int(causal_block_size) and causal_block_size > 1:
+        problems.append(("last_image", None, f"causal_block_size = 1 with a last frame (it is {causal_block_size}): "
+                         "the last image's latent frame follows the last window as a frame of its own, which "
+                         "diffusers' schedule fits in blocks of 1 only"))
 
     def bad(field, value, validator):
         if not validator(value):
@@ -114,6 +137,9 @@ def forcing_problems(num_frames: object, base_num_frames: object, overlap_histor
         problems.append(("addnoise_condition", addnoise_condition, "a number >= 0 (0: the overlap is fed clean)"))
     if not V.congruent(temporal, 1)(num_frames) or bad_base or bad_block or bad_overlap:
         return problems  # (num_frames is the generic check's; the rest need valid numbers)
+    if video:
+        return problems + _video_problems(num_frames, base_num_frames, overlap_history, causal_block_size, temporal,
+                                          video_frames)
     if num_frames > base_num_frames:
         if overlap_history is None:
             problems.append(("overlap_history", None, f"a number of frames when num_frames ({num_frames}) exceeds "
@@ -124,16 +150,48 @@ def forcing_problems(num_frames: object, base_num_frames: object, overlap_histor
             problems.append(("overlap_history", overlap_history, f"fewer frames than base_num_frames "
                              f"({base_num_frames}): each window must add frames past the overlap"))
             return problems
-    if causal_block_size is None:
+    return problems + _block_problems(num_frames, base_num_frames, overlap_history, causal_block_size, temporal)
+
+
+def _video_problems(num_frames: int, base: int, overlap: int | None, block: int | None, temporal: int,
+                    video_frames: int) -> list[tuple]:
+    """Video-to-video: the overlap is always used (diffusers needs it), leaves each window frames to add, and leaves
+    the first window at least one block of the video; the new frames go past the overlap they start with."""
+    if overlap is None:
+        return [("overlap_history", None, "a number of frames when a video is given: the video's last overlap_history "
+                 "frames are what the new frames continue from (17 or 37 recommended)")]
+    if latent_count(overlap, temporal) >= latent_count(base, temporal):
+        return [("overlap_history", overlap, f"fewer frames than base_num_frames ({base}): each window must add "
+                 "frames past the overlap")]
+    problems: list[tuple] = []
+    if latent_count(num_frames, temporal) <= latent_count(overlap, temporal):
+        near = latent_count(overlap, temporal) * temporal + 1
+        problems.append(("num_frames", num_frames, f"more frames than overlap_history ({overlap}): the new frames "
+                         f"start by re-making the overlap, so they must go past it (nearest valid: {near})"))
+    if block is not None and video_prefix(video_frames, overlap, block, temporal) == 0:
+        least = (block - 1) * temporal + 1  # the fewest frames that encode to one block
+        field, value = ("video frames", video_frames) if video_frames < overlap else ("overlap_history", overlap)
+        problems.append((field, value, f"at least {least} frames: the video's last overlap_history frames, cut to "
+                         f"whole causal blocks of causal_block_size = {block}, are what the new frames continue from, "
+                         "and fewer leave none (the video would condition nothing)"))
+    if problems:
         return problems
-    windows = plan_windows(num_frames, base_num_frames, overlap_history, causal_block_size, temporal)
-    if any(w.frames % causal_block_size for w in windows):
-        near = _nearest_fitting(num_frames, base_num_frames, overlap_history, causal_block_size, temporal)
-        sizes = ", ".join(str(w.frames) for w in windows)
-        problems.append(("num_frames", num_frames, f"a length whose windows of latent frames ({sizes} here) fill "
-                         f"whole causal blocks of causal_block_size = {causal_block_size}"
-                         + (f" (nearest valid: {near})" if near else "")))
-    return problems
+    return _block_problems(num_frames, base, overlap, block, temporal)
+
+
+def _block_problems(num_frames: int, base: int, overlap: int | None, block: int | None,
+                    temporal: int) -> list[tuple]:
+    """Every window's latent frames fill whole causal blocks (diffusers would leave the frames past the last whole
+    block as noise)."""
+    if block is None:
+        return []
+    windows = plan_windows(num_frames, base, overlap, block, temporal)
+    if not any(w.frames % block for w in windows):
+        return []
+    near = _nearest_fitting(num_frames, base, overlap, block, temporal)
+    sizes = ", ".join(str(w.frames) for w in windows)
+    return [("num_frames", num_frames, f"a length whose windows of latent frames ({sizes} here) fill whole causal "
+             f"blocks of causal_block_size = {block}" + (f" (nearest valid: {near})" if near else ""))]
 
 
 def _nearest_fitting(num_frames: int, base: int, overlap: int | None, block: int, temporal: int) -> int | None:
@@ -169,10 +227,12 @@ class ForcingSchedule:
 
 
 def forcing_schedule(frames: int, timesteps: torch.Tensor, ar_step: int, pre_ready: int = 0,
-                     block: int = 1) -> ForcingSchedule:
+                     block: int = 1, clean_end: int = 0) -> ForcingSchedule:
     """diffusers' `generate_timestep_matrix` for a window of `frames` latent frames (a multiple of `block`), whose
     first `pre_ready` are clean: block b's progress p_b (0: not started, n: its last step, n + 1: done) advances by
-    one per iteration once block b - 1 is at its last step or beyond, else trails it by `ar_step`."""
+    one per iteration once block b - 1 is at its last step or beyond, else trails it by `ar_step`. `clean_end`
+    frames more after them (the last image's) are fed at timestep 0 and never stepped: diffusers schedules them as
+    further blocks and then overwrites their column, which only adds iterations that step nothing."""
     n = len(timesteps)
     template = torch.cat([torch.tensor([NOT_STARTED_TIMESTEP]), timesteps.cpu().long(), torch.tensor([0])])
     blocks = frames // block
@@ -188,7 +248,11 @@ def forcing_schedule(frames: int, timesteps: torch.Tensor, ar_step: int, pre_rea
         rows.append(template[row])
         progress = row
     timesteps_per_frame = torch.stack(rows).repeat_interleave(block, dim=1)
-    return ForcingSchedule(timesteps_per_frame, torch.stack(updates).repeat_interleave(block, dim=1))
+    update = torch.stack(updates).repeat_interleave(block, dim=1)
+    if clean_end:
+        timesteps_per_frame = torch.cat([timesteps_per_frame, timesteps_per_frame.new_zeros(len(rows), clean_end)], 1)
+        update = torch.cat([update, update.new_zeros(len(rows), clean_end)], 1)
+    return ForcingSchedule(timesteps_per_frame, update)
 
 
 def causal_blocks_mask(frames: int, block: int, tokens_per_frame: int, device) -> torch.Tensor | None:
@@ -260,32 +324,6 @@ class ForcingSteps:
 # -- the stages -------------------------------------------------------------------------------------------------------
 
 
-class ForcingImageStage(Stage):
-    """Image-to-video (diffusers' SkyReelsV2DiffusionForcingImageToVideoPipeline on the same folder): the input image
-    at the output size, VAE-encoded alone, `(mode - mean) / std` [1, z, 1, h, w], as `ImageCondition.latents`: the
-    first window's first latent frame. Skipped for a request without an image (text-to-video)."""
-
-    def __init__(self, vae: torch.nn.Module, device: torch.device):
-        self.vae = vae
-        self.device = device
-        self.tile_size: int | None = None  # RuntimeArgs.vae_tile_size (the pipeline sets it): exact tiled encode
-
-    def skips(self, batch: ForwardBatch) -> bool:
-        return batch.get(ImageCondition, None) is None
-
-    def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
-        result.add_check("image_latents", batch.get(ImageCondition).latents, V.ndim(5), V.dtype_in(torch.float32),
-                         V.all_finite)
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ForwardBatch:
-        condition = batch.get(ImageCondition)
-        pixels = image_to_pixels(condition.image, batch.height, batch.width).unsqueeze(2)  # [1, 3, 1, H, W]
-        mu = encode_mode(self.vae, pixels.to(self.vae.device, self.vae.dtype), self.tile_size)
-        condition.latents = normalize_latents(mu.to(self.device, torch.float32), self.vae.config)
-        return batch
-
-
 class DiffusionForcingDenoisingStage(DenoisingStage):
     """Runs each window of the request's `ForcingPlan` through the engine (CFG, the request's scheduler per frame)
     and sets `batch.latents` to the whole video's latents."""
@@ -327,17 +365,23 @@ class DiffusionForcingDenoisingStage(DenoisingStage):
         noise_generators = [torch.Generator("cpu").manual_seed(s) for s in batch.seeds]
         prefix_generators = [torch.Generator("cpu").manual_seed(s) for s in batch.seeds]
         video: torch.Tensor | None = None
+        inputs = batch.get(ForcingInputs, None)
+        end = None if inputs is None else inputs.end  # the last image's latent frame
         request = current_request()
         progress = self.progress and not (request is not None and request.background)
         for number, window in enumerate(plan.windows):
             latents = torch.cat([torch.randn((1, self.num_channels, window.frames, h, w), generator=g)
                                  for g in noise_generators]).to(device)
-            if window.prefix:  # the input image's latent frame, or the overlap with the video so far
-                source = (batch.get(ImageCondition).latents if video is None else
+            if window.prefix:  # the request's image or video, or the overlap with the video so far
+                source = (inputs.start[:, :, :window.prefix] if video is None else
                           video[:, :, window.prefix_from:window.prefix_from + window.prefix])
                 latents[:, :, : window.prefix] = source.to(dtype)  # (diffusers' cast, into its fp32 latents)
+            last = end if number == len(plan.windows) - 1 else None
+            if last is not None:  # after the last window's frames, clean (diffusers' cast too)
+                latents = torch.cat([latents, last.to(dtype).to(device, latents.dtype).expand(len(latents), -1, -1,
+                                                                                              -1, -1)], dim=2)
             schedule = forcing_schedule(window.frames, batch.timesteps, plan.ar_step, window.prefix,
-                                        plan.causal_block_size)
+                                        plan.causal_block_size, 0 if last is None else last.shape[2])
             steps = ForcingSteps(batch.scheduler, schedule, latents, window.prefix, plan.addnoise_condition,
                                  prefix_generators)
             mask = causal_blocks_mask(window.frames, plan.causal_block_size, (h // ph) * (w // pw), device)
@@ -345,7 +389,7 @@ class DiffusionForcingDenoisingStage(DenoisingStage):
             made = yield from self.engine.run_task(steps.model_input(), steps, branch[0],
                                                    branch[1] if guidance else None, guidance, run=number,
                                                    progress=progress)
-            made = made[:, :, window.keep_from:]
+            made = made[:, :, window.keep_from:window.frames]
             video = made if video is None else torch.cat([video, made], dim=2)
         batch.latents = video
         return batch

@@ -36,7 +36,7 @@ from composer.stages.latents import LatentPreparationStage
 from composer.stages.start_frames import normalize_latents
 from composer.stages.vae_tiling import encode_mode
 from composer.stages.validators import V, VerificationResult, describe
-from composer.stages.video_latents import read_video_frames
+from composer.stages.video_latents import check_video_input, read_video_frames
 
 
 # -- the request's inputs ------------------------------------------------------------------------------------------
@@ -93,11 +93,13 @@ def _shown(value: Any) -> str:
     return describe_image(value) if hasattr(value, "size") or hasattr(value, "shape") else describe(value)
 
 
-def check_vace_inputs(sp: Any, result: VerificationResult) -> None:
-    """VACE's input rules, before anything loads: a control video or reference images; a mask only with the video,
-    of its length and frame size; reference images that read; finite conditioning scales. (The control video itself
-    reads and has 4k + 1 frames: the request check's video rule.)"""
+def check_vace_inputs(sp: Any, result: VerificationResult, temporal: int = 4) -> None:
+    """VACE's input rules, before anything loads: a control video that reads, of `temporal` k + 1 frames, or
+    reference images; a mask only with the video, of its length and frame size; reference images that read; finite
+    conditioning scales."""
     video, mask, references = sp.video, sp.mask, sp.reference_images
+    if video is not None:
+        check_video_input(result, video, temporal)
     failures = []  # (field, value as shown, rule): appended as they are (the values are already text)
     if video is None and references is None:  # no value to show: "video: expected ..."
         failures.append(("video", "", "a control video, or reference_images (a VACE model follows a video, its mask "
@@ -114,7 +116,7 @@ def check_vace_inputs(sp: Any, result: VerificationResult) -> None:
             try:
                 frames = read_video_frames(video)
             except InvalidInputError:
-                frames = None  # named by the video rule
+                frames = None  # named by check_video_input
             if frames is not None and (problem := mask_problem(mask_frames, frames)):
                 failures.append(("mask", _shown(mask), problem))
     if references is not None:

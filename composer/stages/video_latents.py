@@ -12,6 +12,7 @@ scheduler's own `add_noise` (or `scale_noise`). The video's length is the reques
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -61,6 +62,41 @@ def strength_problem(strength: Any, steps: Any) -> str | None:
         return (f"at least 1 / num_inference_steps = {1 / steps:g} (strength x num_inference_steps must keep one "
                 "step to denoise)")
     return None
+
+
+def check_video_input(result: VerificationResult, video: Any, temporal: int | None = None) -> list | None:
+    """A request's input video, before any work: it reads (else a failure naming `video`) and, with `temporal`, has
+    `temporal` k + 1 frames (Wan video-to-video and VACE: the video's length is the request's num_frames). Returns
+    its frames, None when it does not read."""
+    from composer.images import shown_input
+
+    try:
+        frames = read_video_frames(video)
+    except InvalidInputError as exc:
+        result.add_failure("video", shown_input(video), f"a readable video ({exc})")
+        return None
+    if temporal is not None and (len(frames) - 1) % temporal:
+        result.add_failure("video frames", len(frames), f"{temporal}k + 1 (the video's length is the request's "
+                           f"num_frames: give {(len(frames) - 1) // temporal * temporal + 1} frames, for one)")
+    return frames
+
+
+def check_video_to_video(sp: Any, result: VerificationResult, temporal: int) -> None:
+    """Wan video-to-video's request rule (its SamplingParam's `check_inputs`): the video reads and has `temporal` k + 1
+    frames, and `strength` keeps at least one step; a strength other than the default without a video does
+    nothing, so it is refused. (A non-finite strength is named by the request check's number rule.)"""
+    strength = sp.strength
+    finite = isinstance(strength, (int, float)) and not isinstance(strength, bool) and math.isfinite(strength)
+    if sp.video is None:
+        default = next(f.default for f in dataclasses.fields(type(sp)) if f.name == "strength")
+        if finite and strength != default:
+            result.add_failure("strength", strength, f"unset ({default}) without a video: strength is video-to-"
+                               "video's (give video= / --video too)")
+        return
+    if check_video_input(result, sp.video, temporal) is None:
+        return
+    if finite and (problem := strength_problem(strength, sp.num_inference_steps)) is not None:
+        result.add_failure("strength", strength, problem)
 
 
 @dataclass(eq=False)

@@ -32,9 +32,11 @@ def tiny_skyreels_transformer(spec: TinyWanSpec, seed: int, inject_sample_info: 
 
 
 def build_tiny_skyreels_df(path: str | Path, spec: TinyWanSpec | None = None, inject_sample_info: bool = True,
-                           num_frame_per_block: int = 1, **overrides) -> Path:
-    """Write a tiny SkyReels-V2 DF (text-to-video) diffusers folder at `path` (created; must not hold a model)."""
-    from diffusers import SkyReelsV2DiffusionForcingPipeline
+                           num_frame_per_block: int = 1, pipeline: str = "SkyReelsV2DiffusionForcingPipeline",
+                           **overrides) -> Path:
+    """Write a tiny SkyReels-V2 DF diffusers folder at `path` (created; must not hold a model), saved by diffusers'
+    `pipeline` class (its image- or video-to-video class: the same components, its `_class_name`)."""
+    import diffusers
 
     spec = dataclasses.replace(spec or TinyWanSpec(), **overrides)
     path = Path(path)
@@ -43,5 +45,5 @@ def build_tiny_skyreels_df(path: str | Path, spec: TinyWanSpec | None = None, in
     components = build_tiny_wan_components(spec)
     components["transformer"] = tiny_skyreels_transformer(spec, spec.seed + 2, inject_sample_info,
                                                           num_frame_per_block)
-    SkyReelsV2DiffusionForcingPipeline(**components).save_pretrained(str(path), safe_serialization=True)
+    getattr(diffusers, pipeline)(**components).save_pretrained(str(path), safe_serialization=True)
     return path
