@@ -297,3 +297,42 @@ def test_cancel_keeps_the_record_and_never_deletes_a_finished_video(t2v):
     assert again.status == 409 and "already cancelled" in again.json["error"]["message"]
     assert t2v.request("GET", f"/v1/videos/{running['id']}").status == 200  # still there
     assert t2v.request("POST", "/v1/videos/video_nope/cancel").status == 404
+
+
+@pytest.mark.slow  # about 5 s: a tiny SkyReels-V2 DF folder, three videos and their direct runs
+def test_a_model_that_extends_whole_videos_remixes_and_extends_them(tmp_path_factory, tmp_path):
+    """SkyReels-V2 diffusion forcing extends a whole video (`video_use` = "extend"): a remix or an extension is
+    generate_video(video=the frames, num_frames=new frames), and an edit is refused by name."""
+    from composer.testing.tiny_skyreels import build_tiny_skyreels_df
+
+    folder = build_tiny_skyreels_df(tmp_path_factory.mktemp("models") / "tiny-skyreels-sdk")
+    generator = VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False)
+    srv = Server(lambda: generator, ServeConfig(output_dir=tmp_path / "serve"))
+    knobs = {"num_inference_steps": 2, "guidance_scale": 1.0, "negative_prompt": None}
+    try:
+        srv.wait_ready()
+        client = client_for(srv)
+        source = client.videos.create_and_poll(prompt="a boat", size="80x48", poll_interval_ms=20,
+                                               extra_body={**knobs, "num_frames": 9, "seed": 1})
+        assert source.status == "completed", source.error
+        frames = served_frames(client, source.id, tmp_path, "source")
+        remix = client.videos.poll(client.videos.remix(source.id, prompt="a boat at dusk", extra_body={
+            "seed": 2, "overlap_history": 5}).id, poll_interval_ms=20)
+        assert remix.status == "completed", remix.error
+        expected = direct_frames(generator, tmp_path, "remix", prompt="a boat at dusk", video=frames, num_frames=9,
+                                 overlap_history=5, seed=2, height=48, width=80, **knobs)
+        np.testing.assert_array_equal(served_frames(client, remix.id, tmp_path, "remix"), expected)
+        upload = tmp_path / "upload.mp4"
+        save_video(frames, upload, fps=24)
+        extended = client.videos.poll(client.videos.extend(prompt="a boat", seconds="0.5", video=upload.open("rb"),
+                                                           extra_body={"seed": 3, "overlap_history": 5,
+                                                                       "size": "80x48", **knobs}).id,
+                                      poll_interval_ms=20)
+        assert extended.status == "completed", extended.error
+        assert len(served_frames(client, extended.id, tmp_path, "extend")) == len(frames) + 13  # 0.5 s at 24 fps: 4k+1
+        with pytest.raises(openai.UnprocessableEntityError, match="cannot edit a video: it continues videos"):
+            client.videos.edit(prompt="x", video=upload.open("rb"))
+        without = srv.request("POST", f"/v1/videos/{source.id}/remix", {"prompt": "again"})
+        assert without.status == 422 and without.json["error"]["param"] == "overlap_history", without.body
+    finally:
+        srv.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from composer._fields import coerce, field_types, raise_if_errors, unknown_key_errors
 
@@ -111,6 +111,11 @@ class SamplingParam(SamplingSettings):
     overwrite: bool = field(
         default=False, metadata={"help": "replace an existing output file (or a folder of earlier frames)"}
     )
+
+    # What this family's `video` knob is, for a server making a video from another one (composer/serve: remix, edit,
+    # extend): "redraw" (video-to-video at `strength`), "extend" (the video is continued: SkyReels-V2 DF) or None
+    # (no such use: VACE's control video). A causal family continues videos through `start_video` instead.
+    video_use: ClassVar[str | None] = None
 
     def check_inputs(self, result: Any, limits: Any) -> None:
         """This family's own input rules, run by the request check with every other rule before any work (in the

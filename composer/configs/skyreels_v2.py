@@ -53,6 +53,8 @@ class SkyReelsV2DF540PSamplingParam(SamplingParam):
     of 97 frames (diffusers' `__call__` defaults). The flow shift is the folder's; 8.0 (diffusers' recommendation for
     text-to-video) only fills in for a folder that states none."""
 
+    video_use: ClassVar[str | None] = "extend"  # a server's remix / extend: the video, continued
+
     negative_prompt: str | None = None
     height: int = 544
     width: int = 960

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from composer.configs.base import PipelineConfig, SamplingParam
 from composer.registry.configs import register_configs
@@ -53,6 +53,8 @@ def strength_field(default: float = 0.8) -> Any:
 class WanT2V480PSamplingParam(SamplingParam):
     """Wan2.1 T2V at 480p: 832x480, 81 frames at 16 fps, 50 steps, CFG 5.0. The flow shift is the model folder's
     (the released folders' scheduler configs say 3.0); 3.0 only fills in for a folder that states none."""
+
+    video_use: ClassVar[str | None] = "redraw"  # a server's remix / edit: video-to-video
 
     negative_prompt: str | None = WAN_NEGATIVE_PROMPT
     height: int = 480

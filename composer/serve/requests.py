@@ -147,20 +147,26 @@ def derive_body(body: dict, source: Any, store: Any, generator: Any, config: Any
     or extension (a causal continuation) of `source` or of the body's uploaded `video`.
 
     A causal model starts from the video's last (overlap_frames - 1) x 4 + 1 frames and makes as many new frames as
-    the source had (a remix) or `seconds` / `num_frames` say; a video-to-video model redraws the video (its first
+    the source had (a remix) or `seconds` / `num_frames` say; a model that extends a whole video (`video_use` =
+    "extend": SkyReels-V2 DF) takes all of it and makes as many new frames again (or `seconds` / `num_frames`);
+    a video-to-video model (`video_use` = "redraw") redraws the video (its first
     4k + 1 frames, at most the server's max_frames) at `strength`. Made from a completed video, it keeps that video's
     other fields (size, steps, guidance, adapters...) unless the body sets them; the seed is drawn anew unless
     given."""
     hints = field_types(type(generator.default_sampling))
-    causal, v2v = "start_video" in hints, "video" in hints and "strength" in hints
-    want = {"edit": "video-to-video", "extend": "causal"}.get(mode or "") or (
-        "causal" if causal else "video-to-video" if v2v else None)
-    if want is None or (want == "causal" and not causal) or (want == "video-to-video" and not v2v):
+    use = getattr(type(generator.default_sampling), "video_use", None) if "video" in hints else None
+    # what this model does with a video: continues it from its last frames (a causal model's start_video), extends
+    # it whole (SkyReels-V2 DF's video), or redraws it (video-to-video)
+    does = "causal" if "start_video" in hints else "extend" if use == "extend" else \
+        "video-to-video" if use == "redraw" else None
+    allowed = {"edit": ("video-to-video",), "extend": ("causal", "extend")}.get(mode or "", (does,))
+    if does is None or does not in allowed:
         what = {None: "remix a video", "edit": "edit a video", "extend": "extend a video"}[mode]
-        can = ("it continues videos: use a remix or an extension" if causal else
-               "it redraws videos: use a remix or an edit" if v2v else
-               "neither a causal model (continuation) nor video-to-video")
+        can = ("it continues videos: use a remix or an extension" if does in ("causal", "extend") else
+               "it redraws videos: use a remix or an edit" if does else
+               "neither continues a video nor redraws one (video-to-video)")
         raise RequestProblem(f"this model ({generator.family}) cannot {what}: {can}", "video" if mode else "id")
+    want = does
     body = dict(body)
     if source is not None:
         from composer.errors import InvalidInputError as _Unreadable
@@ -202,6 +208,14 @@ def derive_body(body: dict, source: Any, store: Any, generator: Any, config: Any
             body["num_frames"] = (start_latent + blocks * n - 1) * t + 1
         body.pop("seconds", None)
         return check_body(body, generator, config.limits, config.loras, config.uploads, {"start_video": start})
+    if want == "extend":  # the whole video, continued by num_frames new frames (its family checks the rest)
+        if "num_frames" not in body and "seconds" in body:
+            new = _seconds_value(body.pop("seconds")) * fps  # the nearest valid length (t k + 1)
+            body["num_frames"] = max(0, round((new - 1) / t)) * t + 1
+        elif "num_frames" not in body:
+            body["num_frames"] = len(frames)  # as many new frames as the video has
+        body.pop("seconds", None)
+        return check_body(body, generator, config.limits, config.loras, config.uploads, {"video": frames})
     if "num_frames" not in body and "seconds" not in body:
         most = min(len(frames), config.limits.max_frames or len(frames))
         body["num_frames"] = (most - 1) // t * t + 1
@@ -259,7 +273,8 @@ def _input_reference(value: Any, hints: dict, generator: Any, uploads: UploadLim
             return key, _decode_input(key, upload, uploads)
     roles = {"image": "an image (the first frame)", "last_image": "a last frame", "start_image": "an image to start "
              "from", "start_video": "a video to continue", "video": "a video to redraw (video-to-video)",
-             "mask": "a mask video", "reference_images": "reference images"}
+             "mask": "a mask video", "reference_images": "reference images", "pose_video": "a pose video",
+             "face_video": "a face video", "background_video": "a background video", "mask_video": "a mask video"}
     other = [roles[key] for key in INPUT_FIELDS if key in hints and key != "last_image"]
     takes = (f"it takes {' or '.join(other)}" if other else "it takes no image or video: a text-to-video model")
     raise RequestProblem(f"input_reference: the upload is {'an' if kind == 'image' else 'a'} {kind}, which this "
