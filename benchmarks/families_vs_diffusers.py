@@ -51,6 +51,7 @@ class Family:
     image: bool = False
     video: bool = False  # video-to-video: a moving seeded pattern as `video` (`strength` in the request)
     control: bool = False  # VACE: a control video of the request's size, a mask and a reference image
+    animate: int = 0  # Wan Animate: a character image, pose and face videos of this many frames
 
 
 FAMILIES: dict[str, Family] = {
@@ -81,6 +82,9 @@ FAMILIES: dict[str, Family] = {
     "skyreels-v2-df": Family("build_tiny_skyreels_df", "SkyReelsV2DiffusionForcingPipeline",
                              dict(height=48, width=80, num_frames=33, guidance_scale=5.0, base_num_frames=17,
                                   overlap_history=5, addnoise_condition=20, ar_step=1, causal_block_size=1)),
+    # 13 frames in three segments of 5 (one frame carried over), no CFG (the family's and diffusers' default)
+    "wan2.2-animate": Family("build_tiny_wan_animate", "WanAnimatePipeline",
+                             dict(height=48, width=80, guidance_scale=1.0, segment_frame_length=5), animate=13),
 }
 
 
@@ -138,13 +142,14 @@ def load_diffusers(folder: Path, class_name: str, device: torch.device):
     import diffusers
 
     if class_name in ("WanImageToVideoPipeline", "WanVideoToVideoPipeline", "SkyReelsV2DiffusionForcingPipeline",
-                      "WanVACEPipeline"):
+                      "WanVACEPipeline", "WanAnimatePipeline"):
         import diffusers.pipelines.skyreels_v2.pipeline_skyreels_v2_diffusion_forcing as df
+        import diffusers.pipelines.wan.pipeline_wan_animate as animate
         import diffusers.pipelines.wan.pipeline_wan_i2v as i2v
         import diffusers.pipelines.wan.pipeline_wan_vace as vace
         import diffusers.pipelines.wan.pipeline_wan_video2video as v2v
 
-        for module in (i2v, v2v, df, vace):  # diffusers 0.42.1's prompt cleaning there calls ftfy even when absent
+        for module in (i2v, v2v, df, vace, animate):  # diffusers 0.42.1's prompt cleaning there calls ftfy even when absent
             if not hasattr(module, "ftfy"):
                 module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
     pipe = getattr(diffusers, class_name).from_pretrained(str(folder)).to(device)
@@ -179,11 +184,20 @@ def run_family(name: str, family: Family, root: Path, args, device: torch.device
         size = dict(width=request["width"], height=request["height"])
         request.update(video=make_video(request["num_frames"], **size), mask=make_mask(request["num_frames"], **size),
                        reference_images=make_image())
+    if family.animate:  # Wan Animate: the character image, the poses and a face (at 20 pixels: resized)
+        request.update(image=make_image(), pose_video=make_video(family.animate, request["width"], request["height"]),
+                       face_video=make_video(family.animate, 20, 20))
     # the steps that run (video-to-video runs the last int(steps x strength) of the schedule)
     steps = int(args.steps * request["strength"]) if "strength" in request else args.steps
     if "ar_step" in request:  # diffusion forcing: one transformer pass per iteration of each window's schedule
         steps = forcing_iterations(request, args.steps)
     gen = VideoGenerator.from_pretrained(folder, device=str(device), dtype="fp32", progress=False)
+    # Wan Animate's denoising stage also encodes and decodes each segment with the VAE: time its transformer calls
+    ours_timer = TransformerTimer([gen.pipeline.modules["transformer"]], device) if family.animate else None
+    if family.animate:  # every segment runs the steps
+        from composer.stages.animate import segment_starts
+
+        steps *= len(segment_starts(family.animate, request["segment_frame_length"], 1))
     pipe = load_diffusers(folder, family.diffusers_class, device)
     transformers = [m for n in ("transformer", "transformer_2") if isinstance(m := getattr(pipe, n, None),
                                                                               torch.nn.Module)]
@@ -201,9 +215,11 @@ def run_family(name: str, family: Family, root: Path, args, device: torch.device
         pipe.prompt_template_encode_start_idx = gen.pipeline.stage("ChatTextEncodingStage").crop_start
 
     def run_composer() -> tuple[np.ndarray, float, float]:
+        if ours_timer is not None:
+            ours_timer.seconds = 0.0
         result = gen.generate_video(PROMPT, negative_prompt=NEGATIVE_PROMPT, **request)
         denoise = sum(v for k, v in result.timings.items() if "DenoisingStage" in k)
-        return result.frames, denoise, result.timings["total"]
+        return result.frames, denoise if ours_timer is None else ours_timer.seconds, result.timings["total"]
 
     def run_diffusers() -> tuple[np.ndarray, float, float]:
         timer.seconds = 0.0

@@ -26,9 +26,10 @@ from composer.errors import InvalidInputError
 from composer.images import to_rgb
 
 # Inputs that are one image, those that are a video (a causal model's video to continue, video-to-video's input, VACE's
-# control video and mask), and those that are a list of images (VACE's reference images: repeated parts, or a list).
+# control video and mask, Wan Animate's driving videos), and those that are a list of images (VACE's reference images:
+# repeated parts, or a list).
 IMAGE_FIELDS = ("image", "last_image", "start_image")
-VIDEO_FIELDS = ("start_video", "video", "mask")
+VIDEO_FIELDS = ("start_video", "video", "mask", "pose_video", "face_video", "background_video", "mask_video")
 IMAGE_LIST_FIELDS = ("reference_images",)
 UPLOAD_FIELDS = IMAGE_FIELDS + VIDEO_FIELDS + IMAGE_LIST_FIELDS + ("input_reference",)
 

@@ -367,12 +367,13 @@ class WanTransformer3DModel(RunsBlocks, nn.Module):
 
     def block_residuals(self, x: torch.Tensor, *, contexts: list, timestep_proj: torch.Tensor, rotary: Rotary,
                         token_grid: tuple[int, int, int] | None, image: torch.Tensor | None,
-                        split: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+                        split: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor | Callable]:
         """{block index: residual [B, S, D]} added to the stream after that block: a variant's control branch,
         computed from the blocks' input `x` (this rank's tokens) and what the blocks read (`contexts`: one entry per
-        `cross_attention_blocks()`); `split(tokens)` gives this rank's part of more tokens of x's grid. The plain DiT
-        has none; VACE's hints are its (composer/models/wan/vace.py), with the control latents `_forward` was given
-        by keyword."""
+        `cross_attention_blocks()`); `split(tokens)` gives this rank's part of more tokens of x's grid. A residual may
+        also be a function of the stream after its block (stream -> residual). The plain DiT has none; VACE's hints
+        are its (composer/models/wan/vace.py), with the control latents `_forward` was given by keyword, and so are
+        Wan Animate's face adapters (functions: composer/models/wan/animate.py)."""
         return {}
 
     def _embedded_image(self, encoder_hidden_states_image: torch.Tensor | None) -> torch.Tensor | None:
@@ -449,8 +450,9 @@ class WanTransformer3DModel(RunsBlocks, nn.Module):
             for i in range(start, len(self.blocks) if end is None else end):
                 layer_cache = kv_cache.layer(i) if kv_cache is not None else None
                 x = self.blocks[i](x, contexts[i], timestep_proj, rotary, attn_mask, layer_cache, token_grid, image)
-                if i in residuals:
-                    x = x + residuals[i]
+                if i in residuals:  # a tensor, or a function of the stream here (Animate's face adapters)
+                    residual = residuals[i]
+                    x = x + (residual(x) if callable(residual) else residual)
             return x
 
         # a step cache (composer.accel.step_cache) may reuse an earlier step's residual instead of the blocks
