@@ -629,14 +629,11 @@ def main() -> int:
                                "bad-upload": (args.bad_uploads, 5), "upload": (args.uploads, 2)}.items():
         count = min(count, kinds.count("video"))  # never more than the plain requests left (a short soak)
         step = max(1, args.requests // max(1, count))
-        placed = 0
-        for i in range(offset, args.requests, step):
-            if placed == count:
-                break
-            while kinds[i % args.requests] != "video":
-                i += 1
-            kinds[i % args.requests] = k
-            placed += 1
+        for n in range(count):  # every `step`-th request from `offset` on, or the next plain one after it
+            j = (offset + n * step) % args.requests
+            while kinds[j] != "video":
+                j = (j + 1) % args.requests
+            kinds[j] = k
     deadline = time.monotonic() + args.timeout
     frames_dir = Path(tmp.name) / "fetched"
     frames_dir.mkdir()

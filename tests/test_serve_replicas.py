@@ -355,8 +355,10 @@ def test_the_soak_through_the_proxy_loses_nothing(fleet):
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "serve_soak.py"), "--base-url",
                           f"http://127.0.0.1:{proxy.port}", "--api-key", KEY, "--requests", "10", "--clients", "3",
-                          "--malformed", "2", "--cancel", "2", "--steps", "0", "--timeout", "120"],
+                          "--malformed", "2", "--cancel", "2", "--uploads", "3", "--upload-image", "--bad-uploads", "2",
+                          "--steps", "0", "--timeout", "120"],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "server crashes: 0; lost jobs: 0; failed checks: 0" in run.stdout
-    assert "malformed refused with a 4xx: 2" in run.stdout
+    assert "(1 videos, 3 multipart with an image, 2 malformed, 2 broken uploads, 2 cancelled)" in run.stdout
+    assert "malformed refused with a 4xx: 4" in run.stdout  # the malformed bodies and the broken uploads
