@@ -85,6 +85,7 @@ def test_causal_errors_are_one_line(causal_dir, tiny_wan_dir, tmp_path):
     assert run.returncode == 1 and "does not exist" in run.stderr and "Traceback" not in run.stderr
 
 
+@pytest.mark.slow  # 3 s: a CLI process
 def test_interactive_without_a_first_prompt_is_a_clear_error(causal_dir):
     run = cli("generate", "--model-path", causal_dir, *SIZE, "--interactive", stdin="a cat\n\n")
     assert run.returncode == 1 and "streaming needs a first prompt" in run.stderr and "Traceback" not in run.stderr

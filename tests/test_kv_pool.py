@@ -519,6 +519,7 @@ def unlimited(one_thread):
     return VideoGenerator.from_pretrained("shapes-causal", progress=False)
 
 
+@pytest.mark.slow  # 4 s
 def test_three_streams_under_a_budget_for_two_all_finish_as_alone(unlimited):
     from composer import VideoGenerator
 

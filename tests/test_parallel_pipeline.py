@@ -32,7 +32,8 @@ LAYOUTS = {
     "cfg2-ring2": (dict(cfg_parallel=True, ring_degree=2), ("t2v",)),
     "ulysses2-compile": (dict(ulysses_degree=2), ("compile",)),
 }
-SLOW = {"cfg2-ring2", "usp2x2", "tp2-ulysses2", "ulysses2-compile"}  # 4 ranks, or compiling
+SLOW = {"cfg2-ring2", "usp2x2", "tp2-ulysses2", "ulysses2-compile",  # 4 ranks, or compiling
+        "ring2", "tp2"}  # the quick tier keeps ulysses2 and cfg2 (<= 5 minutes on 2 cores)
 
 
 def _world(runtime: dict) -> int:

@@ -112,7 +112,7 @@ def run_ring(world: int, out_dir: str) -> list[dict]:
     return [torch.load(f"{out_dir}/rank{r}.pt") for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # quick tier: 2 ranks
 def test_ring_attention_matches_single_process_sdpa(world, tmp_path):
     results = run_ring(world, str(tmp_path))
     for i, (name, lengths, kind) in enumerate(CASES[world]):

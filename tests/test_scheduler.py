@@ -169,7 +169,7 @@ def step_tokens(t2v):
     return unit_tokens(shapes[0], gen.pipeline.modules["transformer"].config.patch_size)
 
 
-@pytest.mark.parametrize("units_per_call", [1, 2])
+@pytest.mark.parametrize("units_per_call", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_max_batch_tokens_bounds_the_tokens_in_a_call(t2v, step_tokens, units_per_call, one_thread):
     solo_gen, _ = t2v
     seeds = (41, 42, 43)
@@ -206,6 +206,7 @@ def test_max_batch_tokens_is_one_name_for_the_flag_the_preset_and_the_keyword(cl
         assert code != 0 and "max_batch_tokens = 0: expected a positive integer" in err, (args, err)
 
 
+@pytest.mark.slow  # 4 s; the quick tier keeps concurrent videos (and the serve tests' streams)
 def test_concurrent_streams_equal_their_solo_streams(one_thread):
     gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
     prompts = ["a red circle moving left", "a blue square moving right", "a green triangle moving up"]
@@ -253,7 +254,7 @@ def test_a_cache_group_writes_and_reads_each_cache_as_alone():
     assert [c.end_frame for c in grouped] == [6, 6]
 
 
-@pytest.mark.parametrize("cache", ["teacache", "dbcache"])
+@pytest.mark.parametrize("cache", [pytest.param("teacache", marks=pytest.mark.slow), "dbcache"])
 def test_step_cached_requests_run_together_each_deciding_for_itself(one_thread, cache):
     """A step cache keeps a plan, residuals and counts per request: concurrent requests are scheduled together
     (one request per call) and each one's latents equal its solo run's bit for bit."""

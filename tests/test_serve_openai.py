@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("fastapi", reason="composer serve needs the serve extra (fastapi, uvicorn)")
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client these tests drive")
-from serve_support import Server
+from serve_support import Server  # noqa: E402
 
-from composer.generator import VideoGenerator
-from composer.serve.app import ServeConfig
-from composer.testing import build_tiny_wan_i2v
-from composer.video import read_frames, save_video
+from composer.generator import VideoGenerator  # noqa: E402
+from composer.serve.app import ServeConfig  # noqa: E402
+from composer.testing import build_tiny_wan_i2v  # noqa: E402
+from composer.video import read_frames, save_video  # noqa: E402
 
 SMALL = {"num_inference_steps": 2, "num_frames": 9, "guidance_scale": 1.0}
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the SDK marks its video API
@@ -122,7 +122,6 @@ def test_the_async_client_creates_polls_downloads_and_cancels(t2v, tmp_path):
 
 
 def test_form_fields_are_typed_and_checked_as_json_fields_are(t2v):
-    import http.client
     import uuid
 
     def multipart(fields: dict) -> tuple[bytes, str]:
@@ -180,6 +179,7 @@ def test_sdk_errors_are_the_sdks_exceptions_and_the_server_goes_on(t2v):
     assert t2v.request("GET", "/health").status == 200
 
 
+@pytest.mark.slow  # 3 s: four videos and their direct runs
 def test_remix_and_edit_redraw_a_video_as_video_to_video_does(t2v, composer_gen, tmp_path):
     client = client_for(t2v)
     source = client.videos.create_and_poll(prompt="a red fox", size="48x32", poll_interval_ms=20,

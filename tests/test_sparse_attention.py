@@ -56,7 +56,7 @@ def test_the_mask_is_the_window_slid_inside_the_grid(grid, window):
     assert torch.equal(window_mask(grid, window), _brute_force_mask(grid, window))
 
 
-@pytest.mark.parametrize("grid", [(3, 4, 6), (2, 7, 5), (1, 3, 9)])
+@pytest.mark.parametrize("grid", [pytest.param((3, 4, 6), marks=pytest.mark.slow), (2, 7, 5), (1, 3, 9)])
 def test_a_window_covering_the_grid_is_dense_attention(grid):
     q, k, v = _qkv(grid)
     for window in (grid, (9, 99, 99)):  # exactly the grid, and larger than it (clipped)
