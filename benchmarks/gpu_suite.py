@@ -97,6 +97,8 @@ PARTS: dict[str, tuple[int, str]] = {
     "cache-1.3b": (200, "TeaCache and DBCache at their defaults vs the exact path, 10 CFG steps, 480p 81 frames"),
     "causal-1.3b": (200, "Self-Forcing 1.3B causal streaming, 480x832, 81 frames, 3 latent frames a block, 4 steps"),
     "vae": (150, "the Wan VAE decoding 81x480x832: whole, diffusers-tiled, streamed per block; fp32 and bf16"),
+    "vae-hunyuan": (150, "the HunyuanVideo VAE decoding 33x720x1280 in bf16: whole (its own split in time), "
+                         "diffusers-tiled, composer's exact tiles (GroupNorm statistics over the whole video)"),
     "offload-disk-1.3b": (120, "the disk tier (blocks from the memory-mapped files) vs resident, 480p"),
     "memory": (200, "the memory predictor vs measured peaks (1.3B, 480p and 720p) and offload = auto under 8 GB"),
     "dllm": (90, "diffusion-LM decoding strategies on tiny-dllm vs the exact path: forwards/token, tokens/s, "
@@ -666,6 +668,70 @@ def part_vae(args) -> dict:
     return out
 
 
+def part_vae_hunyuan(args) -> dict:
+    """The released HunyuanVideo VAE (AutoencoderKLHunyuanVideo's default config, random weights) decoding a 720p
+    video in the suite's dtype: its own decode (chunks of latent frames blended in time, whole frames in space),
+    diffusers' spatial tiles (blended; each tile normalised by its own GroupNorm statistics) and composer's exact
+    tiles (`vae_tile_size`: the whole video's statistics, waiting tiles parked on the host)."""
+    import torch
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    from composer.stages.decoding import DecodingStage, video_to_frames
+
+    device = torch.device(args.device)
+    video = dict(num_frames=9, height=64, width=96) if args.tiny else dict(num_frames=33, height=720, width=1280)
+    dtype = torch.float32 if args.tiny else {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                             "fp16": torch.float16}[args.dtype]
+    torch.manual_seed(SEED)
+    if args.tiny:
+        vae = AutoencoderKLHunyuanVideo(latent_channels=4, block_out_channels=(16, 32, 32, 32), layers_per_block=1,
+                                        norm_num_groups=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+                                        up_block_types=("HunyuanVideoUpBlock3D",) * 4)
+    else:
+        vae = AutoencoderKLHunyuanVideo()
+    vae = vae.eval().to(device, dtype)
+    g = torch.Generator("cpu").manual_seed(SEED)
+    latents = torch.randn(1, vae.config.latent_channels, (video["num_frames"] - 1) // 4 + 1, video["height"] // 8,
+                          video["width"] // 8, generator=g).to(device)
+    out: dict[str, Any] = {**video, "dtype": str(dtype).split(".")[-1], "latent_shape": list(latents.shape),
+                           "modes": {}}
+    whole_stage, tiled_stage = DecodingStage(vae), DecodingStage(vae, tile_size=4 if args.tiny else 32)
+
+    def whole():
+        return video_to_frames(whole_stage.decode(latents)).numpy()[0]
+
+    def tiled():  # diffusers' default 256-pixel tiles (at --tiny: 32, so that the tiny video has several)
+        vae.enable_tiling(**(dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24,
+                                  tile_sample_stride_width=24) if args.tiny else {}))
+        try:
+            return whole()
+        finally:
+            vae.disable_tiling()
+
+    def exact_tiled():
+        return video_to_frames(tiled_stage.decode(latents)).numpy()[0]
+
+    reference = None
+    for label, fn in (("whole", whole), ("diffusers-tiled", tiled), ("exact-tiled", exact_tiled)):
+        row: dict[str, Any] = {}
+        try:
+            with peak_memory(device, row, "peak_gib"):
+                start = time.perf_counter()
+                got = fn()
+                sync(device)
+                row["s"] = time.perf_counter() - start
+        except torch.OutOfMemoryError as e:  # the point of tiling: record it and go on
+            row["error"] = f"out of memory: {str(e)[:200]}"
+            got = None
+            free_device(device)
+        if reference is None:
+            reference = got
+        row["max_uint8_diff_vs_whole"] = uint8_diff(got, reference) if got is not None else None
+        out["modes"][label] = row
+    free_device(device)
+    return out
+
+
 def part_offload_disk(args) -> dict:
     """The disk tier from the shared folder's transformer files against the resident model, one forward each."""
     import torch
@@ -816,6 +882,7 @@ PART_FUNCS = {
     "cache-1.3b": part_cache,
     "causal-1.3b": part_causal,
     "vae": part_vae,
+    "vae-hunyuan": part_vae_hunyuan,
     "offload-disk-1.3b": part_offload_disk,
     "memory": part_memory,
     "dllm": part_dllm,
@@ -927,6 +994,19 @@ def summary_rows(name: str, r: dict) -> list[str]:
                         f"| whole {fmt(whole['s'], ' s')} | {x['s'] / whole['s']:.2f} (time) | peak "
                         f"{fmt(x['peak_gib'], ' GiB')}; max uint8 diff vs fp32 whole {x['max_uint8_diff_vs_fp32_whole']}"
                         f"{extra} |")
+        return rows
+    if name == "vae-hunyuan":
+        rows, m = [], r["modes"]
+        whole = m.get("whole", {})
+        for label, x in m.items():
+            if "s" not in x:
+                rows.append(f"| {name} | decode {r['num_frames']}x{r['height']}x{r['width']} {r['dtype']}, {label} | "
+                            f"{x.get('error', 'failed')} | - | - | |")
+                continue
+            ratio = f"{x['s'] / whole['s']:.2f} (time)" if whole.get("s") else "-"
+            rows.append(f"| {name} | decode {r['num_frames']}x{r['height']}x{r['width']} {r['dtype']}, {label} | "
+                        f"{fmt(x['s'], ' s')} | whole {fmt(whole.get('s'), ' s')} | {ratio} | peak "
+                        f"{fmt(x['peak_gib'], ' GiB')}; max uint8 diff vs whole {x['max_uint8_diff_vs_whole']} |")
         return rows
     if name == "offload-disk-1.3b":
         return [f"| {name} | disk tier DiT forward (first, from a dropped page cache / steady) | "

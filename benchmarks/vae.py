@@ -4,8 +4,9 @@ Each family's VAE is built at its released config with random weights (speed and
 same seeded latents decoded each way, every (family, way) in a fresh subprocess so that its peak is its own:
 
 - whole: `vae.decode` (composer's DecodingStage without tiling);
-- exact-tiled: composer's `vae_tile_size` (the Wan VAE: trunk on whole frames, the last two up blocks in tiles of
-  `--tile` latent pixels with a halo; composer/stages/vae_tiling.py);
+- exact-tiled: composer's `vae_tile_size` (trunk on whole frames, the last two up blocks in tiles of `--tile` latent
+  pixels with a halo; the Wan VAE: composer/stages/vae_tiling.py; HunyuanVideo's, its GroupNorms taking the whole
+  video's statistics from the tiles' sums, and HunyuanVideo-1.5's: composer/stages/vae_tiling_hunyuan.py);
 - diffusers-tiled: diffusers' `enable_tiling()` (its default 256-pixel tiles, blended seams);
 - streamed: composer's per-block decode of a causal stream (3 latent frames a block, the causal cache carried);
   the Wan2.1 VAE only (what the causal models use);
@@ -55,6 +56,7 @@ FAMILIES = {
                                         latents_mean=[0.0] * 48, latents_std=[1.0] * 48)),  # (the release's own
     # per-channel statistics are 48 numbers each; any do for timing)
     "hunyuanvideo": ("AutoencoderKLHunyuanVideo", {}),
+    "hunyuanvideo15": ("AutoencoderKLHunyuanVideo15", {}),
 }
 WAYS = ("whole", "exact-tiled", "diffusers-tiled", "streamed", "split-2")  # and "taehv" with --taehv
 
@@ -115,7 +117,7 @@ def decoder_for(way: str, vae, tile: int):
     import torch
 
     from composer.stages.decoding import StreamingVideoDecoder, denormalize_latents
-    from composer.stages.vae_tiling import decode_tiled, supports_exact_tiling
+    from composer.stages.vae_tiling import decode_exact_tiled, has_exact_tiled_decode
 
     def raw(z):
         return denormalize_latents(z, vae.config)
@@ -123,7 +125,7 @@ def decoder_for(way: str, vae, tile: int):
     if way == "whole":
         return lambda z: vae.decode(raw(z), return_dict=False)[0]
     if way == "exact-tiled":
-        return (lambda z: decode_tiled(vae, raw(z), tile=tile)) if supports_exact_tiling(vae) else None
+        return (lambda z: decode_exact_tiled(vae, raw(z), tile=tile)) if has_exact_tiled_decode(vae) else None
     if way == "diffusers-tiled":
         if not hasattr(vae, "enable_tiling"):
             return None
@@ -180,7 +182,7 @@ def _split_rank(rank: int, world: int, opts: dict, out_file: str) -> None:
     import torch.distributed as dist
 
     from composer.stages.decoding import denormalize_latents, video_to_frames
-    from composer.stages.vae_tiling import decode_tiled
+    from composer.stages.vae_tiling import decode_exact_tiled
 
     ns = argparse.Namespace(**opts)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[ns.dtype]
@@ -190,7 +192,7 @@ def _split_rank(rank: int, world: int, opts: dict, out_file: str) -> None:
         base = rss()
         dist.barrier()
         start = time.perf_counter()
-        video = decode_tiled(vae, denormalize_latents(z, vae.config), tile=ns.tile, group=dist.group.WORLD)
+        video = decode_exact_tiled(vae, denormalize_latents(z, vae.config), tile=ns.tile, group=dist.group.WORLD)
         seconds = time.perf_counter() - start
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
         if rank != 0:
@@ -206,11 +208,11 @@ def measure_split(args, ranks: int) -> dict:
     """The split-N way: N gloo ranks on this machine, each with its share of the cores."""
     import tempfile
 
-    from composer.stages.vae_tiling import supports_exact_tiling
+    from composer.stages.vae_tiling import has_exact_tiled_decode
     from composer.testing.distributed import spawn
 
     out = {"family": args.family, "way": args.way}
-    if args.device != "cpu" or not supports_exact_tiling(_meta_vae(args.family)):
+    if args.device != "cpu" or not has_exact_tiled_decode(_meta_vae(args.family)):
         return {**out, "skipped": True}
     opts = {k: getattr(args, k) for k in ("family", "dtype", "size", "tile", "vae_path", "latents")}
     with tempfile.TemporaryDirectory() as tmp:

@@ -93,8 +93,9 @@ class RuntimeArgs:
     vae_tile_size: int | None = field(
         default=None,
         metadata={"help": "decode whole videos (and encode conditioning images / videos) in spatial tiles of this many "
-                          "latent pixels a side: less memory, the same frames (Wan VAE: exact tiles with a halo, "
-                          "docs/memory.md; other VAEs: diffusers' own tiling, approximate); default: whole frames "
+                          "latent pixels a side: less memory, the same frames (the Wan and HunyuanVideo VAEs: exact "
+                          "tiles with a halo, docs/memory.md; other VAEs: diffusers' own tiling, approximate); "
+                          "default: whole frames "
                           "(offload = auto may choose 32)"},
     )
     preview_decoder: str | None = field(

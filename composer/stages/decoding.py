@@ -75,9 +75,9 @@ class DecodingStage(Stage):
         rank runs the trunk and its share of the tiles; one all-reduce; bit-identical to one process's tiled
         decode), with rank 0 planning every decode on `planner` so the ranks' collectives meet. Only for a VAE
         with composer's exact tiling and a `vae_tile_size`; False (nothing changes) otherwise."""
-        from composer.stages.vae_tiling import supports_exact_tiling
+        from composer.stages.vae_tiling import has_exact_tiled_decode
 
-        if not self.tile_size or not supports_exact_tiling(self.vae):
+        if not self.tile_size or not has_exact_tiled_decode(self.vae):
             return False
         self.split_group = group
         planner.register(self.batcher)
@@ -123,10 +123,10 @@ class DecodingStage(Stage):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         latents = denormalize_latents(latents.to(self.vae.device, self.vae.dtype), self.vae.config)
         if self.tile_size:
-            from composer.stages.vae_tiling import decode_tiled, supports_exact_tiling
+            from composer.stages.vae_tiling import decode_exact_tiled, has_exact_tiled_decode
 
-            if supports_exact_tiling(self.vae):
-                return decode_tiled(self.vae, latents, tile=self.tile_size, group=self.split_group)
+            if has_exact_tiled_decode(self.vae):
+                return decode_exact_tiled(self.vae, latents, tile=self.tile_size, group=self.split_group)
             return self._diffusers_tiled(latents)
         return self.vae.decode(latents, return_dict=False)[0]
 
@@ -138,7 +138,7 @@ class DecodingStage(Stage):
             raise UnsupportedError(f"vae_tile_size is set but {type(self.vae).__name__} cannot decode in tiles")
         log_once(logger, f"diffusers-tiling-{type(self.vae).__name__}", f"vae_tile_size: {type(self.vae).__name__} "
                  "decodes with diffusers' own tiling (its tiles are blended at the seams: the frames differ a little "
-                 "from a whole decode; composer's exact tiling covers the Wan VAE)")
+                 "from a whole decode; composer's exact tiling covers the Wan and HunyuanVideo VAEs)")
         saved = getattr(self.vae, "use_tiling", False)
         self.vae.enable_tiling()
         try:

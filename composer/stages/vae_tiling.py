@@ -37,6 +37,23 @@ def supports_exact_tiling(vae) -> bool:
             and all(hasattr(decoder, n) for n in ("conv_in", "mid_block", "up_blocks", "norm_out", "conv_out")))
 
 
+def has_exact_tiled_decode(vae) -> bool:
+    """composer decodes this VAE in exact tiles: the Wan VAE here, the HunyuanVideo VAEs in vae_tiling_hunyuan."""
+    from composer.stages.vae_tiling_hunyuan import supports_hunyuan_tiling
+
+    return supports_exact_tiling(vae) or supports_hunyuan_tiling(vae)
+
+
+def decode_exact_tiled(vae, z: torch.Tensor, tile: int = 32, group=None) -> torch.Tensor:
+    """The whole-video decode of denormalized latents `z` in exact spatial tiles, for any VAE with
+    `has_exact_tiled_decode` (`decode_tiled` for the Wan VAE, `decode_tiled_hunyuan` for HunyuanVideo's)."""
+    if supports_exact_tiling(vae):
+        return decode_tiled(vae, z, tile=tile, group=group)
+    from composer.stages.vae_tiling_hunyuan import decode_tiled_hunyuan
+
+    return decode_tiled_hunyuan(vae, z, tile=tile, group=group)
+
+
 def head_radius(decoder: nn.Module, trunk_blocks: int) -> float:
     """The head's spatial receptive-field radius in pixels of its input (the trunk's output): each k x k
     convolution adds (k // 2) pixels at its resolution, i.e. (k // 2) / scale input pixels, the scale doubling at
