@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import types
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
 from conftest import max_uint8_diff
+from helpers import (
+    clip_makers,
+    diffusers_wan_pipeline,
+    generate_at_once,
+    perturb_parameters,
+    refuse_loading,
+    smooth_image,
+    transformer_loader,
+)
 from safetensors.torch import save_file
 
 from composer import VideoGenerator
@@ -30,24 +36,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 HEIGHT, WIDTH, FRAMES = 48, 80, 11  # 6 x 10 latents -> 3 x 5 tokens a frame: divides by no degree
 # segments of 5 frames carrying 1 over: 11 frames are 3 segments (the pose video padded to 13)
 BASE = dict(prompt="a person dances", height=HEIGHT, width=WIDTH, num_inference_steps=3, segment_frame_length=5)
-
-
-def frames(count: int = FRAMES, size: tuple[int, int] = (WIDTH, HEIGHT), seed: int = 0) -> list:
-    """A seeded pattern moving right, `count` PIL frames of `size` (width, height)."""
-    base = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3)).astype(np.uint8)
-    return [PIL.Image.fromarray(np.roll(base, 3 * i, axis=1)) for i in range(count)]
-
-
-def mask(count: int = FRAMES, size: tuple[int, int] = (WIDTH, HEIGHT), mode: str = "L") -> list:
-    """Keep the left part of the background, draw the character on the right (white); a soft edge (grey pixels)."""
-    column = np.clip((np.arange(size[0]) - size[0] * 0.45) * 255 / (size[0] * 0.1), 0, 255).astype(np.uint8)
-    return [PIL.Image.fromarray(np.tile(column, (size[1], 1))).convert(mode) for _ in range(count)]
+# the pose, face and background videos (a seeded pattern moving right) and the mask video (keep the left part of
+# the background, draw the character on the right)
+frames, mask = clip_makers(FRAMES, (WIDTH, HEIGHT))
 
 
 def character(size: tuple[int, int] = (60, 40), seed: int = 1):
     """A smooth seeded image of another aspect ratio than the video (scaled to fit, on black)."""
-    small = (np.random.default_rng(seed).random((3, 4, 3)) * 255).astype(np.uint8)
-    return PIL.Image.fromarray(small).resize(size, PIL.Image.BILINEAR)
+    return smooth_image(size, seed)
 
 
 def driving(count: int = FRAMES, seed: int = 0) -> dict:
@@ -84,14 +80,7 @@ def gen(animate_dir):
 
 
 def diffusers_pipe(folder):
-    import diffusers.pipelines.wan.pipeline_wan_animate as module
-    from diffusers import WanAnimatePipeline
-
-    if not hasattr(module, "ftfy"):  # diffusers calls ftfy even when it is absent; composer skips it then
-        module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
-    pipe = WanAnimatePipeline.from_pretrained(str(folder))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_wan_pipeline(folder, "WanAnimatePipeline", "pipeline_wan_animate")
 
 
 def reference_frames(pipe, request: dict) -> np.ndarray:
@@ -131,21 +120,13 @@ def test_frames_match_diffusers(animate_dir, gen, name):
 def test_dit_matches_diffusers_and_refuses_bad_configs(tmp_path):
     """Every parameter perturbed; the face as frames (encoded in batches of 3 of 10) or as precomputed tokens, the
     text as states or as precomputed k/v; a pose of the wrong length and a config diffusers cannot run refused."""
-    from composer.loader.components import ComponentLoader
-    from composer.loader.model_index import ComponentSpec
     from composer.testing.tiny_wan_animate import TinyWanAnimateSpec, tiny_animate_transformer
 
     ref = tiny_animate_transformer(TinyWanAnimateSpec(), seed=4)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    perturb_parameters(ref)
     folder = tmp_path / "transformer"
     ref.save_pretrained(folder)
-    spec = ComponentSpec("transformer", "diffusers", "WanAnimateTransformer3DModel")
-
-    def load():
-        return ComponentLoader.for_spec(spec, folder).load(folder, spec, torch.device("cpu"), torch.float32)
-
+    load = transformer_loader(folder, "WanAnimateTransformer3DModel")
     ours = load()
     assert type(ours).__module__ == "composer.models.wan.animate"
     g = torch.Generator().manual_seed(1)
@@ -200,13 +181,9 @@ def test_bad_inputs_are_refused_naming_the_field(gen):
 
 
 def test_the_cli_refuses_bad_inputs_before_loading(cli, animate_dir, tmp_path, monkeypatch):
-    from composer.pipelines.base import ComposedPipeline
     from composer.video import save_video
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded for a request the up-front check should have refused")
-
-    monkeypatch.setattr(ComposedPipeline, "__init__", refuse)
+    refuse_loading(monkeypatch)
     pose = save_video(np.stack([np.asarray(f) for f in frames()]), tmp_path / "pose.mp4", fps=8)
     face = save_video(np.zeros((7, 32, 32, 3), np.uint8), tmp_path / "face.mp4", fps=8)
     character().save(tmp_path / "me.png")
@@ -296,18 +273,7 @@ def test_two_requests_batched_by_the_scheduler_equal_their_solo_runs(gen):
     requests = [{**common, "seed": 1, **driving(seed=1)},
                 {**common, "seed": 2, **driving(seed=3), **replacing(), "image": character(seed=4)}]
     solo = [gen.generate_video(**r).frames for r in requests]
-    rows: list[int] = []
-    handle = gen.pipeline.modules["transformer"].register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
-    together: dict[int, np.ndarray] = {}
-    threads = [threading.Thread(target=lambda i=i: together.update({i: gen.generate_video(**requests[i]).frames}))
-               for i in range(2)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        handle.remove()
+    together, rows = generate_at_once(gen, requests)
     assert max(rows) == 4, f"the two requests never shared a call: {rows}"  # 2 videos x 2 guidance branches
     for i in range(2):
         assert max_uint8_diff(together[i], solo[i]) <= 1

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import types
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
 from conftest import max_uint8_diff
+from helpers import (
+    clip_makers,
+    diffusers_wan_pipeline,
+    generate_at_once,
+    perturb_parameters,
+    refuse_loading,
+    smooth_image,
+    transformer_loader,
+)
 from safetensors.torch import save_file
 
 from composer import VideoGenerator
@@ -29,24 +35,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 HEIGHT, WIDTH, FRAMES = 48, 80, 9  # 6 x 10 latents -> 3 x 5 tokens a frame: divides by no degree
 BASE = dict(prompt="a red ball moves left", height=HEIGHT, width=WIDTH, num_inference_steps=3)
-
-
-def frames(count: int = FRAMES, size: tuple[int, int] = (WIDTH, HEIGHT), seed: int = 0) -> list:
-    """A seeded pattern moving right, `count` PIL frames of `size` (width, height)."""
-    base = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3)).astype(np.uint8)
-    return [PIL.Image.fromarray(np.roll(base, 3 * i, axis=1)) for i in range(count)]
-
-
-def mask(count: int = FRAMES, size: tuple[int, int] = (WIDTH, HEIGHT), mode: str = "L") -> list:
-    """Keep the left part, redraw the right (white); a soft edge (grey pixels: not binary before the VAE's 0.5)."""
-    column = np.clip((np.arange(size[0]) - size[0] * 0.45) * 255 / (size[0] * 0.1), 0, 255).astype(np.uint8)
-    return [PIL.Image.fromarray(np.tile(column, (size[1], 1))).convert(mode) for _ in range(count)]
+# the control video (a seeded pattern moving right) and its mask (keep the left part, redraw the right)
+frames, mask = clip_makers(FRAMES, (WIDTH, HEIGHT))
 
 
 def reference(size: tuple[int, int] = (50, 30), seed: int = 1):
     """A smooth seeded image whose size is no multiple of the VAE's 8 (diffusers cuts it down first)."""
-    small = (np.random.default_rng(seed).random((3, 4, 3)) * 255).astype(np.uint8)
-    return PIL.Image.fromarray(small).resize(size, PIL.Image.BILINEAR)
+    return smooth_image(size, seed)
 
 
 # request extras by case; "big": the control video and mask at twice the size (scaled down, as diffusers does)
@@ -74,14 +69,7 @@ def gen(vace_dir):
 
 
 def diffusers_pipe(folder):
-    import diffusers.pipelines.wan.pipeline_wan_vace as module
-    from diffusers import WanVACEPipeline
-
-    if not hasattr(module, "ftfy"):  # diffusers 0.42.1 calls ftfy even when it is absent; composer skips it then
-        module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
-    pipe = WanVACEPipeline.from_pretrained(str(folder))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_wan_pipeline(folder, "WanVACEPipeline", "pipeline_wan_vace")
 
 
 def reference_frames(pipe, request: dict) -> np.ndarray:
@@ -126,23 +114,14 @@ def test_dit_matches_diffusers_and_refuses_bad_vace_configs(tmp_path):
     perturbed, per-block scales; the text as states or as precomputed k/v; per-row scales equal separate calls."""
     from diffusers import WanVACETransformer3DModel as Reference
 
-    from composer.loader.components import ComponentLoader
-    from composer.loader.model_index import ComponentSpec
-
     torch.manual_seed(0)
     kwargs = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=6, freq_dim=8,
                   ffn_dim=20, num_layers=4, vace_layers=[3, 0], vace_in_channels=5, cross_attn_norm=True)
     ref = Reference(**kwargs).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    perturb_parameters(ref)
     folder = tmp_path / "transformer"
     ref.save_pretrained(folder)
-    spec = ComponentSpec("transformer", "diffusers", "WanVACETransformer3DModel")
-
-    def load():
-        return ComponentLoader.for_spec(spec, folder).load(folder, spec, torch.device("cpu"), torch.float32)
-
+    load = transformer_loader(folder, "WanVACETransformer3DModel")
     ours = load()
     assert type(ours).__module__ == "composer.models.wan.vace"
     g = torch.Generator().manual_seed(1)
@@ -202,13 +181,9 @@ def test_bad_inputs_are_refused_naming_the_field(gen):
 
 
 def test_the_cli_refuses_bad_inputs_before_loading(cli, vace_dir, tmp_path, monkeypatch):
-    from composer.pipelines.base import ComposedPipeline
     from composer.video import save_video
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded for a request the up-front check should have refused")
-
-    monkeypatch.setattr(ComposedPipeline, "__init__", refuse)
+    refuse_loading(monkeypatch)
     control = save_video(np.stack([np.asarray(f) for f in frames()]), tmp_path / "control.mp4", fps=8)
     small = save_video(np.zeros((FRAMES, 32, 32, 3), np.uint8), tmp_path / "mask.mp4", fps=8)
     code, _, err = cli("generate", "--model-path", vace_dir, "--prompt", "x", "--video", control, "--mask", small,
@@ -302,18 +277,7 @@ def test_two_requests_batched_by_the_scheduler_equal_their_solo_runs(gen):
                 {**common, "seed": 2, "video": frames(seed=2), "conditioning_scale": [0.3, 1.2],
                  "reference_images": reference(seed=3)}]
     solo = [gen.generate_video(**r).frames for r in requests]
-    rows: list[int] = []
-    handle = gen.pipeline.modules["transformer"].register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
-    together: dict[int, np.ndarray] = {}
-    threads = [threading.Thread(target=lambda i=i: together.update({i: gen.generate_video(**requests[i]).frames}))
-               for i in range(2)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        handle.remove()
+    together, rows = generate_at_once(gen, requests)
     assert max(rows) == 4, f"the two requests never shared a call: {rows}"  # 2 videos x 2 guidance branches
     for i in range(2):  # batched matmuls may differ in the last bits (docs/architecture.md: within 1 per pixel)
         assert max_uint8_diff(together[i], solo[i]) <= 1

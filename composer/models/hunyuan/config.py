@@ -9,25 +9,21 @@ none); `out_channels` null (or 0) means `in_channels`. The values diffusers fixe
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
-from composer._fields import field_types, json_field_problems
 from composer.errors import ModelFormatError, UnsupportedError
-from composer.logging import get_logger
+from composer.models.config_reading import DiffusersTransformerConfig
 
-logger = get_logger(__name__)
-
-_IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path"}
 # The `qk_norm` values diffusers builds a working HunyuanVideo DiT with: a per-head norm on q/k (and on the text's
 # added q/k in the dual-stream blocks), or None for none.
 QK_NORMS = (None, "rms_norm", "layer_norm", "fp32_layer_norm")
 
 
 @dataclass
-class HunyuanVideoTransformerConfig:
+class HunyuanVideoTransformerConfig(DiffusersTransformerConfig):
     """HunyuanVideo DiT hyper-parameters, with diffusers' names and the released 13B model's values."""
+
+    _TUPLE_FIELDS = ("rope_axes_dim",)
 
     in_channels: int = 16
     out_channels: int = 16
@@ -55,26 +51,6 @@ class HunyuanVideoTransformerConfig:
     def mlp_dim(self) -> int:
         """The dual- and single-stream blocks' MLP width (the token refiner's is 4 x hidden_size whatever this is)."""
         return int(self.hidden_size * self.mlp_ratio)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "the transformer config") -> HunyuanVideoTransformerConfig:
-        """From diffusers' config.json; a value of the wrong JSON type is a ModelFormatError naming `source`, the
-        field, what it expects and the value."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known - _IGNORED_KEYS)
-        if unknown:
-            logger.debug("ignoring transformer config keys %s", unknown)
-        values = {k: v for k, v in raw.items() if k in known}
-        if "out_channels" in values and not values["out_channels"]:  # diffusers' `out_channels or in_channels`
-            values["out_channels"] = values.get("in_channels", cls.in_channels)
-        problems = json_field_problems(values, field_types(cls))
-        if problems:
-            raise ModelFormatError(f"{source}: {'; '.join(problems)}")
-        if "rope_axes_dim" in values:
-            values["rope_axes_dim"] = tuple(values["rope_axes_dim"])
-        config = cls(**values)
-        config.check_supported()
-        return config
 
     def check_supported(self) -> None:
         if self.image_condition_type is not None:

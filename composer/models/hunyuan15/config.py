@@ -10,25 +10,21 @@ input); `use_meanflow` adds a second timestep embedder (`timestep_r`); `out_chan
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
-from composer._fields import field_types, json_field_problems
 from composer.errors import ModelFormatError, UnsupportedError
-from composer.logging import get_logger
+from composer.models.config_reading import DiffusersTransformerConfig
 
-logger = get_logger(__name__)
-
-_IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path"}
 # The `qk_norm` values diffusers builds a working HunyuanVideo-1.5 DiT with: a per-head norm on q/k and on the text's
 # added q/k (its attention processor calls the norms whatever they are, so None is no working model).
 QK_NORMS = ("rms_norm", "layer_norm", "fp32_layer_norm")
 
 
 @dataclass
-class HunyuanVideo15TransformerConfig:
+class HunyuanVideo15TransformerConfig(DiffusersTransformerConfig):
     """HunyuanVideo-1.5 DiT hyper-parameters, with diffusers' names and the released 8.3B model's values."""
+
+    _TUPLE_FIELDS = ("rope_axes_dim",)
 
     in_channels: int = 65
     out_channels: int = 32
@@ -52,26 +48,6 @@ class HunyuanVideo15TransformerConfig:
     @property
     def hidden_size(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "the transformer config") -> HunyuanVideo15TransformerConfig:
-        """From diffusers' config.json; a value of the wrong JSON type is a ModelFormatError naming `source`, the
-        field, what it expects and the value."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known - _IGNORED_KEYS)
-        if unknown:
-            logger.debug("ignoring transformer config keys %s", unknown)
-        values = {k: v for k, v in raw.items() if k in known}
-        if "out_channels" in values and not values["out_channels"]:  # diffusers' `out_channels or in_channels`
-            values["out_channels"] = values.get("in_channels", cls.in_channels)
-        problems = json_field_problems(values, field_types(cls))
-        if problems:
-            raise ModelFormatError(f"{source}: {'; '.join(problems)}")
-        if "rope_axes_dim" in values:
-            values["rope_axes_dim"] = tuple(values["rope_axes_dim"])
-        config = cls(**values)
-        config.check_supported()
-        return config
 
     def check_supported(self) -> None:
         if self.qk_norm not in QK_NORMS:

@@ -296,24 +296,13 @@ class WanAnimateTransformer3DModel(WanTransformer3DModel):
         face = self.face_encoder(motion.view(rows, frames, -1))
         return torch.cat([torch.zeros_like(face[:, :1]), face], dim=1)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_hidden_states_image: torch.Tensor | None = None,
-        pose_hidden_states: torch.Tensor | None = None,
-        face_pixel_values: torch.Tensor | None = None,
-        motion_encode_batch_size: int | None = None,
-        *,
-        face_motion: torch.Tensor | None = None,
-        cross_kv: list[tuple[torch.Tensor, ...]] | None = None,
-        frame_offset: int = 0,
-        attn_mask: torch.Tensor | None = None,
-        kv_cache=None,
-    ) -> torch.Tensor:
-        """As WanTransformer3DModel.forward (the character image's CLIP states as encoder_hidden_states_image, or in
-        `cross_kv`), with the pose latents and the face frames (or their `face_motion` tokens). Not causal."""
+    def variant_inputs(self, hidden_states: torch.Tensor, pose_hidden_states: torch.Tensor | None = None,
+                       face_pixel_values: torch.Tensor | None = None, motion_encode_batch_size: int | None = None, *,
+                       face_motion: torch.Tensor | None = None, frame_offset: int, attn_mask: torch.Tensor | None,
+                       kv_cache) -> tuple[torch.Tensor, dict]:
+        """forward's own inputs (diffusers' names and order, after encoder_hidden_states_image, which holds the
+        character image's CLIP states unless `cross_kv` holds them): the pose latents and the face frames (or their
+        `face_motion` tokens). Not causal."""
         if kv_cache is not None or attn_mask is not None or frame_offset:
             raise UnsupportedError("a Wan Animate transformer runs whole segments: it takes no kv_cache, attn_mask or "
                                    "frame_offset")
@@ -333,8 +322,7 @@ class WanAnimateTransformer3DModel(WanTransformer3DModel):
                                     "face video must have the segment's length (4k + 1 frames give k + 1 latent "
                                     "frames, and the reference frame one more)")
         pose = F.pad(pose_hidden_states.to(hidden_states.dtype), (0, 0, 0, 0, 1, 0))  # none for the reference frame
-        return self._forward(torch.cat([hidden_states, pose], dim=1), timestep, encoder_hidden_states, cross_kv, 0,
-                             None, image=encoder_hidden_states_image, face_motion=face_motion)
+        return torch.cat([hidden_states, pose], dim=1), {"face_motion": face_motion}
 
     def patchify(self, latents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """[B, in_channels + latent_channels, F, H, W] (the model's input, then the pose latents after a zero frame)

@@ -11,15 +11,12 @@ LayerNorm eps (1e-5) and exact-GELU MLP of width `image_dim`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from composer._fields import field_types, json_field_problems
+from composer._fields import json_field_problems
 from composer.errors import ModelFormatError, UnsupportedError
-from composer.logging import get_logger
-
-logger = get_logger(__name__)
+from composer.models.config_reading import DIFFUSERS_METADATA_KEYS, DiffusersTransformerConfig
 
 # Original Wan release config keys -> diffusers keys (dim and num_heads give the head dim).
 _ORIGINAL_KEYS = {
@@ -36,12 +33,14 @@ _ORIGINAL_KEYS = {
 # Wan2.1 I2V / FLF2V encode images with open-clip ViT-H/14: 1280 wide, 257 tokens (256 patches + class token).
 ORIGINAL_CLIP_DIM = 1280
 ORIGINAL_CLIP_TOKENS = 257
-_IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "text_len", "window_size", "model_type"}
 
 
 @dataclass
-class WanTransformerConfig:
+class WanTransformerConfig(DiffusersTransformerConfig):
     """Wan DiT hyper-parameters, with diffusers' names and the released 14B defaults."""
+
+    _IGNORED_KEYS = DIFFUSERS_METADATA_KEYS | {"text_len", "window_size", "model_type"}
+    _TUPLE_FIELDS = ("patch_size",)
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
     num_attention_heads: int = 40
@@ -85,21 +84,7 @@ class WanTransformerConfig:
                 raw.setdefault("added_kv_proj_dim", dim)
                 if raw["model_type"] == "flf2v":
                     raw.setdefault("pos_embed_seq_len", 2 * ORIGINAL_CLIP_TOKENS)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known - _IGNORED_KEYS)
-        if unknown:
-            logger.debug("ignoring transformer config keys %s", unknown)
-        values = {k: v for k, v in raw.items() if k in known}
-        if "out_channels" in values and not values["out_channels"]:  # diffusers' `out_channels or in_channels`
-            values["out_channels"] = values.get("in_channels", cls.in_channels)
-        problems = json_field_problems(values, field_types(cls))
-        if problems:
-            raise ModelFormatError(f"{source}: {'; '.join(problems)}")
-        if "patch_size" in values:
-            values["patch_size"] = tuple(values["patch_size"])
-        config = cls(**values)
-        config.check_supported()
-        return config
+        return super().from_dict(raw, source)
 
     @property
     def takes_image(self) -> bool:

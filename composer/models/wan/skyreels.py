@@ -106,26 +106,12 @@ class SkyReelsV2Transformer3DModel(WanTransformer3DModel):
             raise InvalidInputError(f"fps has {fps.shape[0]} entries for {rows} rows: give one per row")
         return self.fps_projection(self.fps_embedding(fps)).unflatten(1, (6, -1))
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_hidden_states_image: torch.Tensor | None = None,
-        *,
-        fps: torch.Tensor | None = None,
-        cross_kv: list[tuple[torch.Tensor, ...]] | None = None,
-        frame_offset: int = 0,
-        attn_mask: torch.Tensor | None = None,
-        kv_cache=None,
-    ) -> torch.Tensor:
-        """Wan's forward (see `WanTransformer3DModel.forward`), plus `fps` [B]: each row's frame-rate index, for a
-        model with `inject_sample_info`. A diffusion-forcing call gives a [B, F] timestep and, for causal blocks,
-        the block-causal `attn_mask`."""
-        bias = self.sample_info_bias(fps, hidden_states.shape[0])
-        return super().forward(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image,
-                               cross_kv=cross_kv, frame_offset=frame_offset, attn_mask=attn_mask, kv_cache=kv_cache,
-                               modulation_bias=bias)
+    def variant_inputs(self, hidden_states: torch.Tensor, *, fps: torch.Tensor | None = None, frame_offset: int,
+                       attn_mask: torch.Tensor | None, kv_cache) -> tuple[torch.Tensor, dict]:
+        """forward's own input, by keyword: `fps` [B], each row's frame-rate index, for a model with
+        `inject_sample_info` (its modulation bias). A diffusion-forcing call gives a [B, F] timestep and, for causal
+        blocks, the block-causal `attn_mask`, as Wan's forward takes them."""
+        return hidden_states, {"modulation_bias": self.sample_info_bias(fps, hidden_states.shape[0])}
 
 
 EntryClass = SkyReelsV2Transformer3DModel

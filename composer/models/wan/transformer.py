@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -392,12 +393,12 @@ class WanTransformer3DModel(RunsBlocks, nn.Module):
         timestep: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_hidden_states_image: torch.Tensor | None = None,
-        *,
+        *variant_args,
         cross_kv: list[tuple[torch.Tensor, ...]] | None = None,
         frame_offset: int = 0,
         attn_mask: torch.Tensor | None = None,
         kv_cache=None,
-        modulation_bias: torch.Tensor | None = None,
+        **variant_kwargs,
     ) -> torch.Tensor:
         """hidden_states [B, C, F, H, W], timestep [B] (or [B, F]: one per latent frame, or [B, S]: one per
         token, as Wan2.2 TI2V's `expand_timesteps` gives it), and the text as encoder_hidden_states
@@ -410,19 +411,34 @@ class WanTransformer3DModel(RunsBlocks, nn.Module):
         for RoPE), `attn_mask` (a [S, S] boolean mask over tokens) and `kv_cache` (a composer.cache.KVCache:
         this pass covers frames [frame_offset, frame_offset + F); their keys/values are appended to it, or
         overwrite the newest frames on a re-run, and every cached frame the window shows is attended to).
-        `modulation_bias` [B, 6, D]: added to every timestep's modulation vectors (not to the output norm's), in the
-        activations' dtype: a variant's per-row conditioning (SkyReels-V2's fps embedding).
+        A variant's own inputs (VACE's control latents, Animate's pose and face, SkyReels-V2's fps) follow
+        encoder_hidden_states_image positionally or come by keyword, as its `variant_inputs` takes them; the plain
+        DiT takes none.
         """
+        hidden_states, control = self.variant_inputs(hidden_states, *variant_args, frame_offset=frame_offset,
+                                                     attn_mask=attn_mask, kv_cache=kv_cache, **variant_kwargs)
         if kv_cache is not None:
             with kv_cache.pass_over(frame_offset, hidden_states.shape[2]):
                 return self._forward(hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset,
-                                     attn_mask, kv_cache, encoder_hidden_states_image, modulation_bias)
+                                     attn_mask, kv_cache, encoder_hidden_states_image, **control)
         return self._forward(hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset, attn_mask,
-                             image=encoder_hidden_states_image, modulation_bias=modulation_bias)
+                             image=encoder_hidden_states_image, **control)
+
+    def variant_inputs(self, hidden_states: torch.Tensor, *, frame_offset: int, attn_mask: torch.Tensor | None,
+                       kv_cache) -> tuple[torch.Tensor, dict[str, Any]]:
+        """A variant's own forward inputs, checked: its signature is the variant's (after hidden_states, the
+        positional ones in diffusers' order, then the keyword-only ones; forward's `frame_offset`, `attn_mask` and
+        `kv_cache` by keyword, for a variant that refuses causal passes) -> (the DiT's input, what `_forward` then
+        takes by keyword: `block_residuals`' inputs, or a `modulation_bias`). The plain DiT takes none: anything
+        more is a TypeError naming it, as an unknown argument of forward is."""
+        return hidden_states, {}
 
     def _forward(self, hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset, attn_mask,
                  kv_cache=None, image=None, modulation_bias=None, **control) -> torch.Tensor:
-        """`control`: a variant's own inputs, by keyword, for its `block_residuals` (none for the plain DiT)."""
+        """`control`: a variant's own inputs, by keyword, for its `block_residuals` (none for the plain DiT).
+        `modulation_bias` [B, 6, D]: added to every timestep's modulation vectors (not to the output norm's), in the
+        activations' dtype: a variant's per-row conditioning (SkyReels-V2's fps embedding), from its
+        `variant_inputs`."""
         x, grid = self.patchify(hidden_states)
         rotary = self.rotary(grid, x.device, frame_offset)
         runner = self.runner

@@ -106,22 +106,11 @@ class WanVACETransformer3DModel(WanTransformer3DModel):
     def cross_attention_blocks(self) -> list[nn.Module]:
         return [*self.blocks, *self.vace_blocks]
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_hidden_states_image: torch.Tensor | None = None,
-        control_hidden_states: torch.Tensor | None = None,
-        control_hidden_states_scale: torch.Tensor | None = None,
-        *,
-        cross_kv: list[tuple[torch.Tensor, ...]] | None = None,
-        frame_offset: int = 0,
-        attn_mask: torch.Tensor | None = None,
-        kv_cache=None,
-    ) -> torch.Tensor:
-        """As WanTransformer3DModel.forward, with the control latents and their per-block scales (diffusers' names
-        and order). Not causal: no KV cache or attention mask."""
+    def variant_inputs(self, hidden_states: torch.Tensor, control_hidden_states: torch.Tensor | None = None,
+                       control_hidden_states_scale: torch.Tensor | None = None, *, frame_offset: int,
+                       attn_mask: torch.Tensor | None, kv_cache) -> tuple[torch.Tensor, dict]:
+        """forward's own inputs: the control latents and their per-block scales (diffusers' names and order, after
+        encoder_hidden_states_image). Not causal: no KV cache or attention mask."""
         if kv_cache is not None or attn_mask is not None:
             raise UnsupportedError("a VACE transformer runs whole videos: it takes no kv_cache or attn_mask")
         if control_hidden_states is None:
@@ -133,8 +122,7 @@ class WanVACETransformer3DModel(WanTransformer3DModel):
                                     f"{list(expected)} (a row per video, vace_in_channels, the latents' frames and "
                                     "size)")
         scale = self._scales(control_hidden_states_scale, hidden_states.shape[0], control_hidden_states)
-        return self._forward(hidden_states, timestep, encoder_hidden_states, cross_kv, frame_offset, None,
-                             image=encoder_hidden_states_image, control=control_hidden_states, control_scale=scale)
+        return hidden_states, {"control": control_hidden_states, "control_scale": scale}
 
     def _scales(self, scale: torch.Tensor | None, rows: int, like: torch.Tensor) -> torch.Tensor:
         """[rows, control blocks]: the scale of each control block's hint, per row (ones by default)."""
