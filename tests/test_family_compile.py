@@ -1,5 +1,5 @@
 """torch.compile on each family added for issue 36 (Wan video-to-video, Wan VACE, SkyReels-V2 diffusion forcing,
-HunyuanVideo-1.5, Wan2.2-Animate): the tiny model with `compile="regional"`, as users run it, gives the eager run's
+HunyuanVideo-1.5, Wan2.2-Animate) and on HunyuanVideo: the tiny model with `compile="regional"`, as users run it, gives the eager run's
 video (latents <= 1e-4 in fp32, frames <= 1 uint8), each block compiles without a graph break into the graphs named
 below, and a second video of the same size compiles nothing. Each family runs its own small request from its test
 file, on its tiny builder. (Compiling costs 5-20 s a family on 2 CPU cores: all slow.)"""
@@ -53,6 +53,15 @@ def hunyuan_video15() -> tuple[Callable[[Path], Path], dict]:
     return build_tiny_hunyuan15, {**SMALL, **CASES["cfg"]}
 
 
+def hunyuan_video() -> tuple[Callable[[Path], Path], dict]:
+    from test_hunyuan_video import CASES, SMALL
+
+    from composer.testing.tiny_hunyuan import build_tiny_hunyuan
+
+    # true CFG with a shorter negative prompt: the text key mask reaches both kinds of block
+    return build_tiny_hunyuan, {**SMALL, **CASES["true-cfg"]}
+
+
 def wan_animate() -> tuple[Callable[[Path], Path], dict]:
     from test_wan_animate import BASE, CASES
 
@@ -69,6 +78,7 @@ FAMILIES = {
     "wan-vace": (wan_vace, 3),
     "skyreels-v2-df": (skyreels_df, 1),
     "hunyuan-video-1.5": (hunyuan_video15, 1),
+    "hunyuan-video": (hunyuan_video, 2),  # the dual-stream block and the single-stream block
     "wan-animate": (wan_animate, 1),
 }
 

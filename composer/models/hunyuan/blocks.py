@@ -270,4 +270,6 @@ class SingleStreamBlock(nn.Module):
         mlp = F.gelu(self.proj_mlp(h), approximate="tanh")
         attn = self.attn(h, None, rotary, key_mask, text.shape[1])
         joint = joint + gate.unsqueeze(1) * self.proj_out(torch.cat([attn, mlp], dim=2))
-        return joint[:, :video_len], joint[:, video_len:]
+        # contiguous: every block then gets inputs of one layout (a compiled block is compiled once, not again for
+        # strided views)
+        return joint[:, :video_len].contiguous(), joint[:, video_len:].contiguous()

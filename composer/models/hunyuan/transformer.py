@@ -133,7 +133,8 @@ class HunyuanVideoTransformer3DModel(HunyuanTokenGrid, RunsBlocks, nn.Module):
         video_len = x.shape[1]
 
         def run_blocks(joint: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
-            x, text = joint[:, :video_len], joint[:, video_len:]
+            # contiguous: the compiled block would otherwise be compiled again for the first block's strided views
+            x, text = joint[:, :video_len].contiguous(), joint[:, video_len:].contiguous()
             for block in blocks[start:end]:
                 x, text = block(x, text, temb, rotary, key_mask)
             return torch.cat([x, text], dim=1)
