@@ -41,7 +41,7 @@ test: install
 	$(PY) -m pytest -q -m "not slow" tests
 
 test-all: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 lint: install
 	$(ENV_DIR)/bin/ruff check composer tests benchmarks demo scripts
