@@ -31,7 +31,8 @@ from composer.serve.requests import ServerLimits  # noqa: E402
 KEYS = {"alice": "sk-alice-5f1c9a7e03b2d48e", "bob": "sk-bob-0a9b8c7d6e5f4a3b21", "carol": "sk-carol-77e1d2c3b4a5f609",
         "dave": "sk-dave-3c2b1a0f9e8d7c6b5a", "erin": "sk-erin-a1b2c3d4e5f60718"}
 WRONG = "sk-wrong-00112233445566778899"
-RING = KeyRing([ApiKey("alice", KEYS["alice"], max_queued=2, max_streams=1), ApiKey("bob", KEYS["bob"], rpm=3),
+RING = KeyRing([ApiKey("alice", KEYS["alice"], max_queued=2, max_streams=1, max_sessions=1),
+                ApiKey("bob", KEYS["bob"], rpm=3),
                 ApiKey("carol", KEYS["carol"]), ApiKey("dave", KEYS["dave"]), ApiKey("erin", KEYS["erin"])])
 SMALL = {"num_frames": 5, "guidance_scale": 1.0, "seed": 3}
 CLIENT_LOGGERS = ("openai", "httpx", "httpcore", "websockets.client")  # the tests' own clients: they hold the keys
@@ -185,6 +186,49 @@ def test_a_keys_live_streams_are_limited_and_websockets_take_the_key_three_ways(
     assert server.app.state.composer.store.get(types[0]["id"]).owner == "alice"
 
 
+def test_a_session_is_its_keys_alone_and_a_keys_sessions_are_limited(server):
+    """A session belongs to the key that opened it: another key gets a 404 for every action and does not list it;
+    snapshots go to the key's own folder (another key can neither list nor resume them); sessions=N is per key."""
+    opened = server.request("POST", "/v1/sessions", {"seed": 1}, headers=bearer("alice"))
+    assert opened.status == 201, opened.body
+    sid = opened.json["id"]
+    extended = server.request("POST", f"/v1/sessions/{sid}/extend", {"prompt": "a red circle", "num_blocks": 1},
+                              headers=bearer("alice"))
+    assert extended.status == 200, extended.body
+    for method, path, body in (("GET", "", None), ("POST", "/extend", {"prompt": "mine now", "num_blocks": 1}),
+                               ("GET", "/video", None), ("POST", "/fork", None), ("POST", "/snapshot", {}),
+                               ("DELETE", "", None)):
+        reply = server.request(method, f"/v1/sessions/{sid}{path}", body, headers=bearer("carol"))
+        assert reply.status == 404, (method, path, reply.body)
+        assert sid in reply.json["error"]["message"]  # the same answer as for an id that does not exist
+    assert [s["id"] for s in server.request("GET", "/v1/sessions", headers=bearer("alice")).json["data"]] == [sid]
+    assert server.request("GET", "/v1/sessions", headers=bearer("carol")).json["data"] == []
+
+    second = server.request("POST", "/v1/sessions", {"seed": 2}, headers=bearer("alice"))  # sessions=1
+    assert second.status == 429 and "sessions=1" in second.json["error"]["message"], second.body
+    fork = server.request("POST", f"/v1/sessions/{sid}/fork", headers=bearer("alice"))
+    assert fork.status == 429, fork.body
+    theirs = server.request("POST", "/v1/sessions", {"seed": 2}, headers=bearer("carol"))  # no limit of its own
+    assert theirs.status == 201, theirs.body
+
+    snap = server.request("POST", f"/v1/sessions/{sid}/snapshot", {"name": "world"}, headers=bearer("alice"))
+    assert snap.status == 200, snap.body
+    assert (server.app.state.composer.config.output_dir / "sessions" / "alice" / "world.session").is_file()
+    assert server.request("GET", "/v1/sessions", headers=bearer("alice")).json["snapshots"] == ["world"]
+    assert server.request("GET", "/v1/sessions", headers=bearer("carol")).json["snapshots"] == []
+    stolen = server.request("POST", "/v1/sessions/resume", {"snapshot": "world"}, headers=bearer("carol"))
+    assert stolen.status == 404, stolen.body
+    assert server.request("DELETE", f"/v1/sessions/{sid}", headers=bearer("alice")).status == 200
+    resumed = server.request("POST", "/v1/sessions/resume", {"snapshot": "world"}, headers=bearer("alice"))
+    assert resumed.status == 201 and resumed.json["frames"] == extended.json["frames"], resumed.body
+    metrics = server.request("GET", "/metrics", headers=bearer("carol")).body.decode()
+    assert metric(metrics, 'composer_api_sessions{key="alice"}') == 1
+    assert metric(metrics, 'composer_api_sessions{key="carol"}') == 1
+    assert metric(metrics, 'composer_api_limited_total{key="alice",limit="sessions"}') == 2
+    for who, session in (("alice", resumed.json["id"]), ("carol", theirs.json["id"])):
+        assert server.request("DELETE", f"/v1/sessions/{session}", headers=bearer(who)).status == 200
+
+
 def test_keys_never_reach_a_log_record_or_a_job_record(server, caplog):
     """Every logger at DEBUG (uvicorn's access and error logs and the websockets protocol's header lines
     included): no record holds a key, a right one or a wrong one, however it was sent; job records hold the key's
@@ -296,12 +340,12 @@ def test_two_job_posts_at_once_cannot_both_take_the_last_slot():
 # -- the key flags and the key file -------------------------------------------------------------------------------
 def test_a_key_file_gives_names_and_limits_and_flag_keys_are_numbered(tmp_path):
     path = tmp_path / "keys.txt"
-    path.write_text(f"# composer serve keys\n\n{KEYS['alice']}  alice  queued=4 streams=1 rpm=60  # the studio\n"
+    path.write_text(f"# composer serve keys\n\n{KEYS['alice']}  alice  queued=4 streams=1 sessions=2 rpm=60  # the studio\n"
                     f"   {KEYS['bob']}\tci-bot.2 rpm=600\n")
     ring = key_ring([KEYS["carol"], KEYS["dave"]], path, env_key=KEYS["erin"])
     assert ring.names == ["key1", "key2", "env", "alice", "ci-bot.2"]
     alice = ring.match(KEYS["alice"])
-    assert (alice.name, alice.max_queued, alice.max_streams, alice.rpm) == ("alice", 4, 1, 60)
+    assert (alice.name, alice.max_queued, alice.max_streams, alice.max_sessions, alice.rpm) == ("alice", 4, 1, 2, 60)
     assert ring.match(KEYS["bob"].encode()).limits_text() == "rpm=600"
     assert ring.match(KEYS["carol"]).name == "key1" and ring.match(KEYS["carol"]).limits_text() == "no limits"
     for near in (KEYS["alice"][:-1], KEYS["alice"] + "x", KEYS["alice"].upper(), "", None):
@@ -311,7 +355,7 @@ def test_a_key_file_gives_names_and_limits_and_flag_keys_are_numbered(tmp_path):
 
 
 @pytest.mark.parametrize(("text", "words"), [
-    ("{a}\n", "line 1: expected KEY NAME [queued=N] [streams=N] [rpm=N], got 1 field"),
+    ("{a}\n", "line 1: expected KEY NAME [queued=N] [streams=N] [sessions=N] [rpm=N], got 1 field"),
     ("# keys\n{a} alice rpm=ten\n", "line 2: rpm: expected an integer >= 1"),
     ("{a} alice queued=0\n", "line 1: queued: expected an integer >= 1"),
     ("{a} alice {b}\n", "line 1: field 3 is not a limit"),

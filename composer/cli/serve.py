@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
                    "`Authorization: Bearer KEY` on every request but /health (repeatable; named key1, key2, ... in "
                    "logs and metrics; COMPOSER_API_KEY adds one more, named env, out of `ps`'s sight)")
     p.add_argument("--api-keys", default=None, metavar="FILE", help="a file of API keys, one per line: KEY NAME "
-                   "[queued=N] [streams=N] [rpm=N] (docs/serving.md, \"API keys\")")
+                   "[queued=N] [streams=N] [sessions=N] [rpm=N] (docs/serving.md, \"API keys\")")
     p.set_defaults(run=run, _runtime_names=add_flags(p.add_argument_group("runtime (RuntimeArgs fields)"),
                                                       dataclass_flags(RuntimeArgs)))
 

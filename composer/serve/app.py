@@ -81,8 +81,11 @@ class ServerState:
         ranks = getattr(generator, "world_size", 1)
         if getattr(getattr(generator, "pipeline", None), "can_stream", False) and not (
                 isinstance(ranks, int) and ranks > 1):  # several ranks: sessions are not sent to the others
+            keys = self.config.keys
+            limits = {k.name: k.max_sessions for k in keys.keys} if keys is not None else {}
             self.sessions = SessionStore(generator, self.config.output_dir, self.config.max_sessions,
-                                         self.config.session_ttl, replica=self.config.replica)
+                                         self.config.session_ttl, replica=self.config.replica,
+                                         owned=keys is not None, limit_of=limits.get)
         self.generator = generator
 
     def stop(self) -> None:

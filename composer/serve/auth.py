@@ -127,11 +127,14 @@ class Guard:
 
     def metric_lines(self) -> list[str]:
         """Prometheus lines per key name: requests, 401s (by reason: no key has a name), 429s by limit, jobs
-        queued or running, streams open."""
+        queued or running, streams and sessions open."""
         names = self.keys.names
+        sessions = getattr(self.state, "sessions", None)  # the server's SessionStore (a causal model only)
         with self._lock:
             requests, limited = dict(self.requests), dict(self.limited)
             unauthorized, streams = dict(self.unauthorized), dict(self._streams)
+        if sessions is not None:  # refused by the session store, where sessions are counted
+            limited.update({(n, "sessions"): c for n, c in sessions.limited.items()})
         lines = ["# HELP composer_api_requests_total requests made with each API key (refused ones too)",
                  "# TYPE composer_api_requests_total counter"]
         lines += [f'composer_api_requests_total{{key="{n}"}} {requests.get(n, 0)}' for n in names]
@@ -147,6 +150,9 @@ class Guard:
         lines += [f'composer_api_jobs{{key="{n}"}} {self.jobs_of(n)}' for n in names]
         lines += ["# HELP composer_api_streams live streams open per API key", "# TYPE composer_api_streams gauge"]
         lines += [f'composer_api_streams{{key="{n}"}} {streams.get(n, 0)}' for n in names]
+        lines += ["# HELP composer_api_sessions sessions open per API key", "# TYPE composer_api_sessions gauge"]
+        lines += [f'composer_api_sessions{{key="{n}"}} {sessions.open_of(n) if sessions is not None else 0}'
+                  for n in names]
         return lines
 
 

@@ -21,8 +21,8 @@ logger = get_logger(__name__)
 
 MIN_KEY_LENGTH = 16
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # also a Prometheus label value: nothing to escape
-LIMITS = {"queued": "max_queued", "streams": "max_streams", "rpm": "rpm"}
-FILE_FORMAT = "KEY NAME [queued=N] [streams=N] [rpm=N]"
+LIMITS = {"queued": "max_queued", "streams": "max_streams", "sessions": "max_sessions", "rpm": "rpm"}
+FILE_FORMAT = "KEY NAME [queued=N] [streams=N] [sessions=N] [rpm=N]"
 MAKE_ONE = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
@@ -38,6 +38,7 @@ class ApiKey:
     key: str = field(repr=False)
     max_queued: int | None = None  # jobs queued or running at once (POST /v1/videos and the other job POSTs)
     max_streams: int | None = None  # live streams (WebSocket /v1/streams) open at once
+    max_sessions: int | None = None  # sessions (/v1/sessions) open at once
     rpm: int | None = None  # requests per minute, every request counted (polls too)
 
     def limits_text(self) -> str:
@@ -148,7 +149,7 @@ def _limits(fields: list[str], where: str) -> dict[str, int]:
     for i, text in enumerate(fields, 3):
         word, sep, value = text.partition("=")
         if not sep or word not in LIMITS:  # the field is not echoed: a key written in the wrong place would show
-            raise KeyFileError(f"{where}: field {i} is not a limit; expected queued=N, streams=N or rpm=N "
+            raise KeyFileError(f"{where}: field {i} is not a limit; expected queued=N, streams=N, sessions=N or rpm=N "
                                f"(line format: {FILE_FORMAT})")
         if LIMITS[word] in values:
             raise KeyFileError(f"{where}: {word} is given twice")

@@ -12,6 +12,10 @@ folder and resumed after a restart (composer/session.py is the Python side).
     POST   /v1/sessions/resume               {"snapshot": name}: a new session from a snapshot of the output folder
     DELETE /v1/sessions/{id}                 close it (its KV pages go back to the pool)
 
+Under API keys (`--api-key`, `--api-keys`) a session belongs to the key that opened it (or forked or resumed it):
+another key gets a 404 for it, sees only its own in the list, and its snapshots are written to and resumed from
+its own folder, `sessions/<key name>/`; a key's `sessions=N` limits how many it holds open at once (429).
+
 A session runs one extend at a time (a second gets 409); its extends run as tasks on the generator's request loop
 (on a worker thread where the pipeline's streams cannot be tasks) beside the jobs and streams, their steps
 scheduled with theirs. Idle sessions are closed after `ttl_s` (snapshot first to keep one);
@@ -25,7 +29,8 @@ import asyncio
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +73,7 @@ class Held:
     busy: bool = False
     segments: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    owner: str | None = None  # the API key's name that opened it (None without keys)
 
     def to_json(self) -> dict[str, Any]:
         frames = self.session.frames
@@ -80,8 +86,13 @@ class SessionStore:
     """The server's open sessions over one generator."""
 
     def __init__(self, generator: Any, output_dir: Path, max_sessions: int = 16, ttl_s: float = 600.0,
-                 fps: int = 16, replica: str | None = None):
+                 fps: int = 16, replica: str | None = None, owned: bool = False,
+                 limit_of: Callable[[str], int | None] | None = None):
         self.generator = generator
+        # owned (API keys): each session is its opener's; `owner` arguments are key names, `limit_of(name)` a key's
+        # sessions=N (None: no limit of its own)
+        self.owned = owned
+        self.limit_of = limit_of
         self.replica = replica  # the server's --replica: session ids name it, `sess_<replica>-<hex>`
         self.output_dir = Path(output_dir)
         self.snapshots = self.output_dir / "sessions"
@@ -91,49 +102,73 @@ class SessionStore:
         self._held: dict[str, Held] = {}
         self._lock = threading.Lock()
         self._count = 0
+        self._making: Counter[str | None] = Counter()  # slots held while sessions are made, per owner
+        self.limited: Counter[str] = Counter()  # sessions refused by their key's sessions=N, per key name
 
     # -- open / close ----------------------------------------------------------------------------------
     def _new_id(self) -> str:
         return new_id("sess", self.replica, 16)
 
-    def _admit(self, make) -> Held:
+    def _admit(self, make, owner: str | None = None) -> Held:
         """Make a session with `make()` (which may wait: a fork or resume waits for KV pages) in a reserved slot."""
         self.reap()
+        limit = self.limit_of(owner) if (self.owned and self.limit_of is not None and owner is not None) else None
         with self._lock:
             if len(self._held) + self._count >= self.max_sessions:
                 raise SessionProblem(429, f"{self.max_sessions} sessions are open (the most this server keeps); "
                                           "close one (DELETE /v1/sessions/{id}) or wait for idle ones to expire")
+            if limit is not None:
+                mine = sum(1 for h in self._held.values() if h.owner == owner) + self._making[owner]
+                if mine >= limit:
+                    self.limited[owner] += 1
+                    raise SessionProblem(429, f"API key {owner!r} has {mine} sessions open, its limit (sessions="
+                                              f"{limit}); close one (DELETE /v1/sessions/{{id}}) first")
             self._count += 1  # a slot held while it is made
+            self._making[owner] += 1
         try:
             session, sampling = make()
-            held = Held(self._new_id(), session, sampling)
+            held = Held(self._new_id(), session, sampling, owner=owner)
             with self._lock:
                 self._held[held.id] = held
             return held
         finally:
             with self._lock:
                 self._count -= 1
+                self._making[owner] -= 1
 
-    def open(self, sampling: dict[str, Any], inputs: dict[str, Any] | None = None) -> Held:
-        """`sampling`: checked JSON-safe fields (the record); `inputs`: decoded images (a start image)."""
+    def open(self, sampling: dict[str, Any], inputs: dict[str, Any] | None = None, owner: str | None = None) -> Held:
+        """`sampling`: checked JSON-safe fields (the record); `inputs`: decoded images (a start image); `owner`: the
+        API key's name (sessions owned: only that key sees it)."""
         def make():
             return self.generator.open_session(**sampling, **(inputs or {})), dict(sampling)
 
         try:
-            return self._admit(make)
+            return self._admit(make, owner)
         except InvalidInputError as exc:
             raise SessionProblem(400, str(exc)) from None
 
-    def get(self, session_id: str) -> Held:
+    def open_of(self, owner: str) -> int:
+        """The sessions `owner` (a key name) holds open."""
+        with self._lock:
+            return sum(1 for h in self._held.values() if h.owner == owner)
+
+    def _sees(self, held: Held | None, owner: str | None) -> bool:
+        return held is not None and (not self.owned or held.owner == owner)
+
+    def get(self, session_id: str, owner: str | None = None) -> Held:
         with self._lock:
             held = self._held.get(session_id)
-        if held is None:
+        if not self._sees(held, owner):  # another key's session: as if it did not exist
             raise SessionProblem(404, f"no open session {session_id!r}", "id")
         return held
 
-    def close(self, session_id: str) -> Held:
+    def close(self, session_id: str, owner: str | None = None) -> Held:
         with self._lock:
-            held = self._held.pop(session_id, None)
+            held = self._held.get(session_id)
+            if not self._sees(held, owner):
+                held = None
+            else:
+                self._held.pop(session_id)
         if held is None:
             raise SessionProblem(404, f"no open session {session_id!r}", "id")
         if not held.lock.acquire(timeout=0):
@@ -163,20 +198,29 @@ class SessionStore:
         closed = []
         for h in old:
             try:
-                self.close(h.id)
+                self.close(h.id, h.owner)
                 closed.append(h.id)
                 logger.info("session %s closed after %.0f s idle", h.id, now - h.used)
             except SessionProblem:
                 pass
         return closed
 
-    def list(self) -> dict[str, Any]:
+    def list(self, owner: str | None = None) -> dict[str, Any]:
         self.reap()
         with self._lock:
-            held = list(self._held.values())
-        snapshots = sorted(p.name[:-len(SUFFIX)] for p in self.snapshots.glob(f"*{SUFFIX}")) \
-            if self.snapshots.is_dir() else []
+            held = [h for h in self._held.values() if self._sees(h, owner)]
+        folder = self.snapshot_folder(owner)
+        snapshots = sorted(p.name[:-len(SUFFIX)] for p in folder.glob(f"*{SUFFIX}")) if folder.is_dir() else []
         return {"object": "list", "data": [h.to_json() for h in held], "snapshots": snapshots}
+
+    def snapshot_folder(self, owner: str | None) -> Path:
+        """Where `owner`'s snapshots live: `sessions/` without keys, `sessions/<key name>/` with them (key names are
+        plain names: keys.NAME)."""
+        if not self.owned:
+            return self.snapshots
+        if owner is None or not NAME.match(owner):
+            raise SessionProblem(403, "sessions under API keys need a key with a plain name")
+        return self.snapshots / owner
 
     # -- work ------------------------------------------------------------------------------------------
     def _busy(self, held: Held):
@@ -189,9 +233,9 @@ class SessionStore:
         held.used = time.monotonic()
         held.lock.release()
 
-    def extend(self, session_id: str, prompt: Any, num_blocks: Any) -> dict[str, Any]:
+    def extend(self, session_id: str, prompt: Any, num_blocks: Any, owner: str | None = None) -> dict[str, Any]:
         """Make the next `num_blocks` blocks of `prompt` (blocking: run it on a worker thread)."""
-        held = self._checked_extend(session_id, prompt, num_blocks)
+        held = self._checked_extend(session_id, prompt, num_blocks, owner)
         self._busy(held)
         with self._idle_on_error(held):
             start = time.perf_counter()
@@ -210,8 +254,8 @@ class SessionStore:
             self._idle(held)
             raise
 
-    def _checked_extend(self, session_id: str, prompt: Any, num_blocks: Any) -> Held:
-        held = self.get(session_id)
+    def _checked_extend(self, session_id: str, prompt: Any, num_blocks: Any, owner: str | None = None) -> Held:
+        held = self.get(session_id, owner)
         if not isinstance(prompt, str) or not prompt.strip():
             raise SessionProblem(400, f"prompt = {prompt!r}: expected a non-empty string", "prompt")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
@@ -223,10 +267,11 @@ class SessionStore:
         """Whether extends run as tasks on the generator's request loop (no thread waits for them)."""
         return bool(getattr(getattr(self.generator, "pipeline", None), "streams_as_tasks", False))
 
-    def start_extend(self, session_id: str, prompt: Any, num_blocks: Any) -> tuple[Held, Any, float]:
+    def start_extend(self, session_id: str, prompt: Any, num_blocks: Any,
+                     owner: str | None = None) -> tuple[Held, Any, float]:
         """Begin an extend as a task: (the session, the future of its chunks, when it began). The session is busy
         until `finish_extend` or `release`."""
-        held = self._checked_extend(session_id, prompt, num_blocks)
+        held = self._checked_extend(session_id, prompt, num_blocks, owner)
         self._busy(held)
         with self._idle_on_error(held):
             task = held.session.extend_task(prompt, num_blocks)
@@ -261,11 +306,11 @@ class SessionStore:
         save_video(np.concatenate([c.frames for c in chunks]), path, fps=self.fps)
         return path
 
-    def video(self, session_id: str) -> Path:
+    def video(self, session_id: str, owner: str | None = None) -> Path:
         """The whole video so far, written to the output folder."""
         from composer.video import save_video
 
-        held = self.get(session_id)
+        held = self.get(session_id, owner)
         frames = held.session.frames
         if not len(frames):
             raise SessionProblem(409, f"session {session_id} has no frames yet (extend it first)", "id")
@@ -275,16 +320,16 @@ class SessionStore:
         save_video(frames, path, fps=self.fps)
         return path
 
-    def fork(self, session_id: str) -> Held:
-        held = self.get(session_id)
+    def fork(self, session_id: str, owner: str | None = None) -> Held:
+        held = self.get(session_id, owner)
         self._busy(held)
         try:
-            return self._admit(lambda: (held.session.fork(), dict(held.sampling)))
+            return self._admit(lambda: (held.session.fork(), dict(held.sampling)), owner)
         finally:
             self._idle(held)
 
-    def snapshot(self, session_id: str, name: str | None = None) -> dict[str, Any]:
-        held = self.get(session_id)
+    def snapshot(self, session_id: str, name: str | None = None, owner: str | None = None) -> dict[str, Any]:
+        held = self.get(session_id, owner)
         name = held.id if name is None else name
         if not isinstance(name, str) or not NAME.match(name):
             raise SessionProblem(400, f"name = {name!r}: expected a plain name (letters, digits, _ . -; at most 64)",
@@ -297,20 +342,22 @@ class SessionStore:
                 raise SessionProblem(400, str(exc)) from None
         finally:
             self._idle(held)
-        self.snapshots.mkdir(parents=True, exist_ok=True)
-        path = self.snapshots / f"{name}{SUFFIX}"
+        folder = self.snapshot_folder(owner)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}{SUFFIX}"
         partial = path.with_suffix(".partial")
         partial.write_bytes(data)
         partial.replace(path)  # a reader never sees half a snapshot
         return {"id": held.id, "object": "session.snapshot", "name": name, "bytes": len(data)}
 
-    def resume(self, name: Any) -> Held:
+    def resume(self, name: Any, owner: str | None = None) -> Held:
         if not isinstance(name, str) or not NAME.match(name):
             raise SessionProblem(400, f"snapshot = {name!r}: expected the name of a snapshot in the output folder",
                                  "snapshot")
-        path = self.snapshots / f"{name}{SUFFIX}"
+        path = self.snapshot_folder(owner) / f"{name}{SUFFIX}"
         if not path.is_file():
-            raise SessionProblem(404, f"no snapshot named {name!r} in {self.snapshots}", "snapshot")
+            where = self.snapshots if not self.owned else "this key's snapshots"
+            raise SessionProblem(404, f"no snapshot named {name!r} in {where}", "snapshot")
         data = path.read_bytes()
 
         def make():
@@ -318,7 +365,7 @@ class SessionStore:
             return session, dict(session._sampling)
 
         try:
-            return self._admit(make)
+            return self._admit(make, owner)
         except InvalidInputError as exc:
             raise SessionProblem(400, str(exc), "snapshot") from None
 
@@ -330,6 +377,10 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
     def problem(status: int, message: str, param: str | None = None) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param}},
                             status_code=status)
+
+    def owner_of(request: Request) -> str | None:
+        """The name of the API key the request came with (auth.py sets it; None without keys)."""
+        return getattr(request.state, "api_key_name", None)
 
     async def body_of(request: Request) -> dict | JSONResponse:
         try:
@@ -387,17 +438,17 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
         sampling["seed"] = checked.params["seed"]
         if checked.priority:
             sampling["priority"] = checked.priority
-        return await run(store.open, sampling, checked.inputs, status=201)
+        return await run(store.open, sampling, checked.inputs, owner_of(request), status=201)
 
     @app.get("/v1/sessions")
-    async def list_sessions():
+    async def list_sessions(request: Request):
         store, refused = ready()
-        return refused or JSONResponse(store.list())
+        return refused or await run(store.list, owner_of(request))
 
     @app.get("/v1/sessions/{session_id}")
-    async def get_session(session_id: str):
+    async def get_session(session_id: str, request: Request):
         store, refused = ready()
-        return refused or await run(store.get, session_id)
+        return refused or await run(store.get, session_id, owner_of(request))
 
     @app.post("/v1/sessions/{session_id}/extend")
     async def extend(session_id: str, request: Request):
@@ -408,10 +459,11 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
         if unknown:
             return problem(400, f"unknown field {unknown[0]!r}: an extend takes prompt and num_blocks", unknown[0])
         if not store.runs_tasks:
-            return await run(store.extend, session_id, body.get("prompt"), body.get("num_blocks", 1))
+            return await run(store.extend, session_id, body.get("prompt"), body.get("num_blocks", 1),
+                             owner_of(request))
         try:  # a task on the generator's request loop: no thread waits for the blocks
             held, future, start = await run_in_threadpool(store.start_extend, session_id, body.get("prompt"),
-                                                          body.get("num_blocks", 1))
+                                                          body.get("num_blocks", 1), owner_of(request))
         except SessionProblem as exc:
             return problem(exc.status, str(exc), exc.param)
         try:
@@ -425,38 +477,39 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
         return await run(store.finish_extend, held, chunks, start)
 
     @app.get("/v1/sessions/{session_id}/video")
-    async def video(session_id: str):
+    async def video(session_id: str, request: Request):
         store, refused = ready()
         if refused:
             return refused
         try:
-            path = await run_in_threadpool(store.video, session_id)
+            path = await run_in_threadpool(store.video, session_id, owner_of(request))
         except SessionProblem as exc:
             return problem(exc.status, str(exc), exc.param)
         return FileResponse(path, media_type="video/mp4")
 
     @app.post("/v1/sessions/{session_id}/fork")
-    async def fork(session_id: str):
+    async def fork(session_id: str, request: Request):
         store, refused = ready()
-        return refused or await run(store.fork, session_id, status=201)
+        return refused or await run(store.fork, session_id, owner_of(request), status=201)
 
     @app.post("/v1/sessions/{session_id}/snapshot")
     async def snapshot(session_id: str, request: Request):
         store, body, refused = await with_body(request, optional=True)
         if refused:
             return refused
-        return await run(store.snapshot, session_id, body.get("name"))
+        return await run(store.snapshot, session_id, body.get("name"), owner_of(request))
 
     @app.post("/v1/sessions/resume")
     async def resume(request: Request):
         store, body, refused = await with_body(request)
         if refused:
             return refused
-        return await run(store.resume, body.get("snapshot"), status=201)
+        return await run(store.resume, body.get("snapshot"), owner_of(request), status=201)
 
     @app.delete("/v1/sessions/{session_id}")
-    async def close(session_id: str):
+    async def close(session_id: str, request: Request):
         store, refused = ready()
         if refused:
             return refused
-        return await run(lambda: {**store.close(session_id).to_json(), "closed": True})
+        owner = owner_of(request)
+        return await run(lambda: {**store.close(session_id, owner).to_json(), "closed": True})
