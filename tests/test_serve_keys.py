@@ -203,6 +203,7 @@ def test_a_session_is_its_keys_alone_and_a_keys_sessions_are_limited(server):
         assert sid in reply.json["error"]["message"]  # the same answer as for an id that does not exist
     assert [s["id"] for s in server.request("GET", "/v1/sessions", headers=bearer("alice")).json["data"]] == [sid]
     assert server.request("GET", "/v1/sessions", headers=bearer("carol")).json["data"] == []
+    assert sid in [s["id"] for s in server.app.state.composer.sessions.list()["data"]]  # in the process: every one
 
     second = server.request("POST", "/v1/sessions", {"seed": 2}, headers=bearer("alice"))  # sessions=1
     assert second.status == 429 and "sessions=1" in second.json["error"]["message"], second.body

@@ -153,7 +153,9 @@ class SessionStore:
             return sum(1 for h in self._held.values() if h.owner == owner)
 
     def _sees(self, held: Held | None, owner: str | None) -> bool:
-        return held is not None and (not self.owned or held.owner == owner)
+        """Whether `owner` may see `held`: always without keys; under keys, its own key's only (owner None: a caller
+        in the server's process, not a request: every session)."""
+        return held is not None and (not self.owned or owner is None or held.owner == owner)
 
     def get(self, session_id: str, owner: str | None = None) -> Held:
         with self._lock:
@@ -216,9 +218,9 @@ class SessionStore:
     def snapshot_folder(self, owner: str | None) -> Path:
         """Where `owner`'s snapshots live: `sessions/` without keys, `sessions/<key name>/` with them (key names are
         plain names: keys.NAME)."""
-        if not self.owned:
+        if not self.owned or owner is None:  # (owner None: a caller in the server's process)
             return self.snapshots
-        if owner is None or not NAME.match(owner):
+        if not NAME.match(owner):
             raise SessionProblem(403, "sessions under API keys need a key with a plain name")
         return self.snapshots / owner
 
