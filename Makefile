@@ -35,13 +35,17 @@ $(STAMP): pyproject.toml
 demo: install
 	$(ENV_DIR)/bin/composer generate --prompt "$(PROMPT)" --seed $(SEED) --output $(OUTPUT) --overwrite
 
+# Test processes (pytest-xdist): each test file runs whole in one of them (--dist loadfile: a file's fixtures are built
+# once); every test process uses one intra-op thread (tests/conftest.py), so 2 fill a 2-core machine.
+TEST_JOBS ?= 2
+
 # The quick tier (<= 5 minutes on 2 CPU cores): everything but the tests marked slow (long end-to-end runs, subprocess
 # launches, the scripts' own runs). `make test-all` runs every test (<= 15 minutes; what CI runs).
 test: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow" tests
 
 test-all: install
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30 tests
 
 lint: install
 	$(ENV_DIR)/bin/ruff check composer tests benchmarks demo scripts
