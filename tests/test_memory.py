@@ -73,6 +73,22 @@ def test_live_bytes_follow_tensors_created_and_freed():
     assert tracker.peak == 80000 and tracker.live == 0
 
 
+def test_a_cpu_convolution_counts_its_onednn_scratch_for_its_call_only():
+    """On the CPU a convolution's peak is its output plus about one weight and one input (oneDNN's reordered
+    copies, freed when it returns): a transient on the peak, nothing left in `live`."""
+    conv = torch.nn.Conv3d(8, 16, 3, padding=1)
+    weight = conv.weight.numel() * 4
+    for device in ("cpu", None):
+        tracker = LiveBytes(device)
+        with fake_mode() as mode:
+            x = mode.from_tensor(torch.zeros(1, 8, 2, 10, 10))  # existed before: not counted itself
+            with tracker, torch.inference_mode():
+                y = conv(x)
+                out = y.numel() * 4
+                del y
+        assert tracker.peak == out + weight + x.numel() * 4 and tracker.live == 0, device
+
+
 def test_the_twin_predicts_the_request_stage_by_stage_without_touching_the_model(wan_folder):
     gen = VideoGenerator.from_pretrained(str(wan_folder), device="cpu", progress=False)
     pipeline = gen.pipeline
