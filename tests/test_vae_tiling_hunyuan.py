@@ -121,6 +121,40 @@ def test_vae_tile_size_gives_the_same_video(tmp_path, family):
     assert int(np.abs(tiled.frames.astype(int) - whole.frames.astype(int)).max()) <= 1
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 1, 96, 160), (1, 3, 5, 64, 96)])  # an image (I2V's encode) and a video
+def test_hunyuan15_tiled_encode_equals_the_whole_encode(shape, monkeypatch):
+    import composer.stages.vae_tiling_hunyuan as tiling
+    from composer.stages.vae_tiling import encode_mode
+
+    vae = hunyuan15_vae()
+    video = torch.rand(shape, generator=torch.Generator().manual_seed(4)) * 2 - 1
+    with torch.inference_mode():
+        whole = vae.encode(video).latent_dist.mode()
+        tiled = encode_mode(vae, video, tile_size=2)  # 32-pixel tiles: several a side
+        monkeypatch.setattr(tiling, "_encoder_head_geometry", lambda *a: (2, 0.0))
+        no_halo = tiling.encode_tiled_hunyuan15(vae, video, tile=2)
+    assert tiled.shape == whole.shape
+    torch.testing.assert_close(tiled, whole, atol=1e-5, rtol=0)
+    assert float((no_halo - whole).abs().max()) > 1e-3  # the halo is what makes it exact
+
+
+def test_hunyuan15_image_to_video_with_tiles_gives_the_same_video(tmp_path):
+    from test_hunyuan_video15 import make_image
+
+    from composer import VideoGenerator
+    from composer.testing.tiny_hunyuan15 import build_tiny_hunyuan15_i2v
+
+    folder = build_tiny_hunyuan15_i2v(tmp_path / "i2v")
+    request = dict(prompt="a sign in the wind", image=make_image(96, 64, seed=2), height=64, width=96,
+                   num_frames=5, num_inference_steps=2, seed=3)
+    whole = VideoGenerator.from_pretrained(str(folder), progress=False).generate_video(**request)
+    gen = VideoGenerator.from_pretrained(str(folder), vae_tile_size=2, progress=False)
+    assert gen.pipeline.stage("FirstFrameConditionStage").tile_size == 2
+    tiled = gen.generate_video(**request)
+    torch.testing.assert_close(tiled.latents, whole.latents, atol=1e-4, rtol=0)
+    assert int(np.abs(tiled.frames.astype(int) - whole.frames.astype(int)).max()) <= 1
+
+
 def _split_worker(rank: int, world: int, out_dir: str) -> None:
     import torch.distributed as dist
 

@@ -16,6 +16,7 @@ from composer.stages.base import Stage
 from composer.stages.image_encoding import ImageCondition
 from composer.stages.image_latents import image_to_pixels
 from composer.stages.latents import latent_shape
+from composer.stages.vae_tiling import encode_mode
 from composer.stages.validators import V, VerificationResult
 
 
@@ -68,6 +69,7 @@ class FirstFrameConditionStage(Stage):
         self.temporal_factor = temporal_factor
         self.spatial_factor = spatial_factor
         self.device = device
+        self.tile_size = None  # RuntimeArgs.vae_tile_size (the pipeline sets it): the encode in exact tiles
 
     def shape(self, batch: ForwardBatch) -> tuple[int, ...]:
         return latent_shape(batch.batch_size, self.vae.config.latent_channels + 1, batch.num_frames, batch.height,
@@ -85,7 +87,7 @@ class FirstFrameConditionStage(Stage):
         condition = batch.get(ImageCondition)
         pixels = image_to_pixels(crop_to_size(condition.image, batch.height, batch.width), batch.height, batch.width)
         pixels = pixels.unsqueeze(2).to(self.vae.device, self.vae.dtype)  # one frame
-        latent = self.vae.encode(pixels).latent_dist.mode() * self.vae.config.scaling_factor
+        latent = encode_mode(self.vae, pixels, self.tile_size) * self.vae.config.scaling_factor
         shape = self.shape(batch)
         latents = torch.zeros(shape, dtype=torch.float32, device=self.device)
         latents[:, :-1, :1] = latent.float().to(self.device)

@@ -336,17 +336,22 @@ def encode_tiled(vae, video: torch.Tensor, tile: int = 32, head_layers: int | No
 
 def encode_mode(vae, video: torch.Tensor, tile_size: int | None = None) -> torch.Tensor:
     """`vae.encode(video).latent_dist.mode()`, in exact tiles of `tile_size` latent pixels when it is set and the VAE
-    has composer's exact tiling (the Wan VAE); another VAE with a tile size encodes with diffusers' own tiling
-    (approximate, said once in the log)."""
+    has composer's exact tiled encode (the Wan VAE; HunyuanVideo-1.5's, in vae_tiling_hunyuan); another VAE with a
+    tile size encodes with diffusers' own tiling (approximate, said once in the log)."""
     if tile_size:
+        from composer.stages.vae_tiling_hunyuan import encode_tiled_hunyuan15, supports_hunyuan15_tiled_encode
+
         if supports_exact_tiling(vae):
             return encode_tiled(vae, video, tile=tile_size)
+        if supports_hunyuan15_tiled_encode(vae):
+            return encode_tiled_hunyuan15(vae, video, tile=tile_size)
         if hasattr(vae, "enable_tiling"):
             from composer.logging import get_logger, log_once
 
             log_once(get_logger(__name__), f"diffusers-encode-tiling-{type(vae).__name__}",
                      f"vae_tile_size: {type(vae).__name__} encodes with diffusers' own tiling (blended tiles: the "
-                     "latents differ a little from a whole encode; composer's exact tiling covers the Wan VAE)")
+                     "latents differ a little from a whole encode; composer's exact tiling covers the Wan and "
+                     "HunyuanVideo-1.5 VAEs)")
             saved = getattr(vae, "use_tiling", False)
             vae.enable_tiling()
             try:

@@ -348,3 +348,80 @@ def _framewise(vae, z: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tens
         else:
             kept.append(vae.blend_t(pieces[i - 1], piece, blend)[:, :, :keep])
     return torch.cat(kept, dim=2)[:, :, :(frames - 1) * ratio_t + 1]
+
+
+# -- encoding (HunyuanVideo-1.5) ----------------------------------------------------------------------------
+def supports_hunyuan15_tiled_encode(vae) -> bool:
+    encoder = getattr(vae, "encoder", None)
+    return (type(vae).__name__ == "AutoencoderKLHunyuanVideo15" and encoder is not None
+            and all(hasattr(encoder, n) for n in ("conv_in", "down_blocks", "mid_block", "norm_out", "conv_out")))
+
+
+def _encoder_head_geometry(encoder: nn.Module, layers: int, like: torch.Tensor) -> tuple[int, float]:
+    """(stride, reach) of the encoder's head (conv_in and the first `layers` down blocks), measured by a probe: its
+    spatial downsampling factor, and its receptive-field radius in input pixels (each convolution's (kernel - 1) /
+    2 pixels at its resolution, scaled back to the input's)."""
+    probe_width = 32
+    reach: list[float] = []
+
+    def record(module, _inputs, output):
+        if module.stride[-1] != 1 or module.stride[-2] != 1:
+            raise ValueError(f"a strided convolution in the VAE encoder's head ({module}): not supported here")
+        scale = output.shape[-1] / probe_width
+        reach.append(max(module.dilation[a] * (module.kernel_size[a] - 1) / 2 for a in (-1, -2)) / scale)
+
+    modules = [encoder.conv_in, *encoder.down_blocks[:layers]]
+    hooks = [m.register_forward_hook(record) for part in modules for m in part.modules()
+             if isinstance(m, (nn.Conv2d, nn.Conv3d))]
+    try:
+        with torch.inference_mode():
+            x = like.new_zeros(1, like.shape[1], 1, probe_width, probe_width)
+            for module in modules:
+                x = module(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return probe_width // x.shape[-1], sum(reach)
+
+
+@torch.inference_mode()
+def encode_tiled_hunyuan15(vae, video: torch.Tensor, tile: int = 32, head_layers: int = 1) -> torch.Tensor:
+    """HunyuanVideo-1.5's encoder posterior mean (what `vae.encode(video).latent_dist.mode()` gives) of `video`
+    [B, 3, T, H, W] in [-1, 1], with the encoder's head (conv_in and the first `head_layers` down blocks: the
+    full-resolution ones, where its activations are largest) in spatial tiles of about `tile` latent pixels a side,
+    each with a halo as wide as the head's receptive field, every tile edge on the head's downsampling grid (so each
+    tile's space-to-channel packing is the whole frame's); the rest on whole frames. Its norms are per position: every
+    latent sees exactly the pixels it sees in the whole encode."""
+    if not supports_hunyuan15_tiled_encode(vae):
+        raise TypeError(f"this tiled encode needs HunyuanVideo-1.5's VAE, got {type(vae).__name__}")
+    if tile < 1:
+        raise ValueError(f"tile = {tile}: expected a positive number of latent pixels")
+    from composer.stages.vae_tiling import _aligned_spans
+
+    encoder = vae.encoder
+    stride, reach = _encoder_head_geometry(encoder, head_layers, video)
+    halo = math.ceil(reach / stride - 1e-9) * stride
+    height, width = video.shape[-2:]
+    if height % stride or width % stride:
+        raise ValueError(f"a {height}x{width} video is not on the encoder's {stride}-pixel grid")
+    step = tile * vae.spatial_compression_ratio
+    head = None
+    for r0, r1 in _aligned_spans(height, step, stride):
+        for c0, c1 in _aligned_spans(width, step, stride):
+            top, left = max(0, r0 - halo), max(0, c0 - halo)
+            bottom, right = min(height, r1 + halo), min(width, c1 + halo)
+            piece = encoder.conv_in(video[:, :, :, top:bottom, left:right])
+            for block in encoder.down_blocks[:head_layers]:
+                piece = block(piece)
+            if head is None:
+                head = piece.new_zeros(*piece.shape[:3], height // stride, width // stride)
+            head[:, :, :, r0 // stride:r1 // stride, c0 // stride:c1 // stride] = piece[
+                :, :, :, (r0 - top) // stride:(r1 - top) // stride, (c0 - left) // stride:(c1 - left) // stride]
+    x = head
+    for block in encoder.down_blocks[head_layers:]:
+        x = block(x)
+    x = encoder.mid_block(x)
+    b, _, frames, h, w = x.shape
+    shortcut = x.view(b, -1, encoder.group_size, frames, h, w).mean(dim=2)
+    moments = encoder.conv_out(encoder.conv_act(encoder.norm_out(x))) + shortcut
+    return moments.chunk(2, dim=1)[0]
