@@ -151,7 +151,9 @@ def _local_head(vae, blocks: int) -> Callable[[torch.Tensor], Program]:
 
 # -- GroupNorm over the whole video from the tiles' sums ----------------------------------------------------
 class _GroupSums:
-    """Sums of x and x^2 (float64) per sample and group over the tiles' interiors; all-reduced over `group`."""
+    """Sums of x and x^2 per sample and group over the tiles' interiors, in float64; all-reduced over `group`. Each
+    tile's come from its own mean and variance (fp32, torch's stable var_mean: no cancellation within a tile, and no
+    float64 copy of it), as n * mean and n * (var + mean^2)."""
 
     def __init__(self):
         self.count = 0
@@ -160,9 +162,12 @@ class _GroupSums:
 
     def add(self, x: torch.Tensor, groups: int) -> None:
         b = x.shape[0]
-        flat = x.reshape(b, groups, -1).to(torch.float64)
-        s1, s2 = flat.sum(-1), (flat * flat).sum(-1)
-        self.count += flat.shape[-1]
+        flat = x.reshape(b, groups, -1).float()
+        var, mean = torch.var_mean(flat, dim=-1, correction=0)
+        n = flat.shape[-1]
+        mean, var = mean.to(torch.float64), var.to(torch.float64)
+        s1, s2 = n * mean, n * (var + mean * mean)
+        self.count += n
         self.s1 = s1 if self.s1 is None else self.s1 + s1
         self.s2 = s2 if self.s2 is None else self.s2 + s2
 
