@@ -338,6 +338,29 @@ def test_the_key_and_an_upload_pass_through_the_proxy(fleet, tmp_path):
     assert all(holder(servers, i) == [replica_of(i)] for i in ids)
 
 
+@pytest.mark.slow
+def test_an_extension_naming_a_video_in_its_body_reaches_that_videos_replica(fleet):
+    """nginx routes by the path: a body's {"id": ...} may land on another replica, which sends the client on with a
+    307 to /replicas/NAME/... (the same method and body); a client that follows redirects (the openai SDK does)
+    gets its video made on the replica that holds the source."""
+    openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client this test drives")
+    from openai.types import Video
+
+    servers, proxy = fleet
+    source = proxy.request("POST", "/v1/videos", {"prompt": RED, **SMALL}).json["id"]
+    assert proxy.wait(source)["status"] == "completed"
+    home = replica_of(source)
+    other = next(name for name in READY if name != home)
+    body = {"video": {"id": source}, "prompt": BLUE, "seed": 6}
+    direct = servers[other].request("POST", "/v1/videos/extensions", body, headers=BEARER)
+    assert direct.status == 307 and direct.headers["location"] == f"/replicas/{home}/v1/videos/extensions"
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key=KEY, max_retries=0)
+    # (the SDK's videos.extend takes only a file for `video`: its generic post sends the JSON body)
+    made = [client.post("/videos/extensions", body=body, cast_to=Video) for _ in range(2)]  # one lands elsewhere
+    for video in made:
+        assert replica_of(video.id) == home and proxy.wait(video.id)["status"] == "completed"
+
+
 def multipart(fields: dict[str, str], files: dict[str, tuple[str, str, bytes]]) -> tuple[bytes, str]:
     """A multipart/form-data body (what the openai SDK sends with a file) and its Content-Type."""
     boundary = "composer-test-boundary"

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from composer.logging import get_logger
-from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, JobStore, new_job_id
+from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, JobStore, new_job_id, replica_in
 from composer.serve.page import add_page_routes
 from composer.serve.requests import LoraOption, RequestProblem, ServerLimits, check_body, derive_body
 from composer.serve.sessions import SessionStore, add_session_routes
@@ -237,6 +237,13 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
                                              "video")
                     source_id = ref["id"]
                     body = {k: v for k, v in body.items() if k != "video"}
+                    owner = replica_in(source_id)
+                    if config.replica is not None and owner is not None and owner != config.replica:
+                        # behind the proxy, which routes by the path, not the body: send the client to the replica
+                        # holding the video (307: the same method and body; the openai SDK and curl -L follow it)
+                        query = f"?{request.url.query}" if request.url.query else ""
+                        return Response(status_code=307, headers={
+                            "Location": f"/replicas/{owner}{request.url.path}{query}"})
                 elif ref is None:
                     raise RequestProblem('video is required: an uploaded video or {"id": a completed video\'s id}',
                                          "video")

@@ -112,6 +112,14 @@ def new_id(prefix: str, replica: str | None = None, hex_chars: int = 24) -> str:
     return f"{prefix}_{tail}" if replica is None else f"{prefix}_{replica}-{tail}"
 
 
+def replica_in(id_: str) -> str | None:
+    """The replica name an id carries (`video_<name>-<hex>`, `sess_<name>-<hex>`), or None."""
+    if not isinstance(id_, str) or "_" not in id_:
+        return None
+    head, sep, _ = id_.split("_", 1)[1].partition("-")
+    return head if sep and REPLICA_NAME.match(head) else None
+
+
 def new_job_id(replica: str | None = None) -> str:
     """A job's id: `video_<hex>`, or `video_<replica>-<hex>` on a named replica."""
     return new_id("video", replica)
