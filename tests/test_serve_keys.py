@@ -359,6 +359,9 @@ def test_a_key_file_gives_names_and_limits_and_flag_keys_are_numbered(tmp_path):
     ("{a}\n", "line 1: expected KEY NAME [queued=N] [streams=N] [sessions=N] [rpm=N], got 1 field"),
     ("# keys\n{a} alice rpm=ten\n", "line 2: rpm: expected an integer >= 1"),
     ("{a} alice queued=0\n", "line 1: queued: expected an integer >= 1"),
+    ("{a} alice queued=\u00b2\n", "line 1: queued: expected an integer >= 1 in the digits 0-9"),  # isdigit() says yes
+    ("{a} alice\n{b} bob rpm=\u0663\n", "line 2: rpm: expected an integer >= 1"),  # an Arabic-Indic 3
+    ("{a} alice rpm=+5\n", "line 1: rpm: expected an integer >= 1"),
     ("{a} alice {b}\n", "line 1: field 3 is not a limit"),
     ("{a} alice burst=3\n", "line 1: field 3 is not a limit"),
     ("{a} alice rpm=1 rpm=2\n", "line 1: rpm is given twice"),
@@ -371,7 +374,7 @@ def test_a_key_file_gives_names_and_limits_and_flag_keys_are_numbered(tmp_path):
 ])
 def test_key_file_errors_name_the_line_and_never_the_key(tmp_path, text, words):
     path = tmp_path / "keys.txt"
-    path.write_text(text.format(a=KEYS["alice"], b=KEYS["bob"]))
+    path.write_text(text.format(a=KEYS["alice"], b=KEYS["bob"]), encoding="utf-8")
     with pytest.raises(KeyFileError) as caught:
         key_ring([], path)
     message = str(caught.value)

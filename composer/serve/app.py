@@ -433,7 +433,7 @@ def thumbnail(path: Path) -> bytes:
 async def _read_json(request: Any, limit: int) -> Any:
     """The body as JSON: 413 past `limit` bytes (by Content-Length or as read), 400 when it is not JSON."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise RequestProblem(f"the body is {int(declared)} bytes; this server accepts at most {limit}", status=413)
     data = bytearray()
     async for chunk in request.stream():

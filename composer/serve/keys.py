@@ -21,6 +21,7 @@ logger = get_logger(__name__)
 
 MIN_KEY_LENGTH = 16
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # also a Prometheus label value: nothing to escape
+COUNT = re.compile(r"[1-9][0-9]{0,17}")  # a limit: an integer >= 1 in ASCII digits (str.isdigit takes '²')
 LIMITS = {"queued": "max_queued", "streams": "max_streams", "sessions": "max_sessions", "rpm": "rpm"}
 FILE_FORMAT = "KEY NAME [queued=N] [streams=N] [sessions=N] [rpm=N]"
 MAKE_ONE = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
@@ -153,8 +154,9 @@ def _limits(fields: list[str], where: str) -> dict[str, int]:
                                f"(line format: {FILE_FORMAT})")
         if LIMITS[word] in values:
             raise KeyFileError(f"{where}: {word} is given twice")
-        if not value.isdigit() or int(value) < 1:
-            raise KeyFileError(f"{where}: {word}: expected an integer >= 1 (leave it out for no limit)")
+        if not COUNT.fullmatch(value):  # ASCII digits only: str.isdigit() also takes '²', which int() refuses
+            raise KeyFileError(f"{where}: {word}: expected an integer >= 1 in the digits 0-9 (leave it out for no "
+                               "limit)")
         values[LIMITS[word]] = int(value)
     return values
 

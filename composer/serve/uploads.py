@@ -91,7 +91,7 @@ async def read_body(request: Any, limit: int, max_files: int = 8, max_fields: in
 
 async def _read_limited(request: Any, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise _problem(f"the body is {int(declared)} bytes; this server accepts at most {limit}", None, 413)
     data = bytearray()
     async for chunk in request.stream():
