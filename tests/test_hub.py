@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from composer.errors import ModelNotFoundError
-from composer.loader.resolve import looks_like_hub_id, resolve_model_path
+from composer.loader.resolve import download_command, looks_like_hub_id, resolve_model_path
 
 
 def test_hub_id_offline_and_not_cached_is_a_clear_error(monkeypatch, tmp_path):
@@ -17,7 +17,16 @@ def test_hub_id_offline_and_not_cached_is_a_clear_error(monkeypatch, tmp_path):
         resolve_model_path("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
     message = str(info.value)
     assert "neither a local folder nor in the Hugging Face cache" in message
-    assert "huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in message
+    assert f"`{download_command('Wan-AI/Wan2.1-T2V-1.3B-Diffusers')}`" in message
+
+
+@pytest.mark.parametrize(("installed", "command"), [("2.4.0", "hf download"), ("1.0.0rc1", "hf download"),
+                                                     ("0.34.0", "hf download"), ("0.33.5", "huggingface-cli download")])
+def test_the_download_command_is_the_installed_huggingface_hubs(monkeypatch, installed, command):
+    """huggingface_hub 0.34 added the `hf` CLI and 1.0 dropped `huggingface-cli`: the offline error says the one
+    the installed version ships."""
+    monkeypatch.setattr("importlib.metadata.version", lambda name: installed)
+    assert download_command("a/b") == f"{command} a/b"
 
 
 def test_hub_id_resolves_from_the_cache(monkeypatch, tmp_path, tiny_wan_dir):

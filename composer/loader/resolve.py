@@ -55,10 +55,23 @@ def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             raise ModelNotFoundError(
                 f"{text} is neither a local folder nor in the Hugging Face cache, and downloading it failed "
-                f"({reason}). Download it where there is network (`huggingface-cli download {text}`) and copy "
+                f"({reason}). Download it where there is network (`{download_command(text)}`) and copy "
                 "the cache, or pass --model-path to a local folder."
             ) from exc
     raise ModelNotFoundError(
         f"{text} is neither a local folder nor in the Hugging Face cache (HF_HUB_OFFLINE is set, so it was not "
-        f"downloaded). Run `huggingface-cli download {text}` where there is network, or pass a local folder."
+        f"downloaded). Run `{download_command(text)}` where there is network, or pass a local folder."
     )
+
+
+def download_command(repo_id: str) -> str:
+    """The shell command that downloads `repo_id` with the installed huggingface_hub: its `hf` CLI (0.34 on;
+    1.0 dropped `huggingface-cli`), or `huggingface-cli` before that."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        parts = version("huggingface_hub").split(".")[:2]
+        major, minor = int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (PackageNotFoundError, ValueError, IndexError):
+        return f"hf download {repo_id}"
+    return f"hf download {repo_id}" if (major, minor) >= (0, 34) else f"huggingface-cli download {repo_id}"
