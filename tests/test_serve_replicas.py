@@ -163,7 +163,7 @@ def test_the_deploy_module_refuses_bad_replicas_and_writes_a_config_nginx_accept
                        (["--replica", "a=nowhere"], "HOST:PORT"),
                        (["--replica", "a=127.0.0.1:1", "--replica", "a=127.0.0.1:2"], "given twice"),
                        ([], "no --replica given"), (["--replica", "a=127.0.0.1:1", "--listen", "x"], "--listen")):
-        assert main(bad) == 2
+        assert main(bad) == 1
         assert words in capsys.readouterr().err
     assert main(["--replica", "a=127.0.0.1:8001", "--replica", "b=127.0.0.1:8002", "--listen", "127.0.0.1:8000",
                  "--workers", "1"]) == 0
@@ -172,6 +172,49 @@ def test_the_deploy_module_refuses_bad_replicas_and_writes_a_config_nginx_accept
         pytest.skip(NO_NGINX)
     checked = subprocess.run([NGINX, "-t", "-p", str(tmp_path), "-c", "nginx.conf"], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
+
+
+INJECTED = "include /etc/passwd"
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--replica", f"a=127.0.0.1;{INJECTED};#:8001"], "--replica 'a=127.0.0.1;include /etc/passwd;#:8001': the host"),
+    (["--replica", "a=127.0.0.1:8001;x"], "the port '8001;x' is not a number"),
+    (["--replica", "a=127.0.0.1:\u00b2"], "the port '\u00b2' is not a number"),  # str.isdigit says yes
+    (["--replica", "a=::1:8001"], "an IPv6 address in brackets"),
+    (["--max-body-size", f"1g; {INJECTED}"], "--max-body-size '1g; include /etc/passwd': expected a size"),
+    (["--max-body-size", "1t"], "--max-body-size '1t'"),
+    (["--listen", f"8000; {INJECTED}"], "--listen"),
+    (["--listen", "127.0.0.1:8000 ssl"], "--listen"),
+    (["--workers", f"1; {INJECTED}"], "--workers"),
+    (["--user", f"root; {INJECTED}"], "--user"),
+    (["--max-fails", "2;"], "--max-fails '2;'"),
+    (["--fail-timeout", "0"], "--fail-timeout 0: expected a whole number in [1, 86400]"),
+    (["--fail-timeout", "10s\n}"], "--fail-timeout '10s\\n}'"),  # a newline stays escaped: one line
+])
+def test_every_value_the_deploy_module_writes_is_parsed_into_its_type(flags, words, capsys):
+    given = flags if flags[0] == "--replica" else ["--replica", "a=127.0.0.1:8001", *flags]
+    assert main([*given, "--snippet"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and words in err, err
+    with pytest.raises(ConfigError):  # the library functions are held to the same types
+        if flags[0] == "--replica":
+            Replica("a", flags[1].partition("=")[2])
+        else:
+            nginx_config([Replica("a", "127.0.0.1:8001")], **{
+                "--listen": {"listen": flags[1]}, "--workers": {"listen": "8000", "workers": flags[1]},
+                "--user": {"listen": "8000", "user": flags[1]}}.get(flags[0], {"listen": "8000",
+                                                                              flags[0][2:].replace("-", "_"): flags[1]}))
+
+
+def test_the_deploy_module_writes_hosts_sizes_and_counts_as_nginx_reads_them(capsys):
+    assert main(["--replica", "a=[::1]:8001", "--replica", "b=GPU-Host.example:8002", "--listen", "[::]:8000",
+                 "--max-body-size", "512M", "--max-fails", "0", "--workers", "4", "--user", "www-data"]) == 0
+    conf = capsys.readouterr().out
+    for line in ("server [::1]:8001;", "server gpu-host.example:8002;", "listen [::]:8000;",
+                 "client_max_body_size 512m;", "max_fails=0 fail_timeout=10s;", "worker_processes 4;",
+                 "user www-data;"):
+        assert line in conf
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ request by request. When no replica can answer, the proxy answers 503 with Retry
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 
@@ -44,12 +45,108 @@ CREATE_PATHS = (("/v1/videos", True), ("/v1/videos/edits", True), ("/v1/videos/e
                 ("/v1/chat/completions", False))
 
 
+# What each value written into the config may be: nginx reads `;`, `{`, `}`, `#`, quotes and whitespace as syntax,
+# so a value is parsed into its type (a name, a host, a port, a size, a count, a path) and never written as given.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*")  # RFC 1123 names; IPv4 addresses match too
+SIZE = re.compile(r"([0-9]{1,19})([kKmMgG]?)")  # nginx's sizes: bytes, or k, m, g
+SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")  # a POSIX user name
+PATH = re.compile(r"[A-Za-z0-9_./-]{1,4096}")  # a file path nginx reads without quoting
+MAX_WORKERS = 1024
+MAX_FAILS = 1000
+MAX_FAIL_TIMEOUT_S = 86400
+
+
+def parse_port(text: str, what: str) -> int:
+    """A TCP port, 1 to 65535, in the digits 0-9 (`str.isdigit` would take '²', which int() refuses)."""
+    if not re.fullmatch(r"[0-9]{1,5}", text) or not 1 <= int(text) <= 65535:
+        raise ConfigError(f"{what}: the port {text!r} is not a number in [1, 65535]")
+    return int(text)
+
+
+def parse_host(text: str, what: str, wildcard: bool = False) -> str:
+    """A host nginx can reach or listen on: a DNS name, an IPv4 address, or an IPv6 address in brackets ([::1]);
+    with `wildcard`, also `*` (every address)."""
+    import ipaddress
+
+    if wildcard and text == "*":
+        return text
+    if text.startswith("[") and text.endswith("]"):
+        try:
+            return f"[{ipaddress.IPv6Address(text[1:-1]).compressed}]"
+        except ValueError:
+            pass
+    elif HOSTNAME.fullmatch(text):
+        if re.fullmatch(r"[0-9.]+", text):  # digits and dots: an IPv4 address or nothing
+            try:
+                return str(ipaddress.IPv4Address(text))
+            except ValueError:
+                pass
+        else:
+            return text.lower()
+    raise ConfigError(f"{what}: the host {text!r} is not a host name, an IPv4 address or an IPv6 address in "
+                      "brackets ([::1])")
+
+
+def parse_address(text: str, what: str, wildcard: bool = False) -> str:
+    """HOST:PORT, as nginx is given it (an IPv6 host in brackets: [::1]:8001)."""
+    host, colon, port = text.rpartition(":")
+    if not colon or not host:
+        raise ConfigError(f"{what}: expected HOST:PORT (e.g. 127.0.0.1:8001), got {text!r}")
+    return f"{parse_host(host, what, wildcard)}:{parse_port(port, what)}"
+
+
+def parse_size(text: str, what: str = "--max-body-size") -> str:
+    """An nginx size: a whole number of bytes, or of k, m or g (1g, 512m); 0 lifts nginx's bound."""
+    match = SIZE.fullmatch(text) if isinstance(text, str) else None
+    if match is None or int(match[1]) * SIZE_UNITS[match[2].lower()] >= 2**63:
+        raise ConfigError(f"{what} {text!r}: expected a size as nginx writes it, a whole number with an optional "
+                          "unit k, m or g (e.g. 1g, 512m)")
+    return f"{int(match[1])}{match[2].lower()}"
+
+
+def parse_count(text: str | int, what: str, low: int, high: int) -> int:
+    """A whole number in [low, high] (from the command line: digits 0-9 only)."""
+    if isinstance(text, str) and re.fullmatch(r"[0-9]{1,9}", text):
+        text = int(text)
+    if isinstance(text, bool) or not isinstance(text, int) or not low <= text <= high:
+        raise ConfigError(f"{what} {text!r}: expected a whole number in [{low}, {high}]")
+    return text
+
+
+def parse_workers(text: str | int) -> str:
+    """nginx's worker_processes: `auto` (one per CPU) or a count."""
+    if text == "auto":
+        return text
+    return str(parse_count(text, "--workers", 1, MAX_WORKERS))
+
+
+def parse_user(text: str) -> str:
+    """nginx's `user`: a POSIX user name."""
+    if not isinstance(text, str) or not USER.fullmatch(text):
+        raise ConfigError(f"--user {text!r}: expected a user name (letters, digits, _ . -; starting with a letter or "
+                          "_, at most 32)")
+    return text
+
+
+def parse_path(text: str, what: str) -> str:
+    """A file path written into the config: letters, digits and _ . / - only (nothing nginx reads as syntax)."""
+    if not isinstance(text, str) or not PATH.fullmatch(text):
+        raise ConfigError(f"{what} {text!r}: expected a path of letters, digits and _ . / - only")
+    return text
+
+
 @dataclass(frozen=True)
 class Replica:
-    """One `composer serve --replica NAME` and the address nginx reaches it at."""
+    """One `composer serve --replica NAME` and the address nginx reaches it at (checked when made)."""
 
     name: str
     address: str  # host:port
+
+    def __post_init__(self) -> None:
+        check_replica(self.name)
+        object.__setattr__(self, "address", parse_address(self.address, f"replica {self.name!r}"))
 
 
 def parse_replica(text: str) -> Replica:
@@ -57,19 +154,17 @@ def parse_replica(text: str) -> Replica:
     name, sep, address = text.partition("=")
     if not sep or not address:
         raise ConfigError(f"--replica {text!r}: expected NAME=HOST:PORT, e.g. a=127.0.0.1:8001")
-    check_replica(name)
-    host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"--replica {text!r}: the address must be HOST:PORT with a port in [1, 65535]")
-    return Replica(name, address)
+    try:
+        return Replica(name, address)
+    except ConfigError as exc:
+        raise ConfigError(f"--replica {text!r}: {str(exc).removeprefix(f'replica {name!r}: ')}") from None
 
 
 def listen_address(text: str) -> str:
-    """--listen as nginx's `listen`: a port (on every address), or HOST:PORT."""
-    port = text.rpartition(":")[2]
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"--listen {text!r}: expected PORT or HOST:PORT with a port in [1, 65535]")
-    return text
+    """--listen as nginx's `listen`: a port (on every address), or HOST:PORT (HOST `*`: every address)."""
+    if isinstance(text, str) and ":" not in text:
+        return str(parse_port(text, "--listen"))
+    return parse_address(text, "--listen", wildcard=True)
 
 
 def _json_error(status: int, message: str, param: str | None = "id") -> str:
@@ -83,14 +178,19 @@ def _json_error(status: int, message: str, param: str | None = "id") -> str:
 def http_config(replicas: list[Replica], listen: str, max_body_size: str = MAX_BODY_SIZE, max_fails: int = 2,
                 fail_timeout: int = 10, access_log: str = "/var/log/nginx/composer-access.log") -> str:
     """What goes in nginx's `http {}` block: the upstreams, the id map and the server (a conf.d snippet)."""
-    names = [r.name for r in replicas]
     if not replicas:
         raise ConfigError("no --replica given: name at least one, NAME=HOST:PORT")
+    if not all(isinstance(r, Replica) for r in replicas):
+        raise ConfigError("replicas: expected Replica values (parse_replica reads NAME=HOST:PORT)")
+    names = [r.name for r in replicas]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ConfigError(f"--replica {twice[0]!r} is given twice: each replica needs its own name")
-    if max_fails < 0 or fail_timeout < 1:
-        raise ConfigError(f"--max-fails {max_fails} / --fail-timeout {fail_timeout}: expected >= 0 and >= 1 s")
+    listen = listen_address(listen)
+    max_body_size = parse_size(max_body_size)
+    max_fails = parse_count(max_fails, "--max-fails", 0, MAX_FAILS)
+    fail_timeout = parse_count(fail_timeout, "--fail-timeout", 1, MAX_FAIL_TIMEOUT_S)
+    access_log = parse_path(access_log, "access log")
     pool = "\n".join(f"    server {r.address} max_fails={max_fails} fail_timeout={fail_timeout}s;" for r in replicas)
     new = "\n".join(f"    server {r.address} max_fails=0;" for r in replicas)
     singles = "\n".join(f"upstream composer_{r.name} {{\n    server {r.address};\n    keepalive 4;\n}}"
@@ -223,6 +323,8 @@ server {{
 def nginx_config(replicas: list[Replica], listen: str, workers: str = "auto", user: str | None = None,
                  **options) -> str:
     """A whole nginx.conf for `nginx -p DIR -c nginx.conf`: its pid, logs and temporary files in DIR."""
+    workers = parse_workers(workers)
+    user = None if user is None else parse_user(user)
     text = http_config(replicas, listen, access_log="access.log", **options)
     body = "\n".join(("    " + line) if line else "" for line in text.splitlines())
     user_line = f"user {user};\n" if user else ""
@@ -255,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", default="8000", help="nginx's port, or HOST:PORT (default: 8000)")
     parser.add_argument("--max-body-size", default=MAX_BODY_SIZE, help="nginx's client_max_body_size (default: "
                         f"{MAX_BODY_SIZE}; each replica answers 413 past its own, smaller limit)")
-    parser.add_argument("--max-fails", type=int, default=2, help="failed answers (refused, timeout, 503, 429) "
+    parser.add_argument("--max-fails", default="2", help="failed answers (refused, timeout, 503, 429) "
                         "within --fail-timeout that take a replica out of turn (default: 2; 0: never)")
-    parser.add_argument("--fail-timeout", type=int, default=10, help="seconds a failing replica stays out of turn "
+    parser.add_argument("--fail-timeout", default="10", help="seconds a failing replica stays out of turn "
                         "(default: 10)")
     parser.add_argument("--workers", default="auto", help="nginx worker_processes (default: auto)")
     parser.add_argument("--user", default=None, help="nginx's `user` (only when nginx starts as root; default: "
@@ -270,11 +372,13 @@ def main(argv: list[str] | None = None) -> int:
         options = {"max_body_size": args.max_body_size, "max_fails": args.max_fails,
                    "fail_timeout": args.fail_timeout}
         listen = listen_address(args.listen)
+        workers = parse_workers(args.workers)  # checked with --snippet too, where they are not written
+        user = None if args.user is None else parse_user(args.user)
         text = (http_config(replicas, listen, **options) if args.snippet
-                else nginx_config(replicas, listen, args.workers, args.user, **options))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+                else nginx_config(replicas, listen, workers, user, **options))
+    except ConfigError as exc:  # one line (values are shown as repr: a newline in one stays escaped), as the CLI
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
     sys.stdout.write(text)
     return 0
 
