@@ -9,6 +9,7 @@ PACKAGED = Path(__file__).parent / "models"
 T2V_NAME = "shapes-t2v"
 CAUSAL_NAME = "shapes-causal"
 TEXT_NAME = "tiny-dllm"  # the embedded diffusion language model (scored on addition: composer/text/tasks.py)
+EMBEDDED_NAMES = (T2V_NAME, CAUSAL_NAME, TEXT_NAME)
 
 
 def packaged_model(name: str) -> Path | None:
@@ -21,4 +22,4 @@ def embedded_model(name: str) -> Path | None:
     """The packaged folder that `name` ("shapes-t2v", or the id "composer/shapes-t2v"; likewise shapes-causal and
     tiny-dllm) names, if it is one of them and installed."""
     short = name.removeprefix("composer/")
-    return packaged_model(short) if short in (T2V_NAME, CAUSAL_NAME, TEXT_NAME) else None
+    return packaged_model(short) if short in EMBEDDED_NAMES else None

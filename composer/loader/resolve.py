@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from composer.demo.packaged import embedded_model
+from composer.demo.packaged import EMBEDDED_NAMES, embedded_model
 from composer.errors import ModelNotFoundError
 from composer.logging import get_logger
 
@@ -34,8 +34,8 @@ def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
     embedded = embedded_model(text)
     if embedded is not None:
         return embedded
-    if not looks_like_hub_id(text):
-        raise ModelNotFoundError(f"model folder {text} does not exist")
+    if not looks_like_hub_id(text) or text.startswith(f"{EMBEDDED_PREFIX}/"):
+        raise ModelNotFoundError(f"model folder {text} does not exist{_did_you_mean(text)}")
 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -62,6 +62,20 @@ def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
         f"{text} is neither a local folder nor in the Hugging Face cache (HF_HUB_OFFLINE is set, so it was not "
         f"downloaded). Run `{download_command(text)}` where there is network, or pass a local folder."
     )
+
+
+EMBEDDED_PREFIX = "composer"  # the embedded models' hub-style ids: composer/shapes-t2v
+
+
+def _did_you_mean(text: str) -> str:
+    """"; did you mean shapes-t2v?" when `text` is near an embedded model's name (a typo), else a list of them."""
+    import difflib
+
+    short = text.removeprefix(f"{EMBEDDED_PREFIX}/")
+    near = difflib.get_close_matches(short, EMBEDDED_NAMES, n=1, cutoff=0.6)
+    if near:
+        return f"; did you mean {near[0]}?"
+    return f" (embedded models: {', '.join(EMBEDDED_NAMES)}; or give a model folder or a Hugging Face hub id)"
 
 
 def download_command(repo_id: str) -> str:

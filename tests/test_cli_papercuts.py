@@ -1,0 +1,53 @@
+"""The CLI's papercuts (issue 47): one-line usage errors with a suggestion, "did you mean" for a model name,
+size limits checked before loading, flags named as typed, short --help with real defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from composer.errors import ModelNotFoundError
+
+
+def run_main(capsys, *args: str) -> tuple[int, str]:
+    """`composer ARGS` in-process: its exit code and stderr."""
+    from composer.cli.main import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_an_unknown_flag_is_one_line_naming_the_nearest_flag(capsys):
+    code, err = run_main(capsys, "generate", "--promt", "a cat")
+    assert code == 1
+    assert err.splitlines() == ["composer generate: error: unknown flag --promt; did you mean --prompt? (see "
+                                "`composer generate --help`)"]
+
+
+def test_every_usage_error_is_one_line(capsys):
+    code, err = run_main(capsys, "generate", "--steps")
+    assert code == 1 and len(err.splitlines()) == 1 and "--steps: expected one argument" in err
+    code, err = run_main(capsys, "models", "--promt")
+    assert code == 1 and err.splitlines() == ["composer models: error: unknown flag --promt (see `composer models "
+                                              "--help`)"]
+    code, err = run_main(capsys, "generate", "a cat")
+    assert code == 1 and len(err.splitlines()) == 1 and "unexpected argument 'a cat'" in err
+
+
+@pytest.mark.parametrize(("typed", "meant"), [("shapes-t2", "shapes-t2v"), ("composer/shapes-causl", "shapes-causal"),
+                                              ("tiny-dlm", "tiny-dllm")])
+def test_a_mistyped_embedded_model_name_suggests_the_nearest(typed, meant):
+    from composer.loader.resolve import resolve_model_path
+
+    with pytest.raises(ModelNotFoundError, match=f"model folder {typed} does not exist; did you mean {meant}\\?"):
+        resolve_model_path(typed)
+
+
+def test_a_name_near_no_embedded_model_lists_them():
+    from composer.loader.resolve import resolve_model_path
+
+    with pytest.raises(ModelNotFoundError, match="embedded models: shapes-t2v, shapes-causal, tiny-dllm"):
+        resolve_model_path("nothing-like-it")
