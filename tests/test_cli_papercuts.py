@@ -51,3 +51,24 @@ def test_a_name_near_no_embedded_model_lists_them():
 
     with pytest.raises(ModelNotFoundError, match="embedded models: shapes-t2v, shapes-causal, tiny-dllm"):
         resolve_model_path("nothing-like-it")
+
+
+@pytest.mark.parametrize("doc", ["adding-a-model-family.md", "wan22.md"])
+def test_every_source_path_a_contributors_doc_names_exists_from_the_repository_root(doc):
+    """`composer/configs/wan.py`, not `configs/wan.py` (the repository's configs/ holds YAML presets)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / doc).read_text()
+    paths = re.findall(r"(?<![\w./-])((?:[a-z_0-9]+/)+[a-z_0-9]+\.py)(?![\w/-])", text)
+    assert paths or doc == "wan22.md"
+    assert [p for p in paths if not (root / p).is_file()] == []
+
+
+def test_wan22_docs_do_not_list_per_expert_lora_as_missing():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "wan22.md").read_text()
+    not_done = text.split("## Not done", 1)[1]
+    assert "LoRA" not in not_done.split("\n## ", 1)[0]
