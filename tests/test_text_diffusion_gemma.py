@@ -5,10 +5,13 @@ uniform mode, DiscreteDDIMScheduler with corrector sweeps, EntropyBoundScheduler
 stopping on and off, several canvases, a list of prompts and a conversation.
 
 diffusers 0.42's pipeline passes the encoder cache to transformers as `past_key_values`, which transformers 5.24
-names `cache` (its model forward would swallow the old name and run without the prompt): the reference runs with
-that one argument renamed, nothing else changed."""
+names `cache` (its model forward would swallow the old name and run without the prompt): on 5.24 the reference runs
+with that one argument renamed, nothing else changed. composer takes the name from each function's signature: the
+other transformers version's convention is stood in by wrappers with that version's signature."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ import torch
 from composer import TextGenerator
 from composer.errors import InvalidInputError
 from composer.testing.tiny_diffusion_gemma import TinyDiffusionGemmaSpec, build_tiny_diffusion_gemma
+from composer.text.canvas import cache_keyword
 
 pytestmark = pytest.mark.slow
 PROMPT = "what is two plus two ?"
@@ -40,6 +44,8 @@ def _reference(folder):
     pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     model = pipe.model
+    if cache_keyword(model.forward) == "past_key_values":  # transformers 5.23: diffusers' own names
+        return pipe
     model.forward = _renamed(model.forward)
     model.model.encoder.forward = _renamed(model.model.encoder.forward)
     decoder = model.model.decoder
@@ -104,3 +110,39 @@ def test_the_family_and_what_it_refuses(pair):
     whole = gen.generate_text(PROMPT, gen_length=20, num_inference_steps=3, seed=1, temperature=1.0,
                               eos_early_stop=False)
     assert pieces[-1].token_ids == whole.token_ids and "".join(p.text for p in pieces) == whole.text
+
+
+def _taking(fn, name):
+    """`fn` behind the signature of the transformers version that names the cache argument `name`: the other name
+    is a TypeError, as 5.23's decoder mask makes `cache` one."""
+    other = "past_key_values" if name == "cache" else "cache"
+    real = cache_keyword(fn)
+
+    def call(*args, **kwargs):
+        if other in kwargs:
+            raise TypeError(f"got an unexpected keyword argument {other!r}")
+        if name in kwargs:
+            kwargs[real] = kwargs.pop(name)
+        return fn(*args, **kwargs)
+
+    P = inspect.Parameter
+    call.__signature__ = inspect.Signature([P("args", P.VAR_POSITIONAL), P(name, P.KEYWORD_ONLY, default=None),
+                                            P("kwargs", P.VAR_KEYWORD)])
+    return call
+
+
+def test_both_transformers_cache_conventions_give_the_same_ids(pair, monkeypatch):
+    gen, reference = pair
+    settings = {"gen_length": 12, "num_inference_steps": 3, "temperature": 1.0, "seed": 4}
+    installed = gen.generate_text(PROMPT, **settings)
+    expected = reference(prompt=PROMPT, gen_length=12, num_inference_steps=3, temperature=1.0,
+                         generator=torch.Generator("cpu").manual_seed(4))
+    assert installed.token_ids == _until_eos(expected.sequences[0].tolist(), reference.eos_token_id)
+    model = gen.pipeline.modules["model"]
+    other = "past_key_values" if cache_keyword(model.forward) == "cache" else "cache"
+    decoder = model.model.decoder
+    monkeypatch.setattr(model, "forward", _taking(model.forward, other))
+    monkeypatch.setattr(model.model.encoder, "forward", _taking(model.model.encoder.forward, other))
+    monkeypatch.setattr(decoder, "create_diffusion_decoder_attention_mask",
+                        _taking(decoder.create_diffusion_decoder_attention_mask, other))
+    assert gen.generate_text(PROMPT, **settings).token_ids == installed.token_ids

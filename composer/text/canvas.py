@@ -10,12 +10,15 @@ mean entropy under `confidence_threshold` is frozen, and the canvas ends once ev
 that holds EOS is finished (`eos_early_stop`).
 
 These are the rules of diffusers' DiffusionGemmaPipeline (0.42), which composer follows step for step so the ids
-are the same for the same folder, prompt, settings and seed (tests/test_text_diffusion_gemma.py). composer calls
-transformers' DiffusionGemma with the cache argument transformers names `cache`.
+are the same for the same folder, prompt, settings and seed (tests/test_text_diffusion_gemma.py). transformers renamed the
+encoder cache argument of DiffusionGemma's forwards and decoder mask from `past_key_values` (5.23) to `cache` (5.24,
+whose forwards still take the old name but whose decoder mask does not): composer passes it under the name each
+function's signature has (`cache_keyword`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Iterator
@@ -25,6 +28,16 @@ import torch
 import torch.nn.functional as F
 
 from composer.stages.base import Stage
+
+
+def cache_keyword(fn: Any) -> str:
+    """The name under which `fn` (a DiffusionGemma forward or its decoder-mask builder) takes the encoder's KV cache:
+    `cache` where its signature has it (transformers >= 5.24), else `past_key_values` (5.23)."""
+    try:
+        parameters = inspect.signature(fn).parameters  # follows a deprecation decorator's __wrapped__
+    except (TypeError, ValueError):
+        return "cache"
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 class ChatTokenizationStage(Stage):
@@ -90,6 +103,9 @@ class CanvasDenoisingStage(Stage):
                                          "generator": generator}.items() if k in accepted}
         text_config = model.config.get_text_config(decoder=True)
         cache = DynamicCache(config=text_config)
+        make_mask = model.model.decoder.create_diffusion_decoder_attention_mask
+        encoder_cache, mask_cache = cache_keyword(model.model.encoder.forward), cache_keyword(make_mask)
+        decode = functools.partial(self._decode, cache_name=cache_keyword(model.forward))
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         stability = max(sp.stability_threshold, 1)
         start = time.perf_counter()
@@ -97,11 +113,11 @@ class CanvasDenoisingStage(Stage):
             length = ids.shape[1]
             positions = torch.arange(length, length + canvas_length, device=device).unsqueeze(0)
             cached = cache.get_seq_length()
-            model.model.encoder(input_ids=ids[:, cached:], attention_mask=mask, cache=cache,
+            model.model.encoder(input_ids=ids[:, cached:], attention_mask=mask, **{encoder_cache: cache},
                                 position_ids=torch.arange(cached, length, device=device).unsqueeze(0))
-            decoder_mask = model.model.decoder.create_diffusion_decoder_attention_mask(
-                config=model.config, inputs_embeds=torch.empty((rows, canvas_length, 0), device=device), cache=cache,
-                decoder_attention_mask=F.pad(mask.bool(), (0, canvas_length), value=True))
+            decoder_mask = make_mask(
+                config=model.config, inputs_embeds=torch.empty((rows, canvas_length, 0), device=device),
+                decoder_attention_mask=F.pad(mask.bool(), (0, canvas_length), value=True), **{mask_cache: cache})
             canvas = torch.randint(0, text_config.vocab_size, (rows, canvas_length), device=device,
                                    generator=generator)
             conditioning = None
@@ -111,14 +127,14 @@ class CanvasDenoisingStage(Stage):
             for step in range(predictor):
                 if batch.cancel is not None:
                     batch.cancel.check()
-                logits = self._decode(canvas, cache, conditioning, decoder_mask, positions)
+                logits = decode(canvas, cache, conditioning, decoder_mask, positions)
                 batch.stats.forwards += 1
                 out = scheduler.step(model_output=logits, timestep=step, sample=canvas, return_dict=True,
                                      **step_kwargs)
                 canvas, conditioning = out.prev_sample, out.pred_logits
                 if step < corrected:
                     for _ in range(corrector):
-                        sweep = self._decode(canvas, cache, conditioning, decoder_mask, positions)
+                        sweep = decode(canvas, cache, conditioning, decoder_mask, positions)
                         batch.stats.forwards += 1
                         canvas = scheduler.step_correct(model_output=sweep, timestep=step, sample=canvas,
                                                         generator=generator).prev_sample
@@ -145,6 +161,7 @@ class CanvasDenoisingStage(Stage):
         batch.sequences = ids[:, prompt_length:]
         batch.stats.seconds = time.perf_counter() - start
 
-    def _decode(self, canvas, cache, conditioning, decoder_mask, positions) -> torch.Tensor:
-        return self.model(decoder_input_ids=canvas, cache=cache, self_conditioning_logits=conditioning,
-                          decoder_attention_mask=decoder_mask, decoder_position_ids=positions).logits.clone()
+    def _decode(self, canvas, cache, conditioning, decoder_mask, positions, cache_name: str) -> torch.Tensor:
+        return self.model(decoder_input_ids=canvas, **{cache_name: cache},
+                          self_conditioning_logits=conditioning, decoder_attention_mask=decoder_mask,
+                          decoder_position_ids=positions).logits.clone()
