@@ -50,6 +50,22 @@ class ModelLimits:
     supports_flow_shift: bool = True
     requires_image: bool = False  # an image-to-video model: `image` (the first frame) is required
     takes_last_image: bool = False  # a first-last-frame model also takes `last_image`
+    max_size: int | None = None  # height and width, pixels: the transformer's positions per axis x spatial_multiple
+    max_frames: int | None = None  # num_frames (a server's cap; None: the model's own rules only)
+    max_steps: int | None = None  # num_inference_steps (a server's cap)
+    # why each max_* holds: "the transformer's 1024 RoPE positions per axis", "this server's --max-size"
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    def capped(self, by: str, max_size: int | None = None, max_frames: int | None = None,
+               max_steps: int | None = None) -> ModelLimits:
+        """These limits under a caller's own caps (a server's --max-size...): the lower of each pair, and why."""
+        changes: dict[str, Any] = {}
+        reasons = dict(self.reasons)
+        for name, cap in (("max_size", max_size), ("max_frames", max_frames), ("max_steps", max_steps)):
+            if cap is not None and (getattr(self, name) is None or cap < getattr(self, name)):
+                changes[name] = cap
+                reasons[name] = by.format(flag=name.replace("_", "-"))
+        return dataclasses.replace(self, **changes, reasons=reasons)
 
     @classmethod
     def from_folder(cls, folder: Path, config: Any) -> ModelLimits:
@@ -70,7 +86,7 @@ class ModelLimits:
         return cls(
             spatial_multiple=int(spatial) * spatial_patch, temporal_factor=int(temporal),
             frames_per_block=block, fixed_steps=len(steps) if steps else None, supports_flow_shift=block is None,
-            **_image_inputs(transformer, config),
+            **_image_inputs(transformer, config), **_position_limits(transformer, int(spatial) * spatial_patch),
         )
 
     @classmethod
@@ -79,12 +95,23 @@ class ModelLimits:
         stage = next((s for s in pipeline.stages if s.name == "InputValidationStage"), None)
         block = getattr(pipeline.config, "num_frames_per_block", None)
         transformer = getattr(pipeline, "modules", {}).get("transformer")
-        images = _image_inputs(getattr(getattr(transformer, "config", None), "__dict__", {}),
-                                getattr(pipeline, "config", None))
+        transformer_config = getattr(getattr(transformer, "config", None), "__dict__", {})
+        images = _image_inputs(transformer_config, getattr(pipeline, "config", None))
         if stage is None:
             return cls(frames_per_block=block, **images)
         return cls(stage.spatial_multiple, stage.temporal_factor, block, stage.fixed_steps, stage.supports_flow_shift,
-                   **images)
+                   **images, **_position_limits(transformer_config, stage.spatial_multiple))
+
+
+def _position_limits(transformer_config: dict, spatial_multiple: int | None) -> dict[str, Any]:
+    """The largest height and width the transformer has positions for: a Wan DiT's RoPE table holds
+    `rope_max_seq_len` rows and columns of tokens (one token per spatial_multiple pixels), as diffusers' does; a
+    larger grid is refused (models/wan/transformer.py), so the request check refuses it before anything loads."""
+    positions = transformer_config.get("rope_max_seq_len")
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1 or not spatial_multiple:
+        return {}
+    return {"max_size": positions * spatial_multiple,
+            "reasons": {"max_size": f"the transformer's rope_max_seq_len = {positions} positions per axis"}}
 
 
 def _image_inputs(transformer_config: dict, config: Any = None) -> dict[str, bool]:
@@ -108,7 +135,7 @@ _VAE_KEYS = {"temperal_downsample": list[bool] | None, "scale_factor_spatial": i
              "spatial_compression_ratio": int | None, "scale_factor_temporal": int | None,
              "temporal_compression_ratio": int | None}
 _TRANSFORMER_KEYS = {"patch_size": int | list[int] | None, "in_channels": int | None, "out_channels": int | None,
-                     "image_dim": int | None, "pos_embed_seq_len": int | None}
+                     "image_dim": int | None, "pos_embed_seq_len": int | None, "rope_max_seq_len": int | None}
 
 
 def _read_json(path: Path, types: dict[str, Any]) -> dict:
@@ -156,12 +183,13 @@ def check_request(
         _check_prompt(result, sp.prompt, stream)
     if sp.negative_prompt is not None and not isinstance(sp.negative_prompt, (str, list)):
         result.add_failure("negative_prompt", sp.negative_prompt, "a string")
-    _check_size(result, "height", sp.height, limits.spatial_multiple)
-    _check_size(result, "width", sp.width, limits.spatial_multiple)
+    _check_size(result, "height", sp.height, limits)
+    _check_size(result, "width", sp.width, limits)
     if segments is None:  # with segments, the video's length follows them
         _check_num_frames(result, sp.num_frames, limits, start_latent_frames)
     if limits.fixed_steps is None:
         result.add_check("num_inference_steps", sp.num_inference_steps, V.positive_int)
+        _check_at_most(result, "num_inference_steps", sp.num_inference_steps, limits, "max_steps", "a positive integer")
     elif sp.num_inference_steps != limits.fixed_steps:
         result.add_failure("num_inference_steps", sp.num_inference_steps, f"{limits.fixed_steps} (this model is "
                            f"distilled for its own {limits.fixed_steps}-step schedule)")
@@ -293,33 +321,60 @@ def _check_segments(result: VerificationResult, segments: list, cli: bool) -> No
             result.add_failure(name, shown, "a number of blocks >= 1 (each segment makes at least one block)")
 
 
-def _check_size(result: VerificationResult, name: str, value: Any, multiple: int | None) -> None:
-    if multiple is None:
-        result.add_check(name, value, V.positive_int)
-    else:
-        hint = f"nearest valid: {max(multiple, round(value / multiple) * multiple)}" if V.positive_int(value) else ""
-        result.add_check(name, value, V.divisible_by(multiple), hint=hint)
+def _check_size(result: VerificationResult, name: str, value: Any, limits: ModelLimits) -> None:
+    """A positive multiple of the model's spatial grid, at most max_size (the model's or the caller's, named when
+    passed); the nearest valid value offered is itself valid: on the grid and within the limit."""
+    multiple = limits.spatial_multiple or 1
+    top = limits.max_size // multiple * multiple if limits.max_size is not None else None
+    rule = V.divisible_by(multiple) if limits.spatial_multiple else V.positive_int
+    if rule(value) and (top is None or value <= top):
+        return
+    notes = []
+    if top is not None and V.positive_int(value) and value > top:
+        notes.append(f"at most {top}: {limits.reasons.get('max_size', 'the limit')}")
+    if V.positive_int(value) and (limits.spatial_multiple or notes) and (top is None or top >= multiple):
+        near = max(multiple, round(value / multiple) * multiple)
+        notes.append(f"nearest valid: {min(near, top) if top is not None else near}")
+    result.add_failure(name, value, rule.rule + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+def _check_at_most(result: VerificationResult, name: str, value: Any, limits: ModelLimits, cap: str,
+                   kind: str) -> None:
+    """`value` <= the limits' `cap` (max_frames, max_steps), named with its reason."""
+    most = getattr(limits, cap)
+    if most is not None and V.positive_int(value) and value > most:
+        result.add_failure(name, value, f"{kind} (at most {most}: {limits.reasons.get(cap, 'the limit')})")
 
 
 def _check_num_frames(result: VerificationResult, frames: Any, limits: ModelLimits, start: int) -> None:
-    t, n = limits.temporal_factor, limits.frames_per_block
+    """The model's rule for the length, and at most max_frames; the nearest valid length offered keeps both."""
+    t, n, most = limits.temporal_factor, limits.frames_per_block, limits.max_frames
+    over = f"at most {most}: {limits.reasons.get('max_frames', 'the limit')}; " \
+        if most is not None and V.positive_int(frames) and frames > most else ""
     if t is None:
         result.add_check("num_frames", frames, V.positive_int)
+        _check_at_most(result, "num_frames", frames, limits, "max_frames", "a positive integer")
         return
     if n is None:  # a whole-video model: any 4k+1 length
-        hint = f"nearest valid: {max(1, round((frames - 1) / t) * t + 1)}" if V.positive_int(frames) else ""
-        result.add_check("num_frames", frames, V.congruent(t, 1), hint=hint)
+        if V.congruent(t, 1)(frames) and not over:
+            return
+        near = max(1, round((frames - 1) / t) * t + 1) if V.positive_int(frames) else None
+        if near is not None and most is not None and most >= 1:
+            near = min(near, (most - 1) // t * t + 1)
+        hint = f" ({over}nearest valid: {near})" if near is not None else ""
+        result.add_failure("num_frames", frames, V.congruent(t, 1).rule + hint)
         return
     # a causal model: the latent frames after the start frames fill whole blocks
     generated = (frames - 1) // t + 1 - start if V.congruent(t, 1)(frames) else 0
-    if generated > 0 and generated % n == 0:
+    if generated > 0 and generated % n == 0 and not over:
         return
     count = frames // (n * t) + 3 if V.positive_int(frames) else 3
     valid = [(start + k * n - 1) * t + 1 for k in range(1, count + 1)]
-    near = min(valid, key=lambda v: abs(v - frames)) if V.positive_int(frames) else valid[0]
+    allowed = [v for v in valid if most is None or v <= most] or valid[:1]
+    near = min(allowed, key=lambda v: abs(v - frames)) if V.positive_int(frames) else valid[0]
     after = f" after {start} start latent frame(s)" if start else ""
     result.add_failure("num_frames", frames, f"a length whose latent frames fill whole {n}-frame blocks{after}: "
-                       f"{valid[0]}, {valid[1]}, {valid[2]}, ... (nearest valid: {near})")
+                       f"{valid[0]}, {valid[1]}, {valid[2]}, ... ({over}nearest valid: {near})")
 
 
 def _check_start_frames(result: VerificationResult, sp: Any, temporal: int) -> int:

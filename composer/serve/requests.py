@@ -127,12 +127,11 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
     priority = _priority(body)
     try:
         sp = defaults.updated(**params, **inputs)
-        check_request(sp, ModelLimits.from_pipeline(generator.pipeline))
+        check_request(sp, server_limits(generator, limits))
     except RequestError as exc:
         raise RequestProblem(str(exc), exc.failures[0][0].split("[")[0]) from None
     except ComposerError as exc:
         raise RequestProblem(str(exc)) from None
-    _check_limits(sp, limits)
     if sp.seed is None:  # a fixed seed, so the record says how to make the video again
         import random
 
@@ -381,13 +380,11 @@ def select_lora(body: dict, loras: Sequence[LoraOption], generator: Any = None) 
     return selection
 
 
-def _check_limits(sp: Any, limits: ServerLimits) -> None:
-    """The server's limits on what the request would run (defaults included), named by field."""
-    for key, limit in (("num_frames", limits.max_frames), ("height", limits.max_size), ("width", limits.max_size),
-                       ("num_inference_steps", limits.max_steps)):
-        value = getattr(sp, key)
-        if limit is not None and value > limit:
-            raise RequestProblem(f"{key} = {value}: this server allows at most {limit}", key)
+def server_limits(generator: Any, limits: ServerLimits) -> ModelLimits:
+    """The model's limits under the server's (--max-size, --max-frames, --max-steps): one set, so a refusal names
+    the limit that binds and its nearest valid value keeps them all."""
+    return ModelLimits.from_pipeline(generator.pipeline).capped(
+        "this server's --{flag}", max_size=limits.max_size, max_frames=limits.max_frames, max_steps=limits.max_steps)
 
 
 def _json_safe(value: Any) -> bool:
