@@ -553,16 +553,40 @@ class VideoGenerator:
         frames of stream_video([(p0, a), (p1, b)], seed=s)."""
         from composer.session import Session
 
-        _checked_target_fps(kwargs.get("target_fps"))  # refused now, not at the first extend
         if not self.pipeline.can_stream:
             raise UnsupportedError(f"{type(self.pipeline).__name__} makes whole videos; sessions need a causal model")
         if seed is None:
             seed = parallel_state.random_seed()
+        self._check_session_options(seed=seed, **kwargs)  # refused now, not at the first extend
         return Session(self, {"seed": seed, **kwargs})
+
+    def _check_session_options(self, *, sampling_param: SamplingParam | None = None, keep_video: Any = True,
+                               cancel: Any = None, priority: Any = 0, target_fps: Any = None, rtmp_url: Any = None,
+                               **overrides: Any) -> None:
+        """Everything `stream_video` refuses before its first block, for a session whose segments (and so its
+        prompts and length) come with each extend."""
+        _checked_priority(priority)
+        _checked_target_fps(target_fps)
+        if not isinstance(keep_video, bool):
+            raise InvalidInputError(f"keep_video = {keep_video!r}: expected True or False")
+        if cancel is not None and not isinstance(cancel, CancelToken):
+            raise InvalidInputError(f"cancel = {cancel!r}: expected a composer.CancelToken (or None)")
+        if rtmp_url is not None:
+            from composer.rtmp import check_rtmp_url
+
+            check_rtmp_url(rtmp_url)
+        if sampling_param is not None and not isinstance(sampling_param, SamplingParam):
+            raise InvalidInputError(f"sampling_param = {sampling_param!r}: expected a SamplingParam (or None)")
+        sp = (sampling_param or self.default_sampling).updated(**overrides)
+        if sp.num_videos_per_prompt != 1:
+            raise UnsupportedError("a session makes one video; leave num_videos_per_prompt at 1")
+        check_request(sp, ModelLimits.from_pipeline(self.pipeline), iter(()))  # segments: one per extend, unread
 
     def resume_session(self, data: bytes) -> Session:
         """The session `Session.snapshot()` wrote (in this process or another), on this generator: it must load
-        the same model. Its next `extend` gives exactly what the snapshotted session's would have."""
+        the same model. Its next `extend` gives exactly what the snapshotted session's would have. Bytes that are
+        not an intact snapshot of this format (damaged, cut off, foreign, another version: the header's digest
+        and length say) are a `composer.session.SnapshotError` naming which, before anything is loaded."""
         from composer.session import Session
 
         if not self.pipeline.can_stream:

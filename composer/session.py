@@ -12,8 +12,12 @@ suspended between calls with its latents, KV cache and random generator as they 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import struct
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,9 +41,66 @@ class _SegmentFeed:
         return self.waiting.popleft()
 
 
-SNAPSHOT_FORMAT = "composer-session/1"
+# A snapshot is a header and a payload (torch.save of plain values and tensors, read back with weights_only):
+# SNAPSHOT_MAGIC, the format version (2 bytes), the payload's length (8 bytes) and its sha256 (32 bytes), so a
+# damaged, cut or foreign file is refused by name before torch reads a byte of it. The digest finds damage; it is no
+# signature (whoever can write the file can write a digest): keep snapshots where only the server writes.
+SNAPSHOT_MAGIC = b"COMPOSER-SESSION"
+SNAPSHOT_VERSION = 2  # 1: a bare torch.save, no header (before digests)
+SNAPSHOT_FORMAT = f"composer-session/{SNAPSHOT_VERSION}"
+_HEADER = struct.Struct(f">{len(SNAPSHOT_MAGIC)}sHQ32s")
 # Sampling values a snapshot keeps as they are (a start image or video is not kept: the state holds its latents).
 _NOT_KEPT = ("cancel", "start_image", "start_video")
+
+
+class SnapshotError(InvalidInputError):
+    """Bytes `VideoGenerator.resume_session` cannot resume: not a snapshot, another version, cut off, or damaged."""
+
+
+def pack_snapshot(payload: bytes) -> bytes:
+    """A snapshot's bytes: the header (magic, version, length, sha256) and the payload."""
+    return _HEADER.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, len(payload), hashlib.sha256(payload).digest()) + payload
+
+
+def unpack_snapshot(data: bytes) -> bytes:
+    """The payload of a snapshot `pack_snapshot` wrote, once its header, length and digest check out; else a
+    SnapshotError saying which."""
+    data = bytes(data)
+    if not data.startswith(SNAPSHOT_MAGIC):
+        if data.startswith(b"PK\x03\x04"):  # a bare torch.save: a snapshot of format 1, or some other tensor file
+            raise SnapshotError("this is not a session snapshot of this composer: it has no snapshot header (a "
+                                "snapshot written before snapshots carried a digest, or another torch file); "
+                                "resume the session where it was made and snapshot it again")
+        raise SnapshotError(f"not a session snapshot: it does not start with {SNAPSHOT_MAGIC.decode()} (pass the "
+                            "bytes Session.snapshot() returned, or a .session file the server wrote)")
+    if len(data) < _HEADER.size:
+        raise SnapshotError(f"the session snapshot is cut off: {len(data)} bytes, shorter than its {_HEADER.size}-byte "
+                            "header")
+    _, version, length, digest = _HEADER.unpack_from(data)
+    if version != SNAPSHOT_VERSION:
+        raise SnapshotError(f"the session snapshot is of format version {version}; this composer reads version "
+                            f"{SNAPSHOT_VERSION} (resume it with the composer that made it)")
+    payload = data[_HEADER.size:]
+    if len(payload) < length:
+        raise SnapshotError(f"the session snapshot is cut off: {len(payload)} of its {length} bytes after the header "
+                            "(was the file copied or uploaded whole?)")
+    if len(payload) > length:
+        raise SnapshotError(f"the session snapshot has {len(payload) - length} bytes after its end ({length} bytes "
+                            "after the header): two files joined, or a damaged one")
+    if not hmac.compare_digest(hashlib.sha256(payload).digest(), digest):
+        raise SnapshotError("the session snapshot is damaged: its contents do not match its sha256 digest (changed "
+                            "after it was written); resume an intact copy")
+    return payload
+
+
+@dataclass
+class Segment:
+    """One `extend` of a session: its prompt, and the blocks and frames it made (the start frames count in the
+    first)."""
+
+    prompt: str
+    blocks: int = 0
+    frames: int = 0
 
 
 class Session:
@@ -58,6 +119,8 @@ class Session:
         self._earlier: np.ndarray | None = None  # frames made before a resume (keep_video)
         self.chunks: list[VideoChunk] = []  # every chunk so far (empty with keep_video=False)
         self.blocks = 0  # blocks made so far
+        self.segments: list[Segment] = []  # every extend so far that made frames, before a fork or resume too
+        self._segment: Segment | None = None  # the extend being read, until its first chunk
 
     def extend(self, prompt: str, num_blocks: int) -> Iterator[VideoChunk]:
         """Continue the video with `num_blocks` blocks of `prompt`, yielding each block's frames as it is decoded
@@ -87,6 +150,7 @@ class Session:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise InvalidInputError(f"num_blocks = {num_blocks!r}: expected an integer >= 1")
         self._feed.waiting.append((prompt, num_blocks))
+        self._segment = Segment(prompt)  # one of `segments` once it makes a frame
 
     def _ensure_stream(self) -> None:
         if self._stream is None:
@@ -112,17 +176,33 @@ class Session:
             return chunks
         finally:
             self._reading = False
-            if self._feed.waiting:
-                self._feed.waiting.clear()
+            self._extend_ended()
 
     def _took(self, chunk: VideoChunk) -> int:
         """Count a chunk the session made; 1 for a block's chunk (0 for the start frames)."""
         if self._sampling.get("keep_video", True):
             self.chunks.append(chunk)
+        if self._segment is not None:
+            self.segments.append(self._segment)
+            self._segment = None
+        self.segments[-1].frames += len(chunk.frames)
         if chunk.block_index is None:
             return 0
         self.blocks += 1
+        self.segments[-1].blocks += 1
         return 1
+
+    def _extend_ended(self) -> None:
+        """After an extend, read whole or not."""
+        self._segment = None
+        if self._feed.waiting:  # closed before the stream read the segment: it was never started
+            self._feed.waiting.clear()
+
+    @property
+    def fps(self) -> int:
+        """The frame rate of the session's video: its `fps`, or its sampling_param's, or the model's."""
+        sampling = self._sampling.get("sampling_param") or self._generator.default_sampling
+        return int(self._sampling.get("fps") or sampling.fps)
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -148,8 +228,7 @@ class Session:
             self._stream.pace.pause()  # the time until the next extend is not the stream's: its frame rate skips it
         finally:
             self._reading = False
-            if self._feed.waiting:  # closed before the stream read the segment: it was never started
-                self._feed.waiting.clear()
+            self._extend_ended()
 
     # -- branches and snapshots ------------------------------------------------------------------------
     def _states(self) -> tuple[Any, Any] | None:
@@ -184,6 +263,7 @@ class Session:
         child._earlier = self._earlier
         child.chunks = list(self.chunks)
         child.blocks = self.blocks
+        child.segments = [Segment(s.prompt, s.blocks, s.frames) for s in self.segments]
         return child
 
     def snapshot(self) -> bytes:
@@ -205,13 +285,14 @@ class Session:
             "model": model_fingerprint(self._generator),
             "sampling": sampling,
             "blocks": self.blocks,
+            "segments": [[s.prompt, s.blocks, s.frames] for s in self.segments],
             "state": None if states is None else states[0].export(),
             "decoder": None if states is None else states[1].export(),
             "frames": None if frames is None or not len(frames) else torch.from_numpy(frames),
         }
         buffer = io.BytesIO()
         torch.save(payload, buffer)
-        return buffer.getvalue()
+        return pack_snapshot(buffer.getvalue())
 
     @classmethod
     def resume(cls, generator: Any, data: bytes) -> Session:
@@ -226,12 +307,14 @@ class Session:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidInputError(f"resume_session takes the bytes Session.snapshot() returned, got "
                                     f"{type(data).__name__}")
+        packed = unpack_snapshot(data)  # header, length and digest: nothing unchecked reaches torch.load
         try:
-            payload = torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
+            payload = torch.load(io.BytesIO(packed), map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
-            raise InvalidInputError(f"not a session snapshot (or a damaged one): {exc}") from None
+            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise SnapshotError(f"the session snapshot's contents do not load ({reason})") from None
         if not isinstance(payload, dict) or payload.get("format") != SNAPSHOT_FORMAT:
-            raise InvalidInputError(f"not a session snapshot of this composer (expected format {SNAPSHOT_FORMAT})")
+            raise SnapshotError(f"not a session snapshot of this composer (expected format {SNAPSHOT_FORMAT})")
         mine = model_fingerprint(generator)
         if payload["model"] != mine:
             differ = sorted(k for k in mine if payload["model"].get(k) != mine[k])
@@ -246,6 +329,8 @@ class Session:
         if payload["frames"] is not None:
             session._earlier = payload["frames"].numpy()
         session.blocks = int(payload["blocks"])
+        session.segments = [Segment(str(prompt), int(blocks), int(frames)) for prompt, blocks, frames in
+                            payload["segments"]]
         return session
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from composer import VideoGenerator
-from composer.errors import InvalidInputError
+from composer.errors import ComposerError, InvalidInputError
+from composer.session import SnapshotError, pack_snapshot, unpack_snapshot
 
 P0, P1, P2 = "a red circle moving left", "a blue square moving right", "a green circle moving up"
 
@@ -128,19 +130,51 @@ def test_a_snapshot_resumes_in_another_process_exactly(model, request, resumed_i
 
 
 def test_bad_snapshots_are_refused_clearly(shapes):
-    with pytest.raises(InvalidInputError, match="not a session snapshot"):
+    with pytest.raises(SnapshotError, match="not a session snapshot: it does not start with COMPOSER-SESSION"):
         shapes.resume_session(b"definitely not a snapshot")
     with pytest.raises(InvalidInputError, match="bytes"):
         shapes.resume_session("a path?")
     with shapes.open_session(seed=1) as session:
         list(session.extend(P0, 1))
         data = session.snapshot()
-    payload = torch.load(io.BytesIO(data), weights_only=True)
+    payload = torch.load(io.BytesIO(unpack_snapshot(data)), weights_only=True)
     payload["model"]["transformer"] = payload["model"]["transformer"].replace('"num_layers": ', '"num_layers": 1')
     edited = io.BytesIO()
     torch.save(payload, edited)
     with pytest.raises(InvalidInputError, match="another model.*transformer"):
+        shapes.resume_session(pack_snapshot(edited.getvalue()))
+    with pytest.raises(SnapshotError, match="no snapshot header"):  # a bare torch.save (format 1, or another file)
         shapes.resume_session(edited.getvalue())
+
+
+def test_a_damaged_cut_or_foreign_snapshot_is_refused_by_name(shapes):
+    with shapes.open_session(seed=1) as session:
+        list(session.extend(P0, 1))
+        data = session.snapshot()
+    with shapes.resume_session(data) as first:
+        expected = frames_of(first.extend(P1, 1))
+
+    def flipped(at: int) -> bytes:
+        changed = bytearray(data)
+        changed[at] ^= 0x01
+        return bytes(changed)
+
+    header = len(data) - len(unpack_snapshot(data))
+    for bad, words in ((flipped(len(data) // 2), "damaged: its contents do not match its sha256 digest"),
+                       (flipped(len(data) - 1), "damaged"),
+                       (flipped(header - 1), "damaged"),  # the digest itself
+                       (data[:len(data) // 2], f"cut off: {len(data) // 2 - header} of its {len(data) - header} "
+                                               "bytes"),
+                       (data[:20], "cut off: 20 bytes, shorter than its"),
+                       (data + b"\0", "1 bytes after its end"),
+                       (flipped(0), "not a session snapshot"),
+                       (data[:16] + b"\x00\x07" + data[18:], "format version 7; this composer reads version 2"),
+                       (bytes(range(256)) * 8, "not a session snapshot")):
+        with pytest.raises(SnapshotError, match=re.escape(words)):
+            shapes.resume_session(bad)
+    assert pool_of(shapes).stats().sessions == 0
+    with shapes.resume_session(data) as intact:  # the intact one still resumes, exactly
+        assert np.array_equal(frames_of(intact.extend(P1, 1)), expected)
 
 
 def test_forks_and_snapshots_wait_for_the_extend_being_read(shapes):
@@ -165,3 +199,40 @@ def test_a_fork_before_the_first_block_is_a_new_session_with_the_same_settings(s
         data = session.snapshot()
     with shapes.resume_session(data) as resumed:
         assert resumed.blocks == 1
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"priority": float("nan")}, "priority = nan: expected an integer"),
+    ({"priority": "high"}, "priority = 'high': expected an integer"),
+    ({"keep_video": "no"}, "keep_video = 'no': expected True or False"),
+    ({"cancel": 3}, "cancel = 3: expected a composer.CancelToken"),
+    ({"height": 63}, "height = 63: expected a positive multiple of 8"),
+    ({"guidance_scale": float("inf")}, "guidance_scale = inf"),
+    ({"fps": 0}, "fps = 0: expected a positive integer"),
+    ({"seed": -1}, "seed = -1"),
+    ({"nonsense": 1}, "unknown sampling parameter 'nonsense'"),
+])
+def test_open_session_refuses_what_the_first_extend_would(shapes, options, words):
+    with pytest.raises(ComposerError, match=re.escape(words)):
+        shapes.open_session(**options)
+    assert pool_of(shapes).stats().sessions == 0
+
+
+def test_a_session_knows_its_segments_and_frame_rate_through_forks_and_snapshots(shapes):
+    with shapes.open_session(seed=6, fps=12) as session:
+        list(session.extend(P0, 2))
+        list(session.extend(P1, 1))
+        made = [(s.prompt, s.blocks) for s in session.segments]
+        assert made == [(P0, 2), (P1, 1)] and sum(s.frames for s in session.segments) == len(session.frames)
+        assert session.fps == 12
+        with session.fork() as child:  # the fork holds the same video: the same segments
+            assert [(s.prompt, s.blocks) for s in child.segments] == made
+            list(child.extend(P2, 1))
+            assert len(child.segments) == 3 and len(session.segments) == 2
+        data = session.snapshot()
+    with shapes.resume_session(data) as resumed:
+        assert [(s.prompt, s.blocks, s.frames) for s in resumed.segments] == \
+            [(s.prompt, s.blocks, s.frames) for s in session.segments]
+        assert resumed.fps == 12
+    with shapes.open_session(seed=6) as plain:
+        assert plain.fps == shapes.default_sampling.fps
