@@ -8,9 +8,13 @@ incompressible JPEGs, to fill socket buffers)."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
+import logging
+import os
 import socket
+import struct
 import threading
 import time
 from types import SimpleNamespace
@@ -361,6 +365,90 @@ def test_a_client_that_stops_reading_has_its_stream_failed_after_the_stall_timeo
         assert job["status"] == "failed" and "read nothing for 0.5 s" in job["error"]["message"]
         rest, code = read(ws)
     assert rest[-1]["type"] == "error" and "read nothing" in rest[-1]["error"]["message"] and code == 1011
+
+
+class NotReading:
+    """A WebSocket client that does the handshake, sends its request and then never reads: what a stalled viewer
+    is to the server (default socket buffers, as any client's)."""
+
+    def __init__(self, srv: Server, request: dict):
+        self.sock = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(f"GET /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade"
+                          f"\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += self.sock.recv(1)  # the handshake's answer, byte by byte: nothing of the stream is read
+        assert answer.startswith(b"HTTP/1.1 101"), answer
+        payload, mask = json.dumps(request).encode(), os.urandom(4)
+        size = bytes([0x80 | len(payload)]) if len(payload) < 126 else bytes([0x80 | 126]) + len(payload).to_bytes(2)
+        self.sock.sendall(b"\x81" + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+
+    def drop(self) -> None:
+        """Lose the connection without a close (a reset): what uvicorn's keepalive does to a client that answers
+        no ping."""
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.sock.close()
+
+
+def stream_id(srv: Server) -> str:
+    deadline = time.time() + 30
+    while not srv.app.state.streams.open:
+        assert time.time() < deadline, "the stream never opened"
+        time.sleep(0.01)
+    return next(iter(srv.app.state.streams.open))
+
+
+class Logged(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def warnings_logged():
+    handler, logger = Logged(), logging.getLogger("composer.serve.stream")
+    logger.addHandler(handler)
+    yield handler.lines
+    logger.removeHandler(handler)
+
+
+def test_a_client_that_takes_nothing_parks_its_stream_and_is_failed_after_the_stall_timeout(
+        server, scripted, warnings_logged):
+    """The server's socket buffers would take the whole of this stream (small, quickly made chunks): the chunks
+    count as sent only once the client took them, so the stream waits, and the stall rule ends it, logged."""
+    server.app.state.streams.stall_timeout = 0.5
+    client = NotReading(server, {"prompt": "noise", "num_blocks": 50, "height": 64, "width": 64})
+    try:
+        job = server.wait(stream_id(server), timeout=30)
+    finally:
+        client.drop()
+    assert job["status"] == "failed" and "read nothing for" in job["error"]["message"], job
+    assert scripted.produced < 50  # generation stopped while the client was behind
+    assert any("read nothing for" in line and job["id"] in line for line in warnings_logged)
+
+
+def test_a_stalled_clients_dropped_connection_fails_its_stream_logged_instead_of_a_silent_cancel(
+        server, scripted, warnings_logged):
+    client = NotReading(server, {"prompt": "noise", "num_blocks": 50, "height": 64, "width": 64})
+    job_id, deadline = stream_id(server), time.time() + 30
+    while True:  # the client is behind, and the stream waits for it (the buffer full)
+        metrics = server.request("GET", "/metrics").body.decode()
+        if metric(metrics, "composer_streams_waiting_for_client") == 1 and \
+                metric(metrics, "composer_stream_buffered_chunks") == 2:
+            break
+        assert time.time() < deadline, "the stream never waited for its client"
+        time.sleep(0.02)
+    assert metric(metrics, "composer_stream_client_backlog_bytes") > server.app.state.streams.behind_bytes
+    produced = scripted.produced
+    client.drop()
+    job = server.wait(job_id, timeout=30)
+    assert job["status"] == "failed" and "stopped reading" in job["error"]["message"], job
+    assert scripted.produced <= produced + 1 < 50  # the chunk being made, at most
+    assert any("stopped reading" in line and job_id in line for line in warnings_logged)
 
 
 def test_delete_cancels_a_running_stream(server):

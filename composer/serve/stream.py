@@ -6,7 +6,9 @@ request loop), it is listed by GET /v1/videos with `"kind": "stream"`, DELETE ca
 written to the output folder. Between the worker (the producer) and the socket (the consumer) sits a buffer of at
 most `BUFFERED_CHUNKS` chunks: a slow client pauses its own stream's generation (its next chunk waits in
 `StreamSession.offer`, holding no thread; the other jobs go on) instead of letting the server hold the video in
-memory.
+memory. A chunk leaves the buffer once the client has taken what was sent before it (`ClientBacklog`: the bytes
+still in the server's transport and kernel buffers), not when it is handed to the socket, whose buffers would
+otherwise absorb a stalled client's stream for minutes.
 The protocol is in docs/serving.md ("Live streams").
 """
 
@@ -16,6 +18,7 @@ import asyncio
 import io
 import json
 import math
+import struct
 import threading
 import time
 from collections import deque
@@ -41,6 +44,8 @@ BUFFERED_CHUNKS = 2  # chunks made but not yet sent, at most, per stream
 MAX_PENDING_SWITCHES = 16
 FIRST_MESSAGE_TIMEOUT = 60.0  # seconds a new socket may take to send its request
 STALL_TIMEOUT = 60.0  # seconds a stream waits for a client that reads nothing (at most the request timeout)
+BEHIND_BYTES = 64 * 1024  # a chunk is taken once at most this much (or the chunk's size) is left unsent before it
+CLOSE_GRACE = 5.0  # seconds a stalled client's connection may take to close before it is aborted
 JPEG_QUALITY = 90
 # WebSocket close codes: 1000 normal (done, cancelled), 1008 policy violation (a refused request),
 # 1011 server error (the generation failed), 1013 try again later (loading, queue full)
@@ -48,7 +53,65 @@ NORMAL, REFUSED, FAILED_CODE, TRY_LATER = 1000, 1008, 1011, 1013
 
 
 class StreamStalled(ComposerError):
-    """The client read nothing for longer than the server waits: its stream is cancelled."""
+    """The client read nothing for longer than the server waits: its stream is failed."""
+
+
+def _kernel_unsent_request() -> int | None:
+    try:  # Linux: SIOCOUTQ (the tty TIOCOUTQ number) gives a TCP socket's unsent and unacknowledged bytes
+        import sys
+        import termios
+
+        return termios.TIOCOUTQ if sys.platform.startswith("linux") else None
+    except (ImportError, AttributeError):
+        return None
+
+
+_SIOCOUTQ = _kernel_unsent_request()
+
+
+class ClientBacklog:
+    """What a WebSocket client has not taken yet of what the server sent it: the bytes in the connection's asyncio
+    transport (its write buffer) plus, on Linux, the kernel's send queue (bytes the client's machine has not
+    acknowledged). Found through the ASGI server's protocol object behind `receive`/`send` (uvicorn's has a
+    `transport`); `measured` is False when there is none, and then only the server's own flow control (a send
+    that waits) shows a slow client. What the client's own socket buffer holds is not seen: for a client that
+    reads nothing, the receive window it opened (tens of KiB)."""
+
+    def __init__(self, ws: Any):
+        self.transport = _transport_of(ws)
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        self._fd = sock.fileno() if sock is not None and _SIOCOUTQ is not None else None
+
+    @property
+    def measured(self) -> bool:
+        return self.transport is not None
+
+    def __call__(self) -> int:
+        """Bytes sent and not yet taken (0 when not measured, or once the connection is gone)."""
+        if self.transport is None or self.transport.is_closing():
+            return 0
+        size = self.transport.get_write_buffer_size()
+        if self._fd is not None:
+            import fcntl
+
+            try:
+                size += struct.unpack("i", fcntl.ioctl(self._fd, _SIOCOUTQ, b"\0\0\0\0"))[0]
+            except OSError:  # not a TCP socket (a Unix socket), or closed
+                self._fd = None
+        return size
+
+    def abort(self) -> None:
+        """Drop the connection now, unsent bytes and all (a client that reads nothing never takes a close)."""
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _transport_of(ws: Any) -> Any:
+    for call in (getattr(ws, "_receive", None), getattr(ws, "_send", None)):  # middleware wraps send, not receive
+        transport = getattr(getattr(call, "__self__", None), "transport", None)
+        if callable(getattr(transport, "get_write_buffer_size", None)):
+            return transport
+    return None
 
 
 def error_message(message: str, param: str | None = None) -> dict[str, Any]:
@@ -143,16 +206,16 @@ class StreamSession:
     socket (whose task takes the messages with `next_item` and calls `sent` after each chunk).
 
     Messages go through one queue on the socket's event loop, in order; chunks also take one of
-    `BUFFERED_CHUNKS` slots, released once the chunk is sent, so the worker waits (generation pauses) while
-    the client is behind. Waiting longer than `stall_timeout` fails the stream (StreamStalled)."""
+    `BUFFERED_CHUNKS` slots, released once the client has taken what was sent before the chunk, so the worker
+    waits (generation pauses) while the client is behind. A client that takes nothing for the stall timeout
+    fails the stream (`fail`, StreamStalled: the socket's side decides)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, job: Job, prompts: LivePrompts,
-                 stall_timeout: float | None, buffered: int = BUFFERED_CHUNKS):
+                 buffered: int = BUFFERED_CHUNKS):
         self.loop = loop
         self.job = job
         self.prompts = prompts
         self.num_blocks = prompts.num_blocks
-        self.stall_timeout = stall_timeout
         self.queue: asyncio.Queue = asyncio.Queue()
         self._slots = threading.Semaphore(buffered)
         self._lock = threading.Lock()
@@ -165,6 +228,9 @@ class StreamSession:
         self._last: float | None = None  # when its latest chunk was made
         self.closed = threading.Event()  # the socket is gone: nothing more to post
         self._waiter: tuple | None = None  # (chunk, jpegs, on_room, since): a chunk `offer` kept for a slot
+        self.failure: BaseException | None = None  # set by `fail`: the stream ends with it at its next chunk
+        self.backlog = 0  # bytes sent that the client had not taken, when last measured
+        self.behind_since: float | None = None  # when the socket began waiting for the client (None: not waiting)
         prompts.announce = self.post_message
 
     # -- the worker's side --------------------------------------------------------------------------
@@ -201,15 +267,15 @@ class StreamSession:
         self.post_message(message)
 
     def chunk(self, chunk: Any, token: CancelToken) -> None:
-        """Encode a decoded chunk and queue it for the socket, waiting for a free slot (cancellable). For a worker
-        that runs the stream on a thread of its own (several ranks); see `offer` for the waiting without one."""
+        """Encode a decoded chunk and queue it for the socket, waiting for a free slot (cancellable; `fail` ends the
+        wait with its error). For a worker that runs the stream on a thread of its own (several ranks); see `offer`
+        for the waiting without one."""
         self._last = time.perf_counter()
         jpegs = [encode_jpeg(frame) for frame in np.asarray(chunk.frames)]
-        waited = time.perf_counter()
-        while not self._slots.acquire(timeout=0.05):
+        while self.failure is None and not self._slots.acquire(timeout=0.05):
             token.check()
-            if self.stall_timeout is not None and time.perf_counter() - waited > self.stall_timeout:
-                raise StreamStalled(f"the client read nothing for {self.stall_timeout:g} s; the stream was stopped")
+        if self.failure is not None:
+            raise self.failure
         with self._lock:
             self._queue_locked(chunk, jpegs)
 
@@ -220,6 +286,8 @@ class StreamSession:
         self._last = time.perf_counter()
         jpegs = [encode_jpeg(frame) for frame in np.asarray(chunk.frames)]
         with self._lock:
+            if self.failure is not None:
+                raise self.failure
             if self._slots.acquire(blocking=False):
                 self._queue_locked(chunk, jpegs)
                 return True
@@ -230,6 +298,13 @@ class StreamSession:
         """Seconds a chunk kept by `offer` has waited for a slot (None: none waits)."""
         with self._lock:
             return None if self._waiter is None else now - self._waiter[3]
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` (its client stopped reading): the chunk waiting for a slot at once, else the
+        next chunk the worker offers."""
+        with self._lock:
+            self.failure = error
+        self.abandon(error)
 
     def abandon(self, error: BaseException) -> bool:
         """Drop the chunk waiting for a slot and call its `on_room(error)`; False when none waits (any more)."""
@@ -278,13 +353,16 @@ class StreamSession:
 
 class StreamRoutes:
     """The `/v1/streams` route's shared state (`app.state.streams`): the open streams, how long a stream waits for
-    a client that reads nothing, and the metrics /metrics shows."""
+    a client that reads nothing, how far behind a client may be before its stream waits, and the metrics /metrics
+    shows."""
 
     def __init__(self, state: Any):
         self.state = state
         self.open: dict[str, StreamSession] = {}
         timeout = state.config.request_timeout
         self.stall_timeout: float | None = STALL_TIMEOUT if timeout is None else min(STALL_TIMEOUT, timeout)
+        self.behind_bytes = BEHIND_BYTES
+        self.close_grace = CLOSE_GRACE
         self.first_chunk_sum = 0.0
         self.first_chunk_count = 0
         self.max_buffered = 0  # the most chunks any stream had made and not yet sent
@@ -305,6 +383,13 @@ class StreamRoutes:
                   "# HELP composer_stream_buffered_chunks chunks made and not yet sent, over the open streams",
                   "# TYPE composer_stream_buffered_chunks gauge",
                   f"composer_stream_buffered_chunks {sum(s.buffered for s in sessions)}",
+                  "# HELP composer_stream_client_backlog_bytes bytes sent that the clients had not taken (the "
+                  "server's transport and kernel buffers), over the open streams",
+                  "# TYPE composer_stream_client_backlog_bytes gauge",
+                  f"composer_stream_client_backlog_bytes {sum(s.backlog for s in sessions)}",
+                  "# HELP composer_streams_waiting_for_client open streams whose client is behind (generation paused)",
+                  "# TYPE composer_streams_waiting_for_client gauge",
+                  f"composer_streams_waiting_for_client {sum(s.behind_since is not None for s in sessions)}",
                   "# HELP composer_stream_first_chunk_seconds from a stream starting to run to its first chunk sent",
                   "# TYPE composer_stream_first_chunk_seconds summary",
                   f"composer_stream_first_chunk_seconds_sum {self.first_chunk_sum:.6f}",
@@ -357,7 +442,7 @@ def add_stream_routes(app: FastAPI, state: Any) -> StreamRoutes:
         if "rtmp_url" in checked.inputs:  # its stream key is a secret: kept out of the record GET /v1/videos shows
             job.inputs["rtmp_url"] = checked.inputs["rtmp_url"]
         prompts = LivePrompts(checked.params["prompt"], num_blocks)
-        session = StreamSession(asyncio.get_running_loop(), job, prompts, routes.stall_timeout)
+        session = StreamSession(asyncio.get_running_loop(), job, prompts)
         state.store.add(job)
         try:
             state.worker.submit(job, stream=session)
@@ -367,11 +452,12 @@ def add_stream_routes(app: FastAPI, state: Any) -> StreamRoutes:
                                  TRY_LATER)
         routes.open[job.id] = session
         send_lock = asyncio.Lock()  # a chunk's header and its frames go out together
+        backlog = ClientBacklog(ws)
         try:
             ahead = state.worker.jobs_ahead(job)
             if job.status == QUEUED and ahead:
                 await ws.send_text(json.dumps({"type": "queued", "id": job.id, "position": ahead}))
-            pump = asyncio.create_task(_pump(ws, session, send_lock, routes))
+            pump = asyncio.create_task(_pump(ws, session, send_lock, routes, backlog))
             listen = asyncio.create_task(_listen(ws, session, send_lock, state))
             done, pending = await asyncio.wait({pump, listen}, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
@@ -382,8 +468,9 @@ def add_stream_routes(app: FastAPI, state: Any) -> StreamRoutes:
         finally:
             session.closed.set()
             routes.open.pop(job.id, None)
-            if job.status not in FINISHED and state.worker is not None:
-                state.worker.cancel(job)  # the client left: stop within one block
+            _client_left(session, state)
+            if session.failure is not None and backlog.measured:  # its close may never be read: drop it in a while
+                asyncio.get_running_loop().call_later(routes.close_grace, _abort_unread, backlog)
 
     return routes
 
@@ -460,20 +547,99 @@ def _checked_rtmp_url(url: Any, config: Any) -> str | None:
     return url
 
 
-async def _pump(ws: WebSocket, session: StreamSession, lock: asyncio.Lock, routes: StreamRoutes) -> None:
-    """Send the session's messages in order until its last one, then close."""
+def _client_left(session: StreamSession, state: Any) -> None:
+    """The socket is done with: a stream still running is cancelled (the client left), or failed as stalled when
+    its client had stopped reading (the connection was dropped while the stream waited for it: uvicorn's keepalive
+    closes a connection whose client answers no ping within 20 s)."""
+    job = session.job
+    if job.status in FINISHED or state.worker is None:
+        return
+    if session.failure is None and session.behind_since is not None:
+        waited = time.perf_counter() - session.behind_since
+        error = StreamStalled(f"the client stopped reading ({session.backlog} bytes sent were not taken for "
+                              f"{waited:.0f} s) and its connection closed; the stream was stopped")
+        logger.warning("stream %s: %s", job.id, error)
+        session.fail(error)
+    if session.failure is not None and job.status == IN_PROGRESS:
+        return  # the stream fails with it at its next chunk (at once when one waits for a slot)
+    if session.failure is None:
+        logger.info("stream %s: the client disconnected; the stream is cancelled", job.id)
+    state.worker.cancel(job)  # stop within one block
+
+
+def _abort_unread(backlog: ClientBacklog) -> None:
+    if backlog():  # the close frame is still unsent: the client reads nothing
+        backlog.abort()
+
+
+async def _until_taken(session: StreamSession, backlog: ClientBacklog, limit: int, stall_timeout: float | None) -> bool:
+    """Wait until at most `limit` bytes sent are left for the client to take (False: it took nothing for
+    `stall_timeout`, and the stream is failed). Polled, every 2 ms growing to 50 ms, only while it is behind."""
+    left = session.backlog = backlog()
+    since = session.behind_since = time.perf_counter() if left > limit else None
+    delay = 0.002
+    while left > limit and session.job.status not in FINISHED:
+        if session.failure is not None:
+            return False
+        now = time.perf_counter()
+        if stall_timeout is not None and now - since > stall_timeout:
+            _stalled(session, stall_timeout)
+            return False
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 0.05)
+        now_left = backlog()
+        if now_left < left:  # it took some: the stall clock starts again
+            since = time.perf_counter()
+        left = session.backlog = now_left
+    session.behind_since = None
+    return True
+
+
+def _stalled(session: StreamSession, waited: float) -> None:
+    error = StreamStalled(f"the client read nothing for {waited:g} s ({session.backlog} bytes sent were not "
+                          "taken); the stream was stopped")
+    logger.warning("stream %s: %s", session.job.id, error)
+    session.fail(error)
+
+
+async def _send(ws: WebSocket, session: StreamSession, send: Any, timeout: float | None) -> bool:
+    """One message; False when the server's own flow control held it for `timeout` (the client read nothing
+    meanwhile: the stream is failed, if it is not already)."""
+    if timeout is None:
+        await send
+        return True
+    try:
+        await asyncio.wait_for(send, timeout)
+    except asyncio.TimeoutError:
+        if session.failure is None:
+            _stalled(session, timeout)
+        return False
+    return True
+
+
+async def _pump(ws: WebSocket, session: StreamSession, lock: asyncio.Lock, routes: StreamRoutes,
+                backlog: ClientBacklog) -> None:
+    """Send the session's messages in order until its last one, then close. A chunk's slot is freed once the
+    client has taken what was sent before it; a client that takes nothing for the stall timeout fails its
+    stream, and the chunks still queued are dropped on the way to the last message."""
     first = True
     while True:
         kind, *rest = await session.queue.get()
+        if session.failure is not None and kind != "end":
+            continue  # the client stopped reading: only the last message is still sent
+        stall = routes.stall_timeout
         if kind == "message":
             async with lock:
-                await ws.send_text(json.dumps(rest[0]))
+                await _send(ws, session, ws.send_text(json.dumps(rest[0])), stall)
         elif kind == "chunk":
             header, jpegs = rest
             async with lock:
-                await ws.send_text(json.dumps(header))
+                sent = await _send(ws, session, ws.send_text(json.dumps(header)), stall)
                 for data in jpegs:
-                    await ws.send_bytes(data)
+                    sent = sent and await _send(ws, session, ws.send_bytes(data), stall)
+            size = sum(map(len, jpegs))
+            if not (sent and await _until_taken(session, backlog, max(routes.behind_bytes, size), stall)):
+                continue
             routes.max_buffered = max(routes.max_buffered, session.max_buffered)
             session.sent()
             if first and session.job.started_at is not None:
@@ -482,9 +648,10 @@ async def _pump(ws: WebSocket, session: StreamSession, lock: asyncio.Lock, route
             first = False
         else:  # "end"
             message, code = rest
+            grace = routes.close_grace if session.failure is not None else None  # a stalled client may never read
             async with lock:
-                await ws.send_text(json.dumps(message))
-                await ws.close(code)
+                if await _send(ws, session, ws.send_text(json.dumps(message)), grace):
+                    await _send(ws, session, ws.close(code), grace)
             return
 
 

@@ -567,8 +567,9 @@ class Worker:
         self._stream_blocks(state, error)
 
     def _watch(self) -> None:
-        """Start the watchdog once: one thread that fails the waiting streams whose job was cancelled (DELETE, the
-        request timeout, the server stopping) or whose client read nothing for the stall timeout."""
+        """Start the watchdog once: one thread that ends the waiting streams whose job was cancelled (DELETE, the
+        request timeout, the server stopping). A client that reads nothing is failed by its socket's side, which
+        measures what it took (`StreamSession.fail`, composer/serve/stream.py)."""
         with self._cv:
             if self._watchdog is not None:
                 return
@@ -577,8 +578,6 @@ class Worker:
         self._watchdog.start()
 
     def _watchdog_loop(self) -> None:
-        from composer.serve.stream import StreamStalled
-
         while True:
             with self._cv:
                 waiting = list(self._stream_waits)
@@ -592,9 +591,6 @@ class Worker:
                     continue
                 if token.cancelled:
                     session.abandon(Cancelled(f"request cancelled ({token.reason})"))
-                elif session.stall_timeout is not None and waited > session.stall_timeout:
-                    session.abandon(StreamStalled(f"the client read nothing for {session.stall_timeout:g} s; the "
-                                                  "stream was stopped"))
             time.sleep(0.05)
 
     def _end_streaming(self, state: _Streaming, error: BaseException | None) -> None:
