@@ -195,9 +195,11 @@ def test_a_session_is_its_keys_alone_and_a_keys_sessions_are_limited(server):
     extended = server.request("POST", f"/v1/sessions/{sid}/extend", {"prompt": "a red circle", "num_blocks": 1},
                               headers=bearer("alice"))
     assert extended.status == 200, extended.body
+    assert extended.json["video"] == f"/v1/sessions/{sid}/segments/1"
+    assert server.request("GET", extended.json["video"], headers=bearer("alice")).status == 200
     for method, path, body in (("GET", "", None), ("POST", "/extend", {"prompt": "mine now", "num_blocks": 1}),
-                               ("GET", "/video", None), ("POST", "/fork", None), ("POST", "/snapshot", {}),
-                               ("DELETE", "", None)):
+                               ("GET", "/video", None), ("GET", "/segments/1", None), ("POST", "/fork", None),
+                               ("POST", "/snapshot", {}), ("DELETE", "", None)):
         reply = server.request(method, f"/v1/sessions/{sid}{path}", body, headers=bearer("carol"))
         assert reply.status == 404, (method, path, reply.body)
         assert sid in reply.json["error"]["message"]  # the same answer as for an id that does not exist

@@ -348,6 +348,8 @@ def test_a_session_through_the_proxy_stays_on_its_replica(fleet, tmp_path):
     sid = sids[0]
     extended = proxy.request("POST", f"/v1/sessions/{sid}/extend", {"prompt": RED, "num_blocks": 2})
     assert extended.status == 200 and extended.json["blocks"] == 2
+    segment = proxy.request("GET", extended.json["video"])  # the segment's URL reaches the session's replica
+    assert segment.status == 200 and segment.headers["content-type"] == "video/mp4"
     forked = proxy.request("POST", f"/v1/sessions/{sid}/fork")
     assert forked.status == 201 and replica_of(forked.json["id"]) == replica_of(sid)  # its KV cache lives there
     fid = forked.json["id"]

@@ -31,6 +31,13 @@ def server(causal, tmp_path):
     server.stop()
 
 
+def video_fps(path) -> float:
+    import av  # the container's stated rate, read without decoding a frame
+
+    with av.open(str(path)) as container:
+        return float(container.streams.video[0].average_rate)
+
+
 def linear(gen, segments, **kw) -> np.ndarray:
     return np.concatenate([c.frames for c in gen.stream_video(segments, **FAST, **kw)])
 
@@ -42,12 +49,21 @@ def test_a_session_is_opened_extended_forked_and_closed(server, causal, tmp_path
     done = server.request("POST", f"/v1/sessions/{sid}/extend", {"prompt": RED, "num_blocks": 2})
     assert done.status == 200, done.body
     assert done.json["blocks"] == 2 and done.json["new_frames"] == done.json["frames"] > 0
-    segment = read_frames(tmp_path / "out" / sid / done.json["video"])
-    assert len(segment) == done.json["new_frames"]
+    assert done.json["video"] == f"/v1/sessions/{sid}/segments/1" and done.json["segments"] == 1
+    fetched = server.request("GET", done.json["video"])  # the URL of a route that serves it
+    assert fetched.status == 200 and fetched.headers["content-type"] == "video/mp4"
+    (tmp_path / "segment.mp4").write_bytes(fetched.body)
+    assert len(read_frames(tmp_path / "segment.mp4")) == done.json["new_frames"]
 
     forked = server.request("POST", f"/v1/sessions/{sid}/fork")
     assert forked.status == 201 and forked.json["blocks"] == 2
     fid = forked.json["id"]
+    assert forked.json["segments"] == 1 and forked.json["frames"] == done.json["frames"]  # what it holds
+    inherited = server.request("GET", f"/v1/sessions/{fid}/segments/1")  # its source's segment, written from frames
+    assert inherited.status == 200 and inherited.headers["content-type"] == "video/mp4"
+    for missing in ("2", "0", "x", "%C2%B9"):  # (%C2%B9: a superscript 1, which str.isdigit takes)
+        gone = server.request("GET", f"/v1/sessions/{fid}/segments/{missing}")
+        assert gone.status == 404 and gone.json["error"]["param"] == "segment"
     assert server.request("POST", f"/v1/sessions/{sid}/extend", {"prompt": BLUE, "num_blocks": 1}).status == 200
     assert server.request("POST", f"/v1/sessions/{fid}/extend", {"prompt": GREEN, "num_blocks": 2}).status == 200
 
@@ -84,6 +100,7 @@ def test_a_snapshot_in_the_output_folder_resumes_after_a_restart(causal, tmp_pat
         assert second.request("GET", "/v1/sessions").json["snapshots"] == ["my-world"]
         resumed = second.request("POST", "/v1/sessions/resume", {"snapshot": "my-world"})
         assert resumed.status == 201 and resumed.json["blocks"] == 2
+        assert resumed.json["segments"] == 1 and resumed.json["frames"] > 0  # what it holds
         rid = resumed.json["id"]
         assert second.request("POST", f"/v1/sessions/{rid}/extend", {"prompt": BLUE, "num_blocks": 1}).status == 200
         got = second.app.state.composer.sessions.get(rid).session.frames
@@ -136,3 +153,41 @@ def test_a_server_of_a_whole_video_model_says_sessions_need_a_causal_one(tmp_pat
         assert reply.status == 400 and "causal" in reply.json["error"]["message"]
     finally:
         server.stop()
+
+
+def test_a_damaged_or_cut_snapshot_on_disk_is_refused_by_name(server, tmp_path):
+    sid = server.request("POST", "/v1/sessions", FAST).json["id"]
+    assert server.request("POST", f"/v1/sessions/{sid}/extend", {"prompt": RED, "num_blocks": 1}).status == 200
+    assert server.request("POST", f"/v1/sessions/{sid}/snapshot", {"name": "world"}).status == 200
+    folder = tmp_path / "out" / "sessions"
+    data = (folder / "world.session").read_bytes()
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01
+    for name, bad, words in (("flipped", bytes(flipped), "damaged"), ("cut", data[:len(data) // 2], "cut off"),
+                             ("garbage", b"\x00" * 4096, "not a session snapshot")):
+        (folder / f"{name}.session").write_bytes(bad)
+        reply = server.request("POST", "/v1/sessions/resume", {"snapshot": name})
+        assert reply.status == 400 and reply.json["error"]["param"] == "snapshot", reply.body
+        assert f"snapshot {name!r}: " in reply.json["error"]["message"] and words in reply.json["error"]["message"]
+    assert server.request("POST", "/v1/sessions/resume", {"snapshot": "world"}).status == 201
+
+
+def test_a_sessions_fps_is_the_frame_rate_of_its_videos(server, causal, tmp_path):
+    assert server.request("POST", "/v1/sessions", {**FAST, "fps": 0}).status == 400
+    for fps, expected in ((12, 12), (None, causal.default_sampling.fps)):
+        opened = server.request("POST", "/v1/sessions", {**FAST, **({"fps": fps} if fps else {})})
+        assert opened.status == 201 and opened.json["fps"] == expected
+        sid = opened.json["id"]
+        done = server.request("POST", f"/v1/sessions/{sid}/extend", {"prompt": RED, "num_blocks": 1}).json
+        for url in (done["video"], f"/v1/sessions/{sid}/video"):
+            (tmp_path / "got.mp4").write_bytes(server.request("GET", url).body)
+            assert video_fps(tmp_path / "got.mp4") == expected
+
+
+def test_a_sessions_options_are_checked_at_open(server):
+    for body, param in (({"priority": "high"}, "priority"), ({"priority": 1.5}, "priority"),
+                        ({"guidance_scale": "nan"}, "guidance_scale")):
+        reply = server.request("POST", "/v1/sessions", {**FAST, **body})
+        assert reply.status == 400 and reply.json["error"]["param"] == param, reply.body
+    nan = server.request("POST", "/v1/sessions", raw=b'{"priority": NaN}', headers={"Content-Type": "application/json"})
+    assert nan.status == 400 and nan.json["error"]["param"] == "priority", nan.body

@@ -5,7 +5,8 @@ folder and resumed after a restart (composer/session.py is the Python side).
     GET    /v1/sessions                      the open sessions, and the snapshots in the output folder
     GET    /v1/sessions/{id}                 one session: blocks, frames, busy, when it was last used
     POST   /v1/sessions/{id}/extend          {"prompt": ..., "num_blocks": n}: the next blocks; the answer comes when
-                                             they are made and names the segment's video file
+                                             they are made, with the segment's video URL
+    GET    /v1/sessions/{id}/segments/{n}    the video of the session's n-th segment (mp4; 1 is the first)
     GET    /v1/sessions/{id}/video           the whole video so far (mp4)
     POST   /v1/sessions/{id}/fork            a new session continuing the same video independently
     POST   /v1/sessions/{id}/snapshot        write `<output>/sessions/<name>.session` (name: the id, or "name")
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import (
     Request,  # the serve extra (app.py imports it first); routes' annotations must resolve here
 )
@@ -71,22 +73,26 @@ class Held:
     created: float = field(default_factory=time.time)
     used: float = field(default_factory=time.monotonic)
     busy: bool = False
-    segments: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     owner: str | None = None  # the API key's name that opened it (None without keys)
 
     def to_json(self) -> dict[str, Any]:
         frames = self.session.frames
         return {"id": self.id, "object": "session", "blocks": self.session.blocks, "frames": int(len(frames)),
-                "segments": self.segments, "busy": self.busy, "created_at": int(self.created),
-                "idle_seconds": round(time.monotonic() - self.used, 1), "sampling": self.sampling}
+                "segments": len(self.session.segments), "fps": self.session.fps, "busy": self.busy,
+                "created_at": int(self.created), "idle_seconds": round(time.monotonic() - self.used, 1),
+                "sampling": self.sampling}
+
+    def segment_url(self, number: int) -> str:
+        """Where a client fetches the session's `number`-th segment (1 is the first)."""
+        return f"/v1/sessions/{self.id}/segments/{number}"
 
 
 class SessionStore:
     """The server's open sessions over one generator."""
 
     def __init__(self, generator: Any, output_dir: Path, max_sessions: int = 16, ttl_s: float = 600.0,
-                 fps: int = 16, replica: str | None = None, owned: bool = False,
+                 replica: str | None = None, owned: bool = False,
                  limit_of: Callable[[str], int | None] | None = None):
         self.generator = generator
         # owned (API keys): each session is its opener's; `owner` arguments are key names, `limit_of(name)` a key's
@@ -98,7 +104,6 @@ class SessionStore:
         self.snapshots = self.output_dir / "sessions"
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
-        self.fps = fps
         self._held: dict[str, Held] = {}
         self._lock = threading.Lock()
         self._count = 0
@@ -144,7 +149,9 @@ class SessionStore:
 
         try:
             return self._admit(make, owner)
-        except InvalidInputError as exc:
+        except ComposerError as exc:  # open_session's checks (the request's were made before)
+            if isinstance(exc, SessionProblem):
+                raise
             raise SessionProblem(400, str(exc)) from None
 
     def open_of(self, owner: str) -> int:
@@ -283,44 +290,68 @@ class SessionStore:
     def finish_extend(self, held: Held, chunks: list, start: float) -> dict[str, Any]:
         """(Blocking: a worker thread) Write the extend's segment and describe it; the session is free again."""
         try:
-            held.segments += 1
-            path = self._write(held, chunks)
+            number = len(held.session.segments)  # this extend's segment, once it made a frame
+            if chunks:
+                self._write(np.concatenate([c.frames for c in chunks]), self._segment_path(held, number),
+                            held.session.fps)
             frames = sum(len(c.frames) for c in chunks)
             return {"id": held.id, "object": "session.extend", "blocks": held.session.blocks, "new_frames": frames,
-                    "frames": int(len(held.session.frames)), "seconds": round(time.perf_counter() - start, 3),
-                    "video": None if path is None else path.name}
+                    "frames": int(len(held.session.frames)), "segments": number,
+                    "seconds": round(time.perf_counter() - start, 3),
+                    "video": held.segment_url(number) if chunks else None}
         finally:
             self._idle(held)
 
     def release(self, held: Held) -> None:
         self._idle(held)
 
-    def _write(self, held: Held, chunks: list) -> Path | None:
-        import numpy as np
+    def _segment_path(self, held: Held, number: int) -> Path:
+        return self.output_dir / held.id / f"segment-{number:03d}.mp4"
 
+    @staticmethod
+    def _write(frames: Any, path: Path, fps: int) -> Path:
+        """`frames` as an mp4 at `fps`, written beside `path` and moved into place: a reader never gets half."""
         from composer.video import save_video
 
-        if not chunks:
-            return None
-        folder = self.output_dir / held.id
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"segment-{held.segments:03d}.mp4"
-        save_video(np.concatenate([c.frames for c in chunks]), path, fps=self.fps)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.stem}-{threading.get_ident()}-{time.monotonic_ns()}{path.suffix}")
+        try:
+            save_video(frames, partial, fps=fps)
+            partial.replace(path)
+        finally:
+            partial.unlink(missing_ok=True)
         return path
+
+    def segment(self, session_id: str, number: Any, owner: str | None = None) -> Path:
+        """The video of the session's `number`-th segment (1 is the first). A fork or a resumed session holds its
+        source's segments too: theirs are written from its frames when first asked for."""
+        held = self.get(session_id, owner)
+        count = len(held.session.segments)
+        if not isinstance(number, str) or not re.fullmatch(r"[0-9]{1,9}", number) or not 1 <= int(number) <= count:
+            held_text = f"1 to {count}" if count else "none yet (extend it first)"
+            raise SessionProblem(404, f"session {session_id} has no segment {number!r}; its segments: {held_text}",
+                                 "segment")
+        number = int(number)
+        path = self._segment_path(held, number)
+        if path.is_file():
+            return path
+        if held.busy and number == count:
+            raise SessionProblem(409, f"segment {number} of session {session_id} is being made; fetch it when the "
+                                      "extend answers", "segment")
+        start = sum(s.frames for s in held.session.segments[:number - 1])
+        end = start + held.session.segments[number - 1].frames
+        frames = held.session.frames
+        if len(frames) < end:
+            raise SessionProblem(404, f"session {session_id} does not keep the frames of segment {number}", "segment")
+        return self._write(frames[start:end], path, held.session.fps)
 
     def video(self, session_id: str, owner: str | None = None) -> Path:
         """The whole video so far, written to the output folder."""
-        from composer.video import save_video
-
         held = self.get(session_id, owner)
         frames = held.session.frames
         if not len(frames):
             raise SessionProblem(409, f"session {session_id} has no frames yet (extend it first)", "id")
-        folder = self.output_dir / held.id
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "video.mp4"
-        save_video(frames, path, fps=self.fps)
-        return path
+        return self._write(frames, self.output_dir / held.id / "video.mp4", held.session.fps)
 
     def fork(self, session_id: str, owner: str | None = None) -> Held:
         held = self.get(session_id, owner)
@@ -368,8 +399,8 @@ class SessionStore:
 
         try:
             return self._admit(make, owner)
-        except InvalidInputError as exc:
-            raise SessionProblem(400, str(exc), "snapshot") from None
+        except InvalidInputError as exc:  # a damaged, cut-off or foreign file (SnapshotError), another model, ...
+            raise SessionProblem(400, f"snapshot {name!r}: {exc}", "snapshot") from None
 
 
 def add_session_routes(app: Any, state: Any, store_of) -> None:
@@ -477,6 +508,17 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
             store.release(held)
             raise
         return await run(store.finish_extend, held, chunks, start)
+
+    @app.get("/v1/sessions/{session_id}/segments/{number}")
+    async def segment(session_id: str, number: str, request: Request):
+        store, refused = ready()
+        if refused:
+            return refused
+        try:
+            path = await run_in_threadpool(store.segment, session_id, number, owner_of(request))
+        except SessionProblem as exc:
+            return problem(exc.status, str(exc), exc.param)
+        return FileResponse(path, media_type="video/mp4")
 
     @app.get("/v1/sessions/{session_id}/video")
     async def video(session_id: str, request: Request):
