@@ -823,9 +823,10 @@ class VideoStream:
                     return
                 try:
                     self._delivered(chunk)
-                except BaseException:  # the push failed: the pipeline lets go of the request now
-                    self.close()
-                    raise
+                except BaseException as exc:  # the push failed: the pipeline lets go of the request now. The chunk
+                    self.close()  # was made, so the caller still gets it (a network fault must not cost a local
+                    yield chunk  # copy), then the push's error
+                    raise exc
                 yield chunk
         finally:
             pace.pause()  # ended, failed or closed: no frames are due any more
@@ -858,8 +859,7 @@ class VideoStream:
         return self._chunks.context
 
     def _delivered(self, chunk: VideoChunk) -> None:
-        if self.rtmp is not None:
-            self.rtmp.push(chunk.frames)  # never blocks: RtmpError once the receiver is too far behind or gone
+        """Count the chunk as made, then push it (last: a failed push has the chunk counted and kept all the same)."""
         self._frames += len(chunk.frames)
         self.pace.delivered(len(chunk.frames))
         stats = self._batch.stats
@@ -870,6 +870,8 @@ class VideoStream:
             stats.fps, stats.target_fps = self.pace.fps, self.pace.target_fps
         if self.keep_video:
             self.chunks.append(chunk)
+        if self.rtmp is not None:
+            self.rtmp.push(chunk.frames)  # never blocks: RtmpError once the receiver is too far behind or gone
 
     def close(self) -> None:
         """End the stream now (read to its end or not): the pipeline lets go of the request, its place and its KV

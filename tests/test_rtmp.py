@@ -390,3 +390,40 @@ def test_a_websocket_stream_pushes_only_where_the_server_allows(generator, tmp_p
         srv.stop()
         closed.stop()
         received_by.stop()
+
+
+def failing_push(good: int):
+    """An RtmpPusher.push that takes `good` chunks, then fails as a receiver that went away does (no ffmpeg)."""
+    calls = []
+
+    def push(pusher, frames):
+        calls.append(len(frames))
+        if len(calls) > good:
+            raise RtmpError(f"pushing to {pusher.shown} failed ({sum(calls[:good])} frames handed to ffmpeg): Broken "
+                            "pipe")
+    return push
+
+
+def test_a_push_that_fails_mid_stream_still_yields_the_chunk_it_failed_on(generator, monkeypatch):
+    monkeypatch.setattr(RtmpPusher, "push", failing_push(good=1))
+    stream = generator.stream_video(RED, num_frames=9, rtmp_url=f"rtmp://127.0.0.1/live/{KEY}", **FAST)
+    got = []
+    with pytest.raises(RtmpError, match="Broken pipe"):
+        for chunk in stream:
+            got.append(chunk.frames)
+    assert [len(frames) for frames in got] == [1, 4]  # the second chunk was made: the caller has it too
+    assert stream.stats.frames == 5
+
+
+def test_generate_keeps_the_local_output_when_the_push_fails_mid_stream(tmp_path, monkeypatch, capsys):
+    from composer.cli.main import main
+
+    monkeypatch.setattr(RtmpPusher, "push", failing_push(good=1))
+    out = tmp_path / "kept.mp4"
+    code = main(["generate", "--model-path", "shapes-causal", "--prompt", RED, "--num-frames", "9", "--seed", "5",
+                 "--guidance-scale", "1", "--rtmp-url", f"rtmp://127.0.0.1/live/{KEY}", "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1 and "failed" in err and "Broken pipe" in err and KEY not in err
+    assert f"the local copy {out} was kept (5 frames)" in err
+    assert iio.imread(out, plugin="pyav").shape == (5, 64, 64, 3)  # finished and closed: a whole, playable file
+    assert list(tmp_path.iterdir()) == [out]  # no partial file left beside it

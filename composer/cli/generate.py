@@ -303,13 +303,22 @@ def _stream(generator, sp, segments, cancel=None, rtmp_url=None):
     if not parallel_state.is_main_process():  # every rank makes the chunks together; rank 0 writes them
         frames = sum(len(chunk.frames) for chunk in stream)
         return frames, sp.output_path, stream.stats
+    from composer.rtmp import RtmpError
+
     with VideoWriter(sp.output_path, fps=sp.fps) as writer:  # renamed into place when done, deleted on failure
-        for chunk in stream:
-            writer.append(chunk.frames)
-            what = "start frames" if chunk.block_index is None else f"block {chunk.block_index}"
-            _say(
-                f"{what} (segment {chunk.segment}): {len(chunk.frames)} frames, denoise {chunk.block_seconds * 1000:.0f} ms,"
-                f" decode {chunk.decode_seconds * 1000:.0f} ms, at {chunk.since_start:.2f} s",
-                flush=True,
-            )
+        try:
+            for chunk in stream:
+                writer.append(chunk.frames)
+                what = "start frames" if chunk.block_index is None else f"block {chunk.block_index}"
+                _say(
+                    f"{what} (segment {chunk.segment}): {len(chunk.frames)} frames, denoise "
+                    f"{chunk.block_seconds * 1000:.0f} ms, decode {chunk.decode_seconds * 1000:.0f} ms, at "
+                    f"{chunk.since_start:.2f} s",
+                    flush=True,
+                )
+        except RtmpError as exc:
+            if not writer.count:
+                raise
+            path = writer.close()  # a network fault does not cost the local copy: the frames made so far are kept
+            raise RtmpError(f"{exc}; the local copy {path} was kept ({writer.count} frames)") from None
     return writer.count, writer.path, stream.stats
