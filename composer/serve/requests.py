@@ -237,11 +237,13 @@ def _seconds_value(value: Any) -> float:
     return seconds
 
 
-def _decode_input(key: str, value: Any, uploads: UploadLimits) -> Any:
+def _decode_input(key: str, value: Any, uploads: UploadLimits, sent_as: str | None = None) -> Any:
+    """The decoded input `key`; `sent_as`: the field the client sent it in (input_reference), named in errors."""
     if key in IMAGE_LIST_FIELDS:  # one upload, or several (repeated multipart parts, a JSON list)
         values = value if isinstance(value, list) else [value]
-        return [decode_image(v, f"{key}[{i}]", uploads) for i, v in enumerate(values)]
-    return decode_video(value, key, uploads) if key in VIDEO_FIELDS else decode_image(value, key, uploads)
+        return [decode_image(v, sent_as or f"{key}[{i}]", uploads) for i, v in enumerate(values)]
+    name = sent_as or key
+    return decode_video(value, name, uploads) if key in VIDEO_FIELDS else decode_image(value, name, uploads)
 
 
 def _input_reference(value: Any, hints: dict, generator: Any, uploads: UploadLimits) -> tuple[str, Any]:
@@ -269,7 +271,7 @@ def _input_reference(value: Any, hints: dict, generator: Any, uploads: UploadLim
     wanted = ("image", "start_image", "reference_images") if kind == "image" else ("video", "start_video")
     for key in wanted:
         if key in hints:
-            return key, _decode_input(key, upload, uploads)
+            return key, _decode_input(key, upload, uploads, sent_as="input_reference")
     roles = {"image": "an image (the first frame)", "last_image": "a last frame", "start_image": "an image to start "
              "from", "start_video": "a video to continue", "video": "a video to redraw (video-to-video)",
              "mask": "a mask video", "reference_images": "reference images", "pose_video": "a pose video",

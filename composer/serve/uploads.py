@@ -16,6 +16,7 @@ import io
 import json
 import operator
 import os
+import re
 import tempfile
 import types
 import typing
@@ -271,23 +272,41 @@ def media_kind(data: bytes) -> str | None:
     return None
 
 
+# What an image's first bytes say it is (for messages: "the data starts as a PNG but ...").
+_IMAGE_NAMES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"), (b"RIFF", "WebP"),
+                (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+
+
 def decode_image(value: Any, key: str, limits: UploadLimits = UploadLimits()) -> Any:
-    """An uploaded image (multipart file, base64, data URL) -> an RGB PIL image."""
+    """An uploaded image (multipart file, base64, data URL) -> an RGB PIL image. `key`: the field the client sent
+    it in, named in every message."""
+    import warnings
+
     import PIL.Image
     import PIL.ImageOps
 
     data = input_bytes(value, key, "image", limits)
     if media_kind(data) == "video" and data[:4] != b"GIF8":
         raise _problem(f"{key}: the upload is a video; {key} takes an image (PNG, JPEG, WebP)", key)
+    too_big = (f"{key}: the image is {{}}; this server accepts at most {limits.max_pixels} pixels (an image whose "
+               "header declares more is refused before it is decoded)")
     try:
-        with PIL.Image.open(io.BytesIO(data)) as image:
-            if image.width * image.height > limits.max_pixels:
-                raise _problem(f"{key}: the image is {image.width}x{image.height}; this server accepts at most "
-                               f"{limits.max_pixels} pixels", key, 413)
-            image.load()
-            image = PIL.ImageOps.exif_transpose(image)
-    except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError, EOFError) as exc:
-        raise _problem(f"{key}: the data is not a readable image ({exc})", key) from None
+        with warnings.catch_warnings():  # PIL's bomb warning: the pixel limit below is this server's rule
+            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+            with PIL.Image.open(io.BytesIO(data)) as image:
+                if image.width * image.height > limits.max_pixels:
+                    raise _problem(too_big.format(f"{image.width}x{image.height}"), key, 413)
+                image.load()
+                image = PIL.ImageOps.exif_transpose(image)
+    except PIL.Image.DecompressionBombError as exc:  # PIL refuses to open past 2x its own bound: size unknown
+        declared = re.search(r"\((\d+) pixels\)", str(exc))
+        raise _problem(too_big.format(f"{int(declared[1])} pixels" if declared else "too large"), key, 413) from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        claimed = next((name for magic, name in _IMAGE_NAMES if data.startswith(magic)), None)
+        reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(exc)).strip() or type(exc).__name__
+        what = f"the data starts as a {claimed} file but does not decode as one" if claimed else \
+            "the data is not a readable image"
+        raise _problem(f"{key}: {what} ({reason[:200]}); expected a whole PNG, JPEG, WebP or GIF image", key) from None
     try:
         return to_rgb(image, key)  # the one rule for every input image: 16-bit, CMYK, palette, alpha
     except InvalidInputError as exc:
