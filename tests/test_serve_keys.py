@@ -470,6 +470,46 @@ def test_cli_without_keys_on_a_public_host_warns(monkeypatch):
         in stream.getvalue()
 
 
+def test_jobs_made_before_keys_are_no_keys_until_the_operator_gives_them_one(scripted, tmp_path):
+    """docs/serving.md ("Jobs made before keys"): a job made without keys has no owner, so under keys it is every
+    key's 404 and in no list; setting `fields.owner` in its record (server stopped) gives it to that key."""
+    out = tmp_path / "serve"
+    before = Server(lambda: scripted, ServeConfig(output_dir=out))
+    before.wait_ready()
+    job_id = before.request("POST", "/v1/videos", {"prompt": "a red circle", **SMALL}).json["id"]
+    deadline = time.time() + 60
+    while before.request("GET", f"/v1/videos/{job_id}").json["status"] != "completed":
+        assert time.time() < deadline
+        time.sleep(0.02)
+    before.stop()
+
+    def served(check) -> None:
+        srv = Server(lambda: scripted, ServeConfig(output_dir=out, keys=RING))
+        srv.wait_ready()
+        try:
+            check(srv)
+        finally:
+            srv.stop()
+
+    def nobodys(srv) -> None:
+        for name in ("alice", "carol"):
+            assert srv.request("GET", f"/v1/videos/{job_id}", headers=bearer(name)).status == 404
+            assert srv.request("GET", "/v1/videos", headers=bearer(name)).json["data"] == []
+
+    served(nobodys)
+    record = out / "jobs" / f"{job_id}.json"  # the documented fix: name its owner in the record
+    data = json.loads(record.read_text())
+    data["fields"]["owner"] = "alice"
+    record.write_text(json.dumps(data))
+
+    def alices(srv) -> None:
+        assert srv.request("GET", f"/v1/videos/{job_id}", headers=bearer("alice")).json["status"] == "completed"
+        assert srv.request("GET", f"/v1/videos/{job_id}/content", headers=bearer("alice")).status == 200
+        assert srv.request("GET", f"/v1/videos/{job_id}", headers=bearer("carol")).status == 404
+
+    served(alices)
+
+
 def test_a_world_readable_key_file_is_warned_about(tmp_path):
     import io
 
