@@ -40,7 +40,7 @@ from composer.pipelines.base import ComposedPipeline
 from composer.prompt_lists import VideoRequests, numbered_path, video_requests
 from composer.registry.configs import resolve_configs
 from composer.registry.pipelines import get_pipeline_class
-from composer.request_check import ModelLimits, check_request
+from composer.request_check import ModelLimits, check_request, foreign_knob_problem
 from composer.runtime import RuntimeArgs
 from composer.video import save_video
 
@@ -421,6 +421,9 @@ class VideoGenerator:
         prompt fields hold one string."""
         overrides = dict(overrides)
         refuse_image_knobs(overrides, [f.name for f in dataclasses.fields(self.default_sampling)], self.family)
+        for key in overrides:  # another family's knob: say what this model does (a typo: updated's did-you-mean)
+            if problem := foreign_knob_problem(key, type(self.default_sampling), self.family):
+                raise ConfigError(f"{key} given, but {problem}")
         negative = overrides.pop("negative_prompt", None)
         sp = (sampling_param or self.default_sampling).updated(
             prompt=prompt if isinstance(prompt, str) else None,

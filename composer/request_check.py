@@ -160,10 +160,12 @@ def check_request(
     *,
     cli: bool = False,
     stream: bool = False,
+    flags: dict[str, str] | None = None,
 ) -> None:
     """Raise one RequestError listing every problem of the request `sp` (a SamplingParam) for this model.
 
     `segments`: (prompt, num_blocks) pairs (a list is checked here; a lazy source is checked as it is read).
+    `flags`: in the CLI, the spelling the user typed per field (problems name the flag as typed).
     """
     result = VerificationResult()
     start_latent_frames = _check_start_frames(result, sp, limits.temporal_factor or 4)
@@ -209,7 +211,7 @@ def check_request(
     if sp.output_path:
         _check_output(result, sp.output_path, bool(getattr(sp, "overwrite", False)), cli)
     if result.failures:
-        raise RequestError([_as_written(f, v, r, cli) for f, v, r in result.failures], cli)
+        raise RequestError([_as_written(f, v, r, cli, flags) for f, v, r in result.failures], cli)
 
 
 def check_cli_request(
@@ -220,10 +222,12 @@ def check_cli_request(
     *,
     stream: bool = False,
     interactive_blocks: int | None = None,
+    flags: dict[str, str] | None = None,
 ) -> None:
     """`composer generate`'s check before loading: the flags' types, then the whole request against the
     constraints the model folder's JSON configs state (no weights are read). `interactive_blocks`: with
-    --interactive, the first prompt runs for that many blocks (num_frames does not apply)."""
+    --interactive, the first prompt runs for that many blocks (num_frames does not apply). `flags`: the spelling
+    the user typed for a field (gen_length: --max-new-tokens), as problems name it."""
     from composer.generator import resolve_model  # the generator imports this module
 
     resolved = resolve_model(model_path, model_family)
@@ -234,25 +238,79 @@ def check_cli_request(
     if limits.fixed_steps is not None:  # as the pipeline's sampling_defaults() will say
         defaults = defaults.with_folder_defaults({"num_inference_steps": limits.fixed_steps})
     hints = field_types(type(defaults))
-    refuse_image_knobs(overrides, hints, resolved.configs.family.name, cli=True)
+    family = resolved.configs.family.name
+    refuse_image_knobs(overrides, hints, family, cli=True)
+    flags = flags or {}
     failures: list[tuple[str, str, str]] = []
     typed = {}
     for key, value in overrides.items():
+        if key not in hints and (problem := foreign_knob_problem(key, type(defaults), family, _flag(key, flags))):
+            shown = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+            failures.append((_flag(key, flags), shown, f"unset ({problem})"))
+            continue
         errors: list[str] = []
         typed[key] = coerce(value, hints[key], key, errors) if key in hints else value
         if errors:
             kind = {int: "an integer", float: "a number", bool: "true or false"}.get(base_type(hints[key]), "text")
-            failures.append(_as_written(key, repr(value), kind, cli=True))
+            failures.append(_as_written(key, repr(value), kind, cli=True, flags=flags))
             del typed[key]
     sp = defaults.updated(**typed)  # unknown keys (another family's field): ConfigError
     if interactive_blocks is not None and segments is None and isinstance(sp.prompt, str) and sp.prompt.strip():
         segments = [(sp.prompt, interactive_blocks)]
     try:
-        check_request(sp, limits, segments, cli=True, stream=stream)
+        check_request(sp, limits, segments, cli=True, stream=stream, flags=flags)
     except RequestError as exc:
         failures += exc.failures
     if failures:
         raise RequestError(failures, cli=True)
+
+
+# What a model lacking a knob another family takes cannot do, in the user's words ("cannot do video-to-video").
+KNOB_TASKS = {"video": "do video-to-video", "strength": "do video-to-video", "start_video": "continue a video",
+              "start_image": "start a stream from an image", "image": "do image-to-video",
+              "last_image": "take a last frame (first-last-frame)", "pose_video": "do character animation",
+              "face_video": "do character animation", "background_video": "do character replacement",
+              "mask_video": "do character replacement", "mask": "do masked editing (VACE)",
+              "reference_images": "take reference images (VACE)"}
+
+
+def model_tasks(sampling_cls: type, family: str) -> str:
+    """What a model does, from the knobs its request class takes: "text-to-video and video-to-video"."""
+    from composer.configs.base import SamplingParam
+
+    if not issubclass(sampling_cls, SamplingParam):
+        return "text generation"
+    names = {f.name for f in dataclasses.fields(sampling_cls)}
+    use = getattr(sampling_cls, "video_use", None)
+    tasks = ["image-to-video" if "pose_video" not in names else "character animation from an image"] \
+        if "image" in names else ["text-to-video"]
+    tasks += [task for knob, task in (("last_image", "first-last-frame"), ("start_video", "video continuation"),
+                                      ("mask", "masked editing (VACE)")) if knob in names]
+    if "video" in names and use in ("redraw", "extend"):
+        tasks.append("video-to-video" if use == "redraw" else "video extension")
+    return " and ".join(tasks)
+
+
+def foreign_knob_problem(key: str, sampling_cls: type, family: str, shown: str | None = None) -> str | None:
+    """Why a knob this model's request class lacks cannot apply, when another registered family takes it: "shapes-t2v
+    cannot do video-to-video: it does text-to-video; models that take video: wan2.1-t2v, ..." (None: no family takes
+    it: a typo, reported with its nearest knob elsewhere). `shown`: the knob as the user wrote it (--max-new-tokens)."""
+    from composer.registry.configs import registered_families
+
+    takers = [f.name for f in registered_families()
+              if key in {x.name for x in dataclasses.fields(f.sampling_param_cls)}]
+    if not takers or key in {x.name for x in dataclasses.fields(sampling_cls)}:
+        return None
+    from composer.configs.base import SamplingParam
+
+    text_only = all(not issubclass(f.sampling_param_cls, SamplingParam) for f in registered_families()
+                    if f.name in takers)
+    task = "generate text" if text_only else KNOB_TASKS.get(key)
+    does = model_tasks(sampling_cls, family)
+    shown = shown or key
+    listed = ", ".join(takers[:4]) + (", ..." if len(takers) > 4 else "")
+    head = f"{family} cannot {task}: it does {does}" if task else f"{family} takes no {shown}: it does {does}"
+    return f"{head}; models that take {shown}: {listed}"
 
 
 # The ranges of the float sampling fields; every other float field (a family's own) must be a finite number.
@@ -285,13 +343,21 @@ def _check_choices(result: VerificationResult, sp: Any, cli: bool) -> None:
                            "prompt's cached keys/values, and the uncached path has none)")
 
 
-def _as_written(field: str, value: str, rule: str, cli: bool) -> tuple[str, str, str]:
-    """A failure in the user's words: `--height 30` in the CLI (the value as typed), `height = 30` in Python."""
+def _flag(field: str, flags: dict[str, str] | None = None) -> str:
+    """The flag of a field: as the user typed it (`flags`), else composer's usual spelling."""
+    name = field.split("[")[0]
+    return (flags or {}).get(name) or CLI_FLAG_NAMES.get(name) or "--" + name.replace("_", "-")
+
+
+def _as_written(field: str, value: str, rule: str, cli: bool,
+                flags: dict[str, str] | None = None) -> tuple[str, str, str]:
+    """A failure in the user's words: `--height 30` in the CLI (the value as typed, the flag as typed: `flags`),
+    `height = 30` in Python."""
     if field == "stream":
         value = ""  # a switch: its name says it all
     if not cli:
         return field, value, rule
-    flag = CLI_FLAG_NAMES.get(field) or "--" + field.split("[")[0].replace("_", "-")
+    flag = _flag(field, flags)
     if value.startswith("'") and value.endswith("'") and len(value) > 1:
         value = value[1:-1]
     return flag, value, rule.replace("overwrite=True", "--overwrite")

@@ -79,7 +79,7 @@ def test_causal_errors_are_one_line(causal_dir, tiny_wan_dir, tmp_path):
     assert run.returncode == 1 and "cannot stream" in run.stderr and "Traceback" not in run.stderr
     run = cli("generate", "--model-path", tiny_wan_dir, "--prompt", "x", "--start-image", "a.png",
               "--height", "32", "--width", "32", "--num-frames", "5")
-    assert run.returncode == 1 and "unknown sampling parameter 'start_image'" in run.stderr
+    assert run.returncode == 1 and "--start-image a.png: expected unset (wan2.1-t2v cannot start a stream" in run.stderr
     run = cli("convert", "self-forcing", "--checkpoint", tmp_path / "none.pt", "--base", tiny_wan_dir,
               "--out", tmp_path / "o")
     assert run.returncode == 1 and "does not exist" in run.stderr and "Traceback" not in run.stderr

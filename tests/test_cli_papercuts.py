@@ -72,3 +72,37 @@ def test_wan22_docs_do_not_list_per_expert_lora_as_missing():
     text = (Path(__file__).resolve().parents[1] / "docs" / "wan22.md").read_text()
     not_done = text.split("## Not done", 1)[1]
     assert "LoRA" not in not_done.split("\n## ", 1)[0]
+
+
+def test_another_models_knob_says_what_this_model_does_before_loading(cli, monkeypatch):
+    from composer.generator import VideoGenerator
+
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, _, err = cli("generate", "--model-path", "shapes-t2v", "--prompt", "a cat", "--video", "in.mp4")
+    assert code == 1
+    assert "--video in.mp4: expected unset (shapes-t2v cannot do video-to-video: it does text-to-video; models " \
+           "that take --video: wan2.1-t2v" in err
+    assert "unknown sampling parameter" not in err
+
+
+@pytest.mark.parametrize("typed", ["--max-new-tokens", "--gen-length"])
+def test_a_flag_is_named_as_typed(cli, typed):
+    code, _, err = cli("generate", "--model-path", "shapes-t2v", "--prompt", "a cat", typed, "5", "--steps", "x")
+    assert code == 1
+    assert f"{typed} 5: expected unset (shapes-t2v cannot generate text: it does text-to-video" in err
+    assert "--steps x: expected an integer" in err and ("gen_length" not in err) and ("--gen-length" in err) == (
+        typed == "--gen-length")
+
+
+def test_the_api_and_the_server_say_what_the_model_does(monkeypatch):
+    from composer.errors import ConfigError
+    from composer.generator import VideoGenerator
+    from composer.serve.requests import RequestProblem, ServerLimits, check_body
+
+    gen = VideoGenerator.from_pretrained("shapes-t2v", progress=False)
+    with pytest.raises(ConfigError, match="video given, but shapes-t2v cannot do video-to-video: it does "
+                                          "text-to-video"):
+        gen.generate_video("a cat", video="in.mp4")
+    with pytest.raises(RequestProblem, match="start_video given, but shapes-t2v cannot continue a video") as info:
+        check_body({"prompt": "a cat", "start_video": "AAAA"}, gen, ServerLimits())
+    assert info.value.field == "start_video"

@@ -61,6 +61,15 @@ def _shown_default(values: list[Any]) -> str | None:
     return str(first)
 
 
+class StoreTyped(argparse.Action):
+    """Store the value, and the spelling the user typed (`--max-new-tokens` for gen_length) in
+    `args.typed_flags`, so a problem names the flag as typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001 - argparse's signature
+        setattr(namespace, self.dest, values)
+        namespace.typed_flags = {**(getattr(namespace, "typed_flags", None) or {}), self.dest: option_string}
+
+
 def add_flags(group: argparse._ArgumentGroup, flags: list[Flag]) -> list[str]:
     """Add the flags (default None, so only what the user typed overrides presets); returns their names."""
     for flag in flags:
@@ -75,10 +84,12 @@ def add_flags(group: argparse._ArgumentGroup, flags: list[Flag]) -> list[str]:
             group.add_argument(*names, dest=flag.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         elif flag.type is list:
-            group.add_argument(*names, dest=flag.name, nargs="+", default=None, metavar="VALUE", help=help_text)
+            group.add_argument(*names, dest=flag.name, nargs="+", default=None, metavar="VALUE", help=help_text,
+                               action=StoreTyped)
         else:
             metavar = {int: "INT", float: "FLOAT"}.get(flag.type, "STR")
-            group.add_argument(*names, dest=flag.name, type=str, default=None, metavar=metavar, help=help_text)
+            group.add_argument(*names, dest=flag.name, type=str, default=None, metavar=metavar, help=help_text,
+                               action=StoreTyped)
     return [flag.name for flag in flags]
 
 

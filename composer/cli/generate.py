@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     checked = {**sampling_overrides, "prompt": prompts[0]} if prompts else sampling_overrides
     check_cli_request(args.model_path or preset.model_path, runtime_args.model_family, checked, segments,
                       stream=args.stream or args.interactive,
-                      interactive_blocks=args.blocks_per_prompt if args.interactive else None)
+                      interactive_blocks=args.blocks_per_prompt if args.interactive else None,
+                      flags=getattr(args, "typed_flags", None))
 
     from composer.parallel import state as parallel_state
 

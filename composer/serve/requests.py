@@ -13,7 +13,7 @@ from typing import Any
 from composer._fields import field_types, json_value_problem
 from composer.errors import ComposerError, InvalidInputError
 from composer.images import refuse_image_knobs
-from composer.request_check import ModelLimits, RequestError, check_request
+from composer.request_check import ModelLimits, RequestError, check_request, foreign_knob_problem
 from composer.runtime import lora_scale_problem
 from composer.serve.uploads import (
     IMAGE_FIELDS,
@@ -98,6 +98,9 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
             refuse_image_knobs(image_keys, hints, generator.family)
         except InvalidInputError as exc:
             raise RequestProblem(str(exc), image_keys[0]) from None
+    for key in unknown:  # another model's field: say what this one does
+        if problem := foreign_knob_problem(key, type(defaults), generator.family):
+            raise RequestProblem(f"{key} given, but {problem}", key)
     if unknown:
         raise RequestProblem(f"unknown field {unknown[0]!r}: accepted fields are {', '.join(accepted + list(ALIASES))}",
                              unknown[0])
