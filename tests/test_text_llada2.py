@@ -70,6 +70,32 @@ def test_token_ids_equal_diffusers_llada2(name, gen, reference):
         assert got.seed == seed and got.stats.forwards > 0 and got.stats.tokens == 21
 
 
+@pytest.fixture(scope="module")
+def scheduler_pair(tmp_path_factory):  # a scheduler config whose values differ from every call default
+    folder = build_tiny_llada2(tmp_path_factory.mktemp("text") / "tiny-llada2-scheduler", TinyLLaDA2Spec(
+        block_length=6, scheduler_config={"threshold": 0.8, "editing_threshold": 0.9, "num_inference_steps": 5}))
+    return TextGenerator.from_pretrained(folder, progress=False), _reference(folder)
+
+
+@pytest.mark.parametrize("settings", [
+    {"temperature": 0.0, "threshold": 0.35, "editing_threshold": None},  # issue 47's case
+    {"temperature": 1.0, "editing_threshold": None, "top_p": None, "max_post_steps": 2},
+    {"temperature": 0.0, "editing_threshold": 0.0, "block_length": None},
+    {"temperature": 0.7, "threshold": 0.2},
+], ids=["greedy-editing-none", "sampled-editing-none", "editing-off", "sampled-defaults"])
+def test_a_call_none_and_a_length_of_no_whole_blocks_equal_diffusers(scheduler_pair, settings):
+    """A call's None for a setting that takes None is diffusers' None (editing_threshold=None: the scheduler config's
+    threshold within steps, no editing steps after a block), not the family's default; 40 tokens in blocks of 6."""
+    gen, reference = scheduler_pair
+    settings = {"gen_length": 40, "num_inference_steps": 3, **settings}
+    for seed in (0, 3):
+        expected = reference(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(seed), **settings)
+        got = gen.generate_text(PROMPT, seed=seed, **settings)
+        eos = reference.tokenizer.eos_token_id
+        row = expected.sequences[0].tolist()
+        assert got.token_ids == (row[: row.index(eos) + 1] if eos in row else row), (settings, seed)
+
+
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_eos_early_stop_and_a_list_of_prompts_equal_diffusers(early_stop, eos_folder):
     gen = TextGenerator.from_pretrained(eos_folder, progress=False)
@@ -97,6 +123,12 @@ def test_stream_text_gives_the_generate_text_ids_block_by_block(gen):
     assert pieces[-1].done and pieces[-1].token_ids == whole.token_ids and pieces[-1].so_far == whole.text
     assert "".join(p.text for p in pieces) == whole.text
     assert len([p for p in pieces if not p.done]) >= 2  # text came out before the end (21 tokens: 4 blocks of 8)
+    assert all(p.text for p in pieces) and [p.done for p in pieces].count(True) == 1  # no empty last piece
+    assert pieces[-1].stats.tokens == 21
+    rows = list(gen.stream_text(PROMPTS, **settings))  # a list: one last piece a prompt, each with its text
+    assert sorted(p.row for p in rows if p.done) == [0, 1, 2] and all(p.text for p in rows)
+    with pytest.raises(InvalidInputError, match="temperature"):
+        gen.stream_text(PROMPT, temperature=-1)  # refused when called, not at the first piece
 
 
 def test_the_folder_defaults_and_explicit_settings(gen, folder):
@@ -110,20 +142,26 @@ def test_the_folder_defaults_and_explicit_settings(gen, folder):
 
 @pytest.mark.parametrize("bad, message", [
     ({"gen_length": 0}, "gen_length = 0"),
+    ({"gen_length": -1}, "gen_length = -1"),
+    ({"gen_length": 2.5}, "gen_length = 2.5"),
     ({"temperature": -1.0}, "temperature"),
+    ({"temperature": float("nan")}, "temperature = nan: must be a finite number"),
+    ({"threshold": float("inf")}, "threshold = inf"),
     ({"top_p": 1.5}, "top_p"),
+    ({"top_p": 0}, "top_p = 0"),
     ({"sampling_method": "beam"}, "sampling_method"),
-    ({"decoding": "magic"}, "decoding"),
-    ({"prompt": ""}, None),
+    ({"decoding": "turbo"}, "decoding = 'turbo'"),
+    ({"prompt": ""}, "prompt: empty"),
+    ({"prompt": ["the cat", "  "]}, "prompt: empty"),
 ])
 def test_bad_requests_are_refused_before_any_forward(gen, bad, message):
     prompt = bad.pop("prompt", PROMPT)
-    if prompt == "":
-        result = gen.generate_text(prompt, gen_length=8, num_inference_steps=2, seed=0)  # an empty prompt is a prompt
-        assert len(result.token_ids) == 8
-        return
-    with pytest.raises(InvalidInputError, match=message):
+    forwards = gen.pipeline.batcher.stats.calls
+    with pytest.raises((InvalidInputError, ConfigError), match=message):
         gen.generate_text(prompt, **bad)
+    with pytest.raises((InvalidInputError, ConfigError), match=message):
+        next(iter(gen.stream_text(prompt, **bad)))
+    assert gen.pipeline.batcher.stats.calls == forwards
     with pytest.raises(InvalidInputError, match="prompt"):
         gen.generate_text(None)
 
@@ -143,7 +181,7 @@ def test_video_and_text_loaders_refuse_each_others_folders(folder):
 
 
 @pytest.mark.slow
-def test_composer_generate_prints_a_text_models_text(folder, gen, capsys):
+def test_composer_generate_prints_a_text_models_text(folder, gen, capsys, log):
     from composer.cli.main import main
 
     expected = gen.generate_text(PROMPT, gen_length=16, num_inference_steps=4, seed=1, temperature=1.0)
@@ -156,8 +194,54 @@ def test_composer_generate_prints_a_text_models_text(folder, gen, capsys):
     assert main([*args, "--stream"]) == 0
     out, _ = capsys.readouterr()
     assert out.strip() == expected.text
-    assert main([*args, "--height", "64"]) == 0  # a video setting: said and ignored
-    assert "ignoring video settings for a text model: height" in capsys.readouterr().err
+    assert main([*args, "--height", "64"]) == 0  # a video setting: a WARNING, and ignored
+    assert "WARNING ignoring video settings for a text model: --height" in log.getvalue()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-new-tokens", "0"], "gen_length = 0"),
+    (["--max-new-tokens", "-1"], "gen_length = -1"),
+    (["--max-new-tokens", "2.5"], "gen_length = '2.5'"),
+    (["--max-new-tokens", "1000000000"], "more than tiny-llada2's context of 512 positions"),
+    (["--temperature", "nan"], "temperature = nan"),
+    (["--temperature", "-1"], "temperature = -1"),
+    (["--top-p", "0"], "top_p = 0"),
+    (["--top-p", "1.5"], "top_p = 1.5"),
+    (["--decoding", "turbo"], "decoding = 'turbo'"),
+    (["--prompt", ""], "prompt: empty"),
+])
+def test_composer_generate_refuses_bad_text_settings_before_loading(folder, capsys, monkeypatch, flags, message):
+    from composer.cli.main import main
+    from composer.text.pipeline import TextPipeline
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(TextPipeline, "load_modules", no_loading)
+    assert main(["generate", "--model-path", str(folder), "--prompt", PROMPT, *flags, "--no-progress"]) != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_a_prompt_past_the_models_context_is_refused_before_any_forward(tmp_path):
+    from composer.text.limits import TextLimits
+
+    folder = build_tiny_llada2(tmp_path / "short", TinyLLaDA2Spec())
+    config = folder / "model" / "config.json"
+    import json
+
+    config.write_text(json.dumps({**json.loads(config.read_text()), "max_position_embeddings": 32}))
+    gen = TextGenerator.from_pretrained(folder, progress=False)
+    assert gen.limits == TextLimits(context=32, block_length=8, name="short")
+    long = " ".join(["the cat is red"] * 6)  # 24 tokens (plain): with 16 new ones, 40 positions
+    with pytest.raises(InvalidInputError, match="the prompt is 24 tokens and gen_length = 16: 40 positions"):
+        gen.generate_text(long, gen_length=16, use_chat_template=False)
+    with pytest.raises(InvalidInputError, match="ask for at most 8 new tokens"):
+        gen.generate_text(long, gen_length=16, use_chat_template=False)
+    assert gen.pipeline.batcher.stats.calls == 0
+    assert len(gen.generate_text(long, gen_length=8, use_chat_template=False, seed=0).token_ids) <= 8
+    with pytest.raises(InvalidInputError, match="gen_length = 40"):
+        gen.generate_text("the cat", gen_length=40)
 
 
 def test_a_model_in_the_folders_own_code_runs_when_trusted(tmp_path):

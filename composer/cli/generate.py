@@ -220,7 +220,10 @@ def _run_text(args: argparse.Namespace, model_path: str, runtime: dict, override
                           "generation (text models take --max-new-tokens, --block-length, --steps, --temperature, "
                           "--threshold, --decoding, ...)")
     if ignored:
-        print(f"composer: ignoring video settings for a text model: {', '.join(ignored)}", file=sys.stderr)
+        from composer.logging import get_logger
+
+        get_logger(__name__).warning("ignoring video settings for a text model: %s", ", ".join(
+            "--" + k.replace("_", "-") for k in ignored))
     if args.segment or args.interactive or args.rtmp_url:
         raise ConfigError("--segment, --interactive and --rtmp-url are for causal video models; a text model takes "
                           "--prompt or --prompt-file")
@@ -228,6 +231,9 @@ def _run_text(args: argparse.Namespace, model_path: str, runtime: dict, override
     prompts = _prompt_file_prompts(args, settings)
     if prompts is not None:
         settings["prompt"] = prompts
+    from composer.text.limits import check_before_loading
+
+    check_before_loading(model_path, settings, runtime.get("model_family"))  # every bad value, before loading
     generator = TextGenerator.from_pretrained(model_path, **runtime)
     start = time.perf_counter()
     with cancel_on_sigint(CancelToken()) as cancel:

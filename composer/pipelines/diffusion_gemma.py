@@ -27,7 +27,7 @@ class DiffusionGemmaTextPipeline(TextPipeline):
     def create_stages(self) -> None:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.batcher = None
-        self.add_stage(ChatTokenizationStage(self.modules["processor"]))
+        self.add_stage(ChatTokenizationStage(self.modules["processor"], self.limits))
         self.add_stage(CanvasDenoisingStage(self.modules["model"], self.modules["scheduler"], eos, self.device))
         self.add_stage(DetokenizeStage(self.tokenizer, eos))
 

@@ -32,6 +32,9 @@ class TinyLLaDA2Spec:
     # llama weights under a class the folder defines in its own Python files (config.json auto_map), as the
     # released LLaDA2 folders ship theirs
     model: str = "llama"
+    # more BlockRefinementScheduler config (threshold, editing_threshold, ...): what diffusers' scheduler falls back
+    # to where a call passes None
+    scheduler_config: dict | None = None
 
 
 def build_tokenizer(folder: Path) -> None:
@@ -74,7 +77,8 @@ def build_tiny_llada2(folder: str | Path, spec: TinyLLaDA2Spec | None = None) ->
         model.save_pretrained(folder / "model", safe_serialization=True)
     if spec.model == "remote":
         _make_remote(folder / "model")
-    BlockRefinementScheduler(block_length=spec.block_length).save_pretrained(folder / "scheduler")
+    BlockRefinementScheduler(block_length=spec.block_length, **(spec.scheduler_config or {})).save_pretrained(
+        folder / "scheduler")
     index = {"_class_name": "LLaDA2Pipeline", "_diffusers_version": "0.42.1",
              "model": ["transformers", {"llama": "LlamaForCausalLM", "llada": "LLaDAModelLM",
                                         "remote": "TinyRemoteLM"}[spec.model]], "scheduler": ["diffusers", "BlockRefinementScheduler"],

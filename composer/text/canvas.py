@@ -44,10 +44,19 @@ class ChatTokenizationStage(Stage):
     """Prompts (or conversations) -> token ids, always in the processor's chat template (as DiffusionGemmaPipeline
     encodes them)."""
 
-    def __init__(self, processor: Any):
+    def __init__(self, processor: Any, limits: Any = None):
         self.processor = processor
+        self.limits = limits
 
     def forward(self, batch):
+        from composer.text.pipeline import prompt_tokens_checked, warn_unknown_tokens
+
+        batch = self._encode(batch)
+        prompt_tokens_checked(batch, self.limits)
+        warn_unknown_tokens(getattr(self.processor, "tokenizer", self.processor), batch)
+        return batch
+
+    def _encode(self, batch):
         conversations = batch.messages or [[{"role": "user", "content": p}] for p in batch.prompts]
         many = len(conversations) > 1
         encoded = self.processor.apply_chat_template(
@@ -153,7 +162,7 @@ class CanvasDenoisingStage(Stage):
             mask = F.pad(mask, (0, canvas_length), value=1)
             batch.sequences = ids[:, prompt_length:]
             batch.stats.seconds = time.perf_counter() - start
-            yield min(ids.shape[1] - prompt_length, sp.gen_length)
+            yield ids.shape[1] - prompt_length  # whole canvases: the last may run past gen_length, as diffusers
             if sp.eos_early_stop and self.eos_id is not None:
                 finished = finished | (canvas == self.eos_id).any(dim=-1)
                 if bool(finished.all()):

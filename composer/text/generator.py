@@ -24,6 +24,7 @@ from composer.cancel import CancelToken
 from composer.errors import UnsupportedError
 from composer.logging import get_logger
 from composer.runtime import RuntimeArgs
+from composer.text.limits import check_text_request
 from composer.text.pipeline import TextBatch, TextPipeline, TextStats, until_eos
 from composer.text.sampling import TextSamplingParam
 
@@ -53,8 +54,8 @@ class TextPiece:
     text: str
     so_far: str
     token_ids: list[int]
-    done: bool = False
-    stats: TextStats | None = None  # the request's, on the last pieces
+    done: bool = False  # the row's last piece (its text is final: EOS, or the last block)
+    stats: TextStats | None = None  # the request's, on the last pieces (complete once the stream ends)
 
 
 class TextGenerator:
@@ -65,6 +66,7 @@ class TextGenerator:
         self.default_sampling = default_sampling
         self.model_path = model_path
         self.family = family
+        self.limits = pipeline.limits  # what check_text_request holds each request to (the folder's configs)
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike | None = None, **runtime_kwargs: Any) -> TextGenerator:
@@ -136,13 +138,7 @@ class TextGenerator:
             sp = dataclasses.replace(sp, prompt=prompt)
         if sp.seed is None:
             sp = dataclasses.replace(sp, seed=random.SystemRandom().randrange(2**32))
-        sp.check()
-        allowed = getattr(self.pipeline, "strategies", None)
-        if allowed is not None and sp.decoding not in allowed:
-            from composer.errors import InvalidInputError
-
-            raise InvalidInputError(f"decoding = {sp.decoding!r}: {type(self.pipeline).__name__} takes "
-                                    f"{', '.join(allowed)} only")
+        check_text_request(sp, self.limits)  # the prompt's own tokens: once tokenized, before any forward
         prompts = [sp.prompt] if isinstance(sp.prompt, str) else list(sp.prompt)
         generator = torch.Generator("cpu").manual_seed(sp.seed)  # what a seed means to diffusers' pipeline
         return TextBatch(prompts=prompts, sampling=sp, generator=generator, cancel=cancel, messages=conversations)
@@ -163,20 +159,34 @@ class TextGenerator:
                     sampling_param: TextSamplingParam | None = None, cancel: CancelToken | None = None,
                     **overrides: Any) -> Iterator[TextPiece]:
         """As generate_text, yielding each prompt's newly final text after every block (a TextPiece per prompt
-        that gained text), and a last piece per prompt with `done=True`. The ids are those generate_text gives."""
+        that gained text), the last one per prompt with `done=True` (it has text, unless the prompt's last block
+        added none). The ids are those generate_text gives. A bad request raises here, before the first piece is asked for."""
         batch = self._batch(prompt, sampling_param, cancel, overrides, messages)
+        return self._stream(batch)
+
+    def _stream(self, batch: TextBatch) -> Iterator[TextPiece]:
+        """A row's piece is its last (`done`) once its text cannot change: it holds EOS, or the last block is made;
+        a row whose last block added no text gets an empty last piece at the end (the only empty one)."""
         eos = self.pipeline.stages[-1].eos_id
+        gen_length = batch.sampling.gen_length
         shown = [""] * batch.rows
+        done = [False] * batch.rows
         for final in self.pipeline.stream(batch):
             for row in range(batch.rows):
+                if done[row]:
+                    continue
                 ids = until_eos(batch.sequences[row, :final].cpu(), eos)
                 text = self.pipeline.tokenizer.decode(ids, skip_special_tokens=True)
+                last = final >= gen_length or (eos is not None and bool(ids.numel()) and int(ids[-1]) == eos)
                 if text != shown[row] and text.startswith(shown[row]):
-                    yield TextPiece(row, text[len(shown[row]):], text, ids.tolist())
+                    done[row] = last
+                    yield TextPiece(row, text[len(shown[row]):], text, ids.tolist(), last,
+                                    batch.stats if last else None)
                     shown[row] = text
         for row, (text, ids) in enumerate(zip(batch.texts, batch.token_ids)):
-            yield TextPiece(row, text[len(shown[row]):] if text.startswith(shown[row]) else text, text, ids, True,
-                            batch.stats)
+            if not done[row]:
+                yield TextPiece(row, text[len(shown[row]):] if text.startswith(shown[row]) else text, text, ids,
+                                True, batch.stats)
 
     def _results(self, batch: TextBatch) -> list[TextResult]:
         eos = self.pipeline.stages[-1].eos_id

@@ -18,12 +18,16 @@ from typing import Any
 import torch
 
 from composer.cancel import CancelToken
+from composer.logging import get_logger
 from composer.pipelines.base import ComposedPipeline, RequestGate
 from composer.stages.base import Stage
 from composer.stages.validators import VerificationResult
 from composer.text import refinement, strategies
 from composer.text.batching import ForwardBatcher
+from composer.text.limits import TextLimits, check_text_request
 from composer.text.sampling import TextSamplingParam
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -75,10 +79,17 @@ class PromptTokenizationStage(Stage):
     (`use_chat_template`, `add_generation_prompt`), else as plain text; several prompts padded as the tokenizer
     pads (as diffusers' pipeline tokenizes a list)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, limits: TextLimits | None = None):
         self.tokenizer = tokenizer
+        self.limits = limits
 
     def forward(self, batch: TextBatch) -> TextBatch:
+        batch = self._encode(batch)
+        prompt_tokens_checked(batch, self.limits)
+        warn_unknown_tokens(self.tokenizer, batch)
+        return batch
+
+    def _encode(self, batch: TextBatch) -> TextBatch:
         sp, tok = batch.sampling, self.tokenizer
         if batch.messages is not None:  # conversations: always in the chat template (diffusers' `messages`)
             if not getattr(tok, "chat_template", None):
@@ -118,6 +129,36 @@ class PromptTokenizationStage(Stage):
             result.add_failure("input_ids", None if ids is None else list(ids.shape), f"[{batch.rows}, tokens]")
 
 
+def prompt_tokens_checked(batch: TextBatch, limits: TextLimits | None) -> None:
+    """The tokenized prompts against the model's context (InvalidInputError before any forward)."""
+    if limits is not None:
+        check_text_request(batch.sampling, limits, prompt_tokens=[batch.input_ids.shape[1]] * batch.rows,
+                           check_prompt=False)
+
+
+def warn_unknown_tokens(tokenizer: Any, batch: TextBatch) -> None:
+    """A WARNING naming each part of a prompt the tokenizer does not know (read as its unknown token, which the model
+    cannot answer sensibly): a prompt in another form than the model's."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not bool((batch.input_ids == unk).any()):
+        return
+    texts = ([m[-1]["content"] for m in batch.messages] if batch.messages is not None else batch.prompts)
+    for row, text in enumerate(texts):
+        unknown = []
+        try:
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            unknown = [text[a:b] for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"]) if i == unk]
+        except (NotImplementedError, ValueError, TypeError, KeyError):  # a slow tokenizer: no offsets to name them
+            pass
+        count = int((batch.input_ids[row][batch.prompt_mask[row].bool()] == unk).sum())
+        if count:
+            where = f"prompt[{row}]" if batch.rows > 1 else "the prompt"
+            named = ", ".join(repr(u) for u in dict.fromkeys(unknown)) or f"{count} token(s)"
+            logger.warning("%s has text the model's tokenizer does not know: %s (read as %s, which the model cannot "
+                           "answer); write the prompt in the form the model was trained on", where, named,
+                           getattr(tokenizer, "unk_token", "the unknown token"))
+
+
 class BlockRefinementStage(Stage):
     """The block refinement loop (composer/text/refinement.py) over the model: `forward` runs it whole, `blocks`
     yields after every block. Requests run it at once, each on its thread; their forwards meet in the batcher
@@ -126,10 +167,14 @@ class BlockRefinementStage(Stage):
     concurrent = True
 
     def __init__(self, model: torch.nn.Module, block_length: int, mask_id: int, eos_id: int | None,
-                 device: torch.device, batcher: ForwardBatcher | None = None):
+                 device: torch.device, batcher: ForwardBatcher | None = None,
+                 scheduler_editing_threshold: float | None = None):
         self.model = model
         self.batcher = batcher
         self.block_length = block_length
+        # what a step edits above when a request's editing_threshold is None (the scheduler config's, as
+        # BlockRefinementScheduler.step falls back to it, while the pipeline takes no editing steps after a block)
+        self.scheduler_editing_threshold = scheduler_editing_threshold
         self.mask_id = mask_id
         self.eos_id = eos_id
         self.device = device
@@ -158,7 +203,8 @@ class BlockRefinementStage(Stage):
         x = torch.full((rows, total), self.mask_id, dtype=torch.long, device=self.device)
         x[:, :prompt_length] = ids
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        editing = sp.editing_threshold is not None and sp.editing_threshold > 0.0
+        editing = sp.editing_threshold is not None and sp.editing_threshold > 0.0  # steps after a block is full
+        step_editing = sp.editing_threshold if sp.editing_threshold is not None else self.scheduler_editing_threshold
         multinomial = sp.sampling_method == "multinomial" or (sp.sampling_method == "auto" and sp.temperature != 0)
         early_stop = sp.eos_early_stop and self.eos_id is not None
         decoder = strategies.decoder_for(sp.decoding, sp, self.mask_id)
@@ -191,7 +237,7 @@ class BlockRefinementStage(Stage):
                     generator=batch.generator)
                 outcome = refinement.commit(current, tokens, probs, mask_id=self.mask_id,
                                             count=schedule[min(step, len(schedule) - 1)], threshold=sp.threshold,
-                                            editing_threshold=sp.editing_threshold if editing else None,
+                                            editing_threshold=step_editing,
                                             prompt_positions=prompt_positions)
                 changed = outcome.changed
                 if early_stop and bool(finished.any()):
@@ -351,10 +397,13 @@ class TextPipeline(ComposedPipeline):
         eos = getattr(self.config, "eos_token_id", None)
         return int(mask), (eos if eos is not None else getattr(self.tokenizer, "eos_token_id", None))
 
-    def scheduler_block_length(self) -> int:
+    def scheduler_setting(self, name: str) -> Any:
+        """A value of the folder's scheduler config (None where it states none)."""
         config = getattr(self.modules["scheduler"], "config", {})
-        value = config.get("block_length") if hasattr(config, "get") else getattr(config, "block_length", None)
-        return int(value or 32)
+        return config.get(name) if hasattr(config, "get") else getattr(config, name, None)
+
+    def scheduler_block_length(self) -> int:
+        return int(self.scheduler_setting("block_length") or 32)
 
     def check_supported(self) -> None:
         self.check_runtime(self.index, self.runtime)
@@ -382,6 +431,11 @@ class TextPipeline(ComposedPipeline):
                                        f"(LLaDAModelLM); {spec.class_name if spec else 'this model'} runs through "
                                        "its library's class")
 
+    @property
+    def limits(self) -> TextLimits:
+        """What the model can take (its folder's configs): TextGenerator and the server check requests against it."""
+        return TextLimits.from_folder(self.folder, type(self))
+
     def create_stages(self) -> None:
         if any(h.name == "parallel" for h in self.hooks):
             # every rank must make the same forwards in the same order: one request at a time (a second one while
@@ -391,9 +445,9 @@ class TextPipeline(ComposedPipeline):
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.batcher = ForwardBatcher(self.modules["model"], pad if pad is not None else (eos or 0),
                                       self.runtime.max_batch_size, self.runtime.max_batch_tokens)
-        self.add_stage(PromptTokenizationStage(self.tokenizer))
+        self.add_stage(PromptTokenizationStage(self.tokenizer, self.limits))
         self.add_stage(BlockRefinementStage(self.modules["model"], self.scheduler_block_length(), mask, eos,
-                                            self.device, self.batcher))
+                                            self.device, self.batcher, self.scheduler_setting("editing_threshold")))
         self.add_stage(DetokenizeStage(self.tokenizer, eos))
 
     def run(self, batch: TextBatch) -> TextBatch:

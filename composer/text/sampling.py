@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field
+from typing import Any
 
+from composer._fields import field_types
 from composer.configs.base import SamplingSettings
 from composer.errors import InvalidInputError
 
@@ -50,14 +55,30 @@ class TextSamplingParam(SamplingSettings):
     seed: int | None = field(default=None, metadata={"help": "random seed (torch.Generator('cpu').manual_seed, as "
                                                              "diffusers); default: random"})
 
-    def check(self) -> None:
-        """Every bad value in one InvalidInputError (the request's input, checked once before any work)."""
+    def updated(self, **overrides: Any) -> TextSamplingParam:
+        """As SamplingSettings.updated, except that None given for a setting that takes None is that setting's None
+        (diffusers' meaning: `editing_threshold=None` is the scheduler config's threshold and no editing steps,
+        `top_p=None` no cutoff), not "keep the default"."""
+        updated = super().updated(**overrides)
+        hints = field_types(type(self))
+        nones = {key: None for key, value in overrides.items()
+                 if value is None and key in hints and type(None) in typing.get_args(hints[key])}
+        return dataclasses.replace(updated, **nones) if nones else updated
+
+    def check(self, prompt: bool = True) -> None:
+        """Every bad value in one InvalidInputError (the request's input, checked once before any work; the prompt
+        too unless `prompt` is False: the CLI checks the settings before it has read a prompt file)."""
         problems = []
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
-        if not prompts or not all(isinstance(p, str) for p in prompts):
+        if not prompt:
+            pass
+        elif not prompts or not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             problems.append("prompt: give a string or a non-empty list of strings")
-        elif isinstance(self.prompt, list) and self.use_chat_template and len(self.prompt) > 1:
-            pass  # each prompt gets its own template (composer runs rows of one request as one batch of ids)
+        elif any(not p.strip() for p in prompts):
+            problems.append("prompt: empty; give the text the model answers or continues")
+        problems += _type_problems(self)
+        if problems:  # a value of the wrong type: the range rules below would only repeat it
+            raise InvalidInputError("invalid text request: " + "; ".join(problems))
         for name in ("gen_length", "num_inference_steps", "minimal_topk"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} = {getattr(self, name)}: must be > 0")
@@ -65,12 +86,16 @@ class TextSamplingParam(SamplingSettings):
             problems.append(f"block_length = {self.block_length}: must be > 0")
         if self.max_post_steps < 0:
             problems.append(f"max_post_steps = {self.max_post_steps}: must be >= 0")
-        if self.temperature < 0:
-            problems.append(f"temperature = {self.temperature}: must be >= 0")
+        if not self.temperature >= 0:
+            problems.append(f"temperature = {self.temperature}: must be >= 0 (0: the most likely token)")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p = {self.top_p}: must be in (0, 1]")
-        if self.threshold < 0:
+            problems.append(f"top_p = {self.top_p}: must be in (0, 1] (1 or none: no cutoff)")
+        if self.top_k is not None and self.top_k < 0:
+            problems.append(f"top_k = {self.top_k}: must be >= 0 (0 or none: no cutoff)")
+        if not self.threshold >= 0:
             problems.append(f"threshold = {self.threshold}: must be >= 0 (above 1: commit the top-k only)")
+        if not self.low_threshold >= 0:
+            problems.append(f"low_threshold = {self.low_threshold}: must be >= 0")
         if self.sampling_method not in SAMPLING_METHODS:
             problems.append(f"sampling_method = {self.sampling_method!r}: one of {', '.join(SAMPLING_METHODS)}")
         from composer.text.strategies import parse
@@ -85,3 +110,27 @@ class TextSamplingParam(SamplingSettings):
             problems.append(f"refresh_every = {self.refresh_every}: must be >= 0")
         if problems:
             raise InvalidInputError("invalid text request: " + "; ".join(problems))
+
+
+def _type_problems(sp: TextSamplingParam) -> list[str]:
+    """Values of the wrong type (an API caller's 2.5 tokens, "hot" degrees) and numbers that are not finite (nan,
+    inf): each setting's own message, before any range rule compares them."""
+    problems = []
+    for f in dataclasses.fields(sp):
+        if f.name.startswith("_") or f.name == "prompt":
+            continue
+        value, kinds = getattr(sp, f.name), typing.get_args(field_types(type(sp))[f.name]) or (
+            field_types(type(sp))[f.name],)
+        if value is None and type(None) in kinds:
+            continue
+        if int in kinds and (isinstance(value, bool) or not isinstance(value, int)):
+            problems.append(f"{f.name} = {value!r}: must be a whole number")
+        elif float in kinds and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            problems.append(f"{f.name} = {value!r}: must be a number")
+        elif float in kinds and not math.isfinite(value):
+            problems.append(f"{f.name} = {value!r}: must be a finite number")
+        elif bool in kinds and not isinstance(value, bool):
+            problems.append(f"{f.name} = {value!r}: must be true or false")
+        elif str in kinds and not isinstance(value, str):
+            problems.append(f"{f.name} = {value!r}: must be a string")
+    return problems
