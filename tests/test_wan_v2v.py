@@ -4,7 +4,6 @@ requests and the CLI's --video / --strength."""
 
 from __future__ import annotations
 
-import threading
 import types
 
 import numpy as np
@@ -12,6 +11,7 @@ import PIL.Image
 import pytest
 import torch
 from conftest import max_uint8_diff
+from helpers import generate_at_once
 
 from composer.errors import InvalidInputError
 
@@ -114,13 +114,8 @@ def test_concurrent_video_to_video_requests_equal_their_solo_runs(composer_gen):
                 for s, st in ((1, 0.5), (2, 0.75))]
     solo = [composer_gen.generate_video(**r).frames for r in requests]
     assert max_uint8_diff(solo[0], composer_gen.generate_video(**{**requests[0], "video": frames(seed=1)}).frames) == 0
-    together: dict[int, np.ndarray] = {}
-    threads = [threading.Thread(target=lambda i=i: together.update({i: composer_gen.generate_video(**requests[i])
-                                                                      .frames})) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    together, rows = generate_at_once(composer_gen, requests)
+    assert max(rows) == 4, rows  # their steps shared a call: 2 videos x 2 guidance branches
     for i in range(2):
         assert max_uint8_diff(together[i], solo[i]) == 0
 
@@ -160,3 +155,20 @@ def test_hooks_act_on_video_to_video(tiny_wan_dir, composer_gen, tmp_path):
     styled = VideoGenerator.from_pretrained(tiny_wan_dir, dtype="fp32", progress=False, lora_path=[str(lora)])
     result = styled.generate_video(**request)
     assert result.lora is not None and max_uint8_diff(result.frames, expected) > 1
+
+
+def test_a_folder_saved_by_diffusers_video_to_video_pipeline_serves_both_tasks(tiny_wan_dir, composer_gen, tmp_path):
+    """WanVideoToVideoPipeline.save_pretrained names its own class in model_index.json, on a text-to-video
+    folder's components: composer serves it as that folder, text-to-video and video-to-video alike."""
+    from diffusers import WanVideoToVideoPipeline
+
+    from composer import VideoGenerator
+
+    folder = tmp_path / "saved-by-v2v"
+    WanVideoToVideoPipeline.from_pretrained(str(tiny_wan_dir)).save_pretrained(str(folder))
+    assert '"WanVideoToVideoPipeline"' in (folder / "model_index.json").read_text()
+    gen = VideoGenerator.from_pretrained(folder, dtype="fp32", progress=False)
+    assert gen.family == composer_gen.family
+    for request in ({"num_frames": 9}, {"video": frames(), "strength": 0.6}):
+        ours, theirs = gen.generate_video(**REQUEST, **request), composer_gen.generate_video(**REQUEST, **request)
+        assert max_uint8_diff(ours.frames, theirs.frames) == 0

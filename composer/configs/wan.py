@@ -80,6 +80,6 @@ register_configs(
     WanT2VConfig,
     WanT2V480PSamplingParam,
     hf_model_paths=["Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers"],
-    model_detectors=[lambda path, class_name: class_name == "WanPipeline"],
+    model_detectors=[lambda path, class_name: class_name in ("WanPipeline", "WanVideoToVideoPipeline")],
     name="wan2.1-t2v",
 )

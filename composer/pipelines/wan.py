@@ -21,7 +21,9 @@ from composer.stages.video_latents import VideoCondition, VideoLatentStage
 class WanPipeline(ComposedPipeline):
     """validate -> encode text -> timesteps -> noise -> denoise (CFG) -> decode."""
 
-    class_names = ("WanPipeline",)
+    # diffusers' video-to-video class loads the same folders (a folder saved by it names it); composer serves both
+    # tasks on either (`video=` makes a request video-to-video)
+    class_names = ("WanPipeline", "WanVideoToVideoPipeline")
     config_class = WanT2VConfig
     required_modules = ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
 
