@@ -249,11 +249,16 @@ class Session:
         copy-on-write), and either one's next `extend` gives what this session's would. Waits, like a new stream,
         until the KV pool has room for the fork's own pages. `priority` / `cancel`: the fork's (default: this
         session's priority, no cancel token)."""
+        from composer.cancel import CancelToken
+        from composer.generator import _checked_priority
+
         self._check_usable()
+        if cancel is not None and not isinstance(cancel, CancelToken):
+            raise InvalidInputError(f"cancel = {cancel!r}: expected a composer.CancelToken (or None)")
         states = self._states()
         sampling = {k: v for k, v in self._sampling.items() if k != "cancel" and (states is None or k not in _NOT_KEPT)}
         if priority is not None:
-            sampling["priority"] = priority
+            sampling["priority"] = _checked_priority(priority)
         if cancel is not None:
             sampling["cancel"] = cancel
         child = Session(self._generator, sampling)

@@ -218,6 +218,17 @@ def test_open_session_refuses_what_the_first_extend_would(shapes, options, words
     assert pool_of(shapes).stats().sessions == 0
 
 
+def test_fork_refuses_a_bad_priority_or_cancel_before_forking(shapes):
+    with shapes.open_session(seed=1) as session:
+        list(session.extend(P0, 1))
+        held = pool_of(shapes).stats().sessions
+        for options, words in (({"priority": float("nan")}, "priority = nan: expected an integer"),
+                               ({"priority": "high"}, "priority = 'high'"), ({"cancel": "stop"}, "cancel = 'stop'")):
+            with pytest.raises(InvalidInputError, match=re.escape(words)):
+                session.fork(**options)
+        assert pool_of(shapes).stats().sessions == held  # nothing forked
+
+
 def test_a_session_knows_its_segments_and_frame_rate_through_forks_and_snapshots(shapes):
     with shapes.open_session(seed=6, fps=12) as session:
         list(session.extend(P0, 2))
