@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -130,17 +131,33 @@ def refuse_loading(monkeypatch) -> None:
     monkeypatch.setattr(ComposedPipeline, "__init__", refuse)
 
 
+@contextmanager
+def held(gen, requests: int, timeout: float = 120.0) -> Iterator[None]:
+    """Hold `gen`'s batching (every step scheduler of its pipeline, or a text pipeline's forward batcher) while the
+    block starts `requests` requests; at its end wait until a unit of each is queued, then release: their first call
+    is shared whatever the threads' timing (a test must not depend on two threads overlapping in time)."""
+    pipeline = gen.pipeline
+    holders = ([e.scheduler for e in pipeline.engines if e.scheduler is not None] if hasattr(pipeline, "engines")
+               else [pipeline.batcher])
+    with ExitStack() as stack:
+        for holder in holders:
+            stack.enter_context(holder.held())
+        yield
+        assert holders[0].wait_for_units(requests, timeout), f"{requests} requests never queued a unit together"
+
+
 def generate_at_once(gen, requests: list[dict]) -> tuple[dict[int, np.ndarray], list[int]]:
-    """Each request's frames, the requests generated at the same time (one thread each, so the step scheduler may
-    batch them), and the rows of every transformer call meanwhile."""
+    """Each request's frames, the requests generated at the same time (one thread each, the scheduler held until
+    every one has its first step queued, so their first call is shared), and the rows of every transformer call."""
     rows: list[int] = []
     handle = gen.pipeline.modules["transformer"].register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
     together: dict[int, np.ndarray] = {}
     threads = [threading.Thread(target=lambda i=i: together.update({i: gen.generate_video(**requests[i]).frames}))
                for i in range(len(requests))]
     try:
-        for t in threads:
-            t.start()
+        with held(gen, len(requests)):
+            for t in threads:
+                t.start()
         for t in threads:
             t.join()
     finally:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import diffusers_frames, max_uint8_diff
+from helpers import held
 
 from composer import VideoGenerator
 from composer.errors import ModelFormatError, UnsupportedError
@@ -375,7 +376,8 @@ def test_two_requests_through_the_scheduler_equal_their_solo_runs(gen):
     solo = [gen.generate_video(r["prompt"], seed=r["seed"], **kwargs).frames for r in requests]
     scheduler = gen.pipeline.engines[0].scheduler
     before = scheduler.stats.batched_units
-    futures = [gen.submit_video(r["prompt"], seed=r["seed"], **kwargs) for r in requests]
+    with held(gen, 2):
+        futures = [gen.submit_video(r["prompt"], seed=r["seed"], **kwargs) for r in requests]
     together = [f.result(timeout=300).frames for f in futures]
     assert scheduler.stats.batched_units > before, "the two requests never shared a call"
     for alone, shared in zip(solo, together):

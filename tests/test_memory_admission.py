@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import held
 
 from composer import VideoGenerator
 from composer.cancel import CancelToken
@@ -216,7 +217,9 @@ def test_requests_admitted_together_share_a_call_only_while_its_activations_fit(
     assert admission.stats().waits == 0 and stats.batched_units == 0 and stats.units == 6
     # without a budget the same two share their calls
     before = plain.pipeline.engines[0].scheduler.stats.batched_units
-    for future in [plain.submit_video(p, seed=s, **WIDE_IN_TIME) for p, s in requests]:
+    with held(plain, 2):
+        futures = [plain.submit_video(p, seed=s, **WIDE_IN_TIME) for p, s in requests]
+    for future in futures:
         future.result(timeout=120)
     assert plain.pipeline.engines[0].scheduler.stats.batched_units > before
     for (prompt, seed), result in zip(requests, results):

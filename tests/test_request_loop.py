@@ -13,6 +13,7 @@ from multiprocessing.pool import ThreadPool
 import numpy as np
 import pytest
 import torch
+from helpers import held
 
 from composer import VideoGenerator
 from composer.cancel import CancelToken
@@ -56,7 +57,8 @@ def test_submitted_requests_equal_their_solo_runs_and_share_calls(gen, solo):
     generator, counter = gen
     assert generator.pipeline.runs_tasks
     counter.calls = 0
-    futures = {i: generator.submit_video(f"prompt {i}", seed=i, **KW) for i in range(6)}
+    with held(generator, 6):
+        futures = {i: generator.submit_video(f"prompt {i}", seed=i, **KW) for i in range(6)}
     results = {i: f.result(timeout=300) for i, f in futures.items()}
     for i, result in results.items():
         assert_same(result, solo[i])
@@ -81,7 +83,8 @@ def test_requests_waiting_between_steps_hold_no_thread(gen, solo):
     watcher.start()
     counter.calls = 0
     try:
-        futures = [generator.submit_video(f"prompt {i}", seed=i, **KW) for i in range(6)]
+        with held(generator, 6):
+            futures = [generator.submit_video(f"prompt {i}", seed=i, **KW) for i in range(6)]
         results = [f.result(timeout=300) for f in futures]
     finally:
         stop.set()
@@ -95,10 +98,11 @@ def test_requests_waiting_between_steps_hold_no_thread(gen, solo):
 def test_tasks_and_threads_share_calls_and_stay_exact(gen, solo):
     generator, counter = gen
     counter.calls = 0
-    futures = [generator.submit_video(f"prompt {i}", seed=i, **KW) for i in (0, 1)]
     got = {}
     thread = threading.Thread(target=lambda: got.setdefault(2, generator.generate_video("prompt 2", seed=2, **KW)))
-    thread.start()
+    with held(generator, 3):
+        futures = [generator.submit_video(f"prompt {i}", seed=i, **KW) for i in (0, 1)]
+        thread.start()
     thread.join(timeout=300)
     results = [f.result(timeout=300) for f in futures]
     assert_same(results[0], solo[0])
@@ -112,7 +116,11 @@ def test_agenerate_video_awaits_together(gen, solo):
     counter.calls = 0
 
     async def main():
-        return await asyncio.gather(*(generator.agenerate_video(f"prompt {i}", seed=i, **KW) for i in range(3)))
+        with held(generator, 3):  # all three queue their first step before any call runs
+            tasks = [asyncio.ensure_future(generator.agenerate_video(f"prompt {i}", seed=i, **KW)) for i in range(3)]
+            scheduler = generator.pipeline.engines[0].scheduler
+            assert await asyncio.to_thread(scheduler.wait_for_units, 3, 120)
+        return await asyncio.gather(*tasks)
 
     results = asyncio.run(main())
     for i, result in enumerate(results):
@@ -309,7 +317,9 @@ def test_streams_read_as_tasks_equal_their_solo_streams_with_shared_calls(causal
     streams = [generator.stream_video(f"prompt {i}", seed=i, **STREAM) for i in range(3)]
     counter.calls = 0
     with ThreadPool(3) as pool:  # three readers, each waiting on its futures; the chunks are made on the loop
-        frames = pool.map(lambda s: read_as_tasks(generator, s), streams)
+        with held(generator, 3):
+            pending = pool.map_async(lambda s: read_as_tasks(generator, s), streams)
+        frames = pending.get(timeout=300)
     for i, got in enumerate(frames):
         want = solo_streams[i]
         assert got.shape == want.shape

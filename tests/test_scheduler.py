@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
 import torch
+from helpers import held
 
 from composer import VideoGenerator
 from composer.cancel import CancelToken
@@ -21,7 +23,9 @@ from composer.errors import Cancelled, InvalidInputError
 REQUEST = dict(prompt="a red circle moving left", num_inference_steps=8)
 
 
-def run_threads(fn, args_list):
+def run_threads(fn, args_list, hold=None):
+    """Each call on its thread; with `hold` (a generator) its scheduler is held until every call has a unit queued, so
+    they share their first call whatever the threads' timing."""
     results, errors = {}, {}
 
     def target(key, *args):
@@ -31,8 +35,9 @@ def run_threads(fn, args_list):
             errors[key] = exc
 
     threads = [threading.Thread(target=target, args=(a[0], *a)) for a in args_list]
-    for t in threads:
-        t.start()
+    with held(hold, len(threads)) if hold is not None else nullcontext():
+        for t in threads:
+            t.start()
     for t in threads:
         t.join(timeout=300)
     return results, errors
@@ -69,7 +74,7 @@ def test_concurrent_videos_equal_their_solo_runs_with_fewer_transformer_calls(t2
     solo = {s: gen.generate_video(seed=s, **REQUEST) for s in seeds}
     solo_calls = counter.calls
     counter.calls, counter.rows = 0, []
-    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(s,) for s in seeds])
+    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(s,) for s in seeds], hold=gen)
     assert not errors, errors
     for s in seeds:
         assert_same_video(results[s], solo[s])
@@ -141,7 +146,7 @@ def test_a_high_priority_request_started_later_finishes_first(t2v):
 def test_max_batch_size_bounds_the_videos_in_a_call(tmp_path, one_thread):
     gen = VideoGenerator.from_pretrained(None, progress=False, max_batch_size=1)
     counter = CallCounter(gen.pipeline.modules["transformer"])
-    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(s,) for s in (1, 2)])
+    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(s,) for s in (1, 2)], hold=gen)
     assert not errors, errors
     assert max(counter.rows) == 2  # one video's CFG pair per call
     assert gen.pipeline.engines[0].scheduler.stats.largest_batch == 1
@@ -177,7 +182,7 @@ def test_max_batch_tokens_bounds_the_tokens_in_a_call(t2v, step_tokens, units_pe
     gen = VideoGenerator.from_pretrained(None, progress=False, max_batch_tokens=units_per_call * step_tokens)
     assert gen.pipeline.runtime.max_batch_tokens == units_per_call * step_tokens
     counter = CallCounter(gen.pipeline.modules["transformer"])
-    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(s,) for s in seeds])
+    results, errors = run_threads(lambda s: gen.generate_video(seed=s, **REQUEST), [(s,) for s in seeds], hold=gen)
     assert not errors, errors
     for s in seeds:
         assert_same_video(results[s], solo[s])
@@ -218,7 +223,7 @@ def test_concurrent_streams_equal_their_solo_streams(one_thread):
     solo = {i: stream(i) for i in range(3)}
     stats = gen.pipeline.engines[0].scheduler.stats
     batched_before = stats.batched_units
-    results, errors = run_threads(stream, [(i,) for i in range(3)])
+    results, errors = run_threads(stream, [(i,) for i in range(3)], hold=gen)
     assert not errors, errors
     for i in range(3):
         assert results[i].shape == solo[i].shape
@@ -300,20 +305,18 @@ def test_the_scheduler_picks_by_priority_then_arrival_and_batches_only_compatibl
 
     scheduler = StepScheduler(solo, batch, gather_s=0.2)
     text = ModelInputs(text=torch.zeros(1, 3, 4))
-    gate = threading.Barrier(4)
 
     def submit(priority, shape):
-        gate.wait()
-        time.sleep(0.01 * priority)  # arrive in a known order
         scheduler.submit(torch.zeros(shape), torch.zeros(1), [text], None, "step", RequestContext(priority=priority))
 
     args = [(0, (1, 2)), (1, (1, 3)), (2, (1, 2))]  # priorities 0 and 2 are compatible, 1 is not
     threads = [threading.Thread(target=submit, args=a) for a in args]
     ctx = RequestContext()
     with scheduler.denoising(ctx):  # a fourth request in its loop, not submitting: the gather window runs out
-        for t in threads:
-            t.start()
-        gate.wait()
+        with scheduler.held():  # they arrive in a known order, and all before the first call
+            for i, t in enumerate(threads, start=1):
+                t.start()
+                assert scheduler.wait_for_units(i, timeout=60)
         for t in threads:
             t.join()
     assert order == [[2, 0], [1]]
@@ -513,7 +516,14 @@ def test_concurrent_decodes_share_one_vae_call(one_thread):
     solo = {i: stream(i) for i in range(2)}
     batcher = gen.pipeline.stage("DecodingStage").batcher
     before = batcher.batched_calls
-    results, errors = run_threads(stream, [(0,), (1,)])
+    with batcher.held():  # both streams' first chunks wait for their decode together
+        results, errors = {}, {}
+        threads = [threading.Thread(target=lambda i=i: results.update({i: stream(i)})) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        assert batcher.wait_for_units(2, timeout=120)
+    for t in threads:
+        t.join(timeout=300)
     assert not errors, errors
     sched = gen.pipeline.engines[0].scheduler.stats
     assert batcher.batched_calls > before, sched  # streamed chunks of both streams decoded as one batch
@@ -593,7 +603,8 @@ def test_under_compile_calls_hold_power_of_two_videos_and_stop_recompiling(one_t
     for round_ in range(2):
         counter.rows = []
         graphs = int(counters["stats"]["unique_graphs"])
-        results, errors = run_threads(lambda s: gen.generate_video(seed=s, **request), [(s,) for s in seeds])
+        results, errors = run_threads(lambda s: gen.generate_video(seed=s, **request), [(s,) for s in seeds],
+                                      hold=gen)
         assert not errors, errors
         for s in seeds:
             assert_same_video(results[s], solo[s])

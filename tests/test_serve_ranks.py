@@ -330,11 +330,13 @@ def _causal_stream(rank: int, world_size: int, out_dir: str) -> None:
         np.save(Path(out_dir) / f"both{seed}.npy", frames)
 
     threads = [threading.Thread(target=both, args=(seed,)) for seed in (5, 6)]
-    for t in threads:
-        t.start()
+    scheduler = generator.pipeline.engines[0].scheduler
+    with scheduler.held():  # both streams' first steps queue before any call: they share it whatever the timing
+        for t in threads:
+            t.start()
+        assert scheduler.wait_for_units(2, timeout=60)
     for t in threads:
         t.join(120)
-    scheduler = generator.pipeline.engines[0].scheduler
     Path(out_dir, "stats.json").write_text(json.dumps({"batched": scheduler.stats.batched_units}))
     leader.stop()
 

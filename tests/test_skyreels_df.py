@@ -7,13 +7,13 @@ layerwise offload, Ulysses on 2 gloo ranks and two requests through the step sch
 
 from __future__ import annotations
 
-import threading
 import types
 
 import numpy as np
 import pytest
 import torch
 from conftest import max_uint8_diff
+from helpers import generate_at_once
 
 from composer import VideoGenerator
 from composer.errors import InvalidInputError, UnsupportedError
@@ -359,13 +359,7 @@ def test_two_requests_through_the_scheduler_equal_their_solo_runs(gen):
     solo = [gen.generate_video(**r).frames for r in requests]
     scheduler = gen.pipeline.engines[0].scheduler
     shared_before = scheduler.stats.batched_units
-    together: dict[int, np.ndarray] = {}
-    threads = [threading.Thread(target=lambda i=i: together.update({i: gen.generate_video(**requests[i]).frames}))
-               for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    together, _ = generate_at_once(gen, requests)
     for i in range(2):
         assert max_uint8_diff(together[i], solo[i]) <= 1
     assert scheduler.stats.batched_units > shared_before

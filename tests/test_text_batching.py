@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from helpers import held
 
 from composer import TextGenerator
 from composer.errors import UnsupportedError
@@ -37,15 +38,18 @@ class SlowForward(torch.nn.Module):
         return self.inner(*args, **kwargs)
 
 
-def _together(gen, requests):
+def _together(gen, requests, batched: int):
+    """The requests at once, each on its thread; the batcher is held until `batched` of them have their first
+    forward queued, so those share it whatever the threads' timing."""
     results = [None] * len(requests)
 
     def run(i, prompt, settings):
         results[i] = gen.generate_text(prompt, num_inference_steps=4, **settings)
 
     threads = [threading.Thread(target=run, args=(i, p, s)) for i, (p, s) in enumerate(requests)]
-    for t in threads:
-        t.start()
+    with held(gen, batched):
+        for t in threads:
+            t.start()
     for t in threads:
         t.join(120)
     return results
@@ -63,7 +67,7 @@ def test_requests_at_once_share_forwards_and_each_equals_its_solo_run(model, tmp
     batcher = gen.pipeline.batcher
     batcher.model = SlowForward(batcher.model)
     before = batcher.stats.calls, batcher.stats.units
-    together = _together(gen, requests)
+    together = _together(gen, requests, batched=len(REQUESTS))  # (the kv request runs its own forwards)
     for alone, shared in zip(solo, together):
         alone, shared = (alone, shared) if isinstance(alone, list) else ([alone], [shared])
         assert [r.token_ids for r in shared] == [r.token_ids for r in alone]
@@ -76,7 +80,7 @@ def test_the_batch_budget_and_unsupported_hooks(tmp_path):
     folder = build_tiny_llada2(tmp_path / "m")
     gen = TextGenerator.from_pretrained(folder, progress=False, max_batch_size=1)
     gen.pipeline.batcher.model = SlowForward(gen.pipeline.batcher.model)
-    _together(gen, REQUESTS[:2])
+    _together(gen, REQUESTS[:2], batched=2)
     assert gen.pipeline.batcher.stats.largest == 1  # one row a call
     with pytest.raises(UnsupportedError, match="cache"):
         TextGenerator.from_pretrained(folder, progress=False, cache="teacache")

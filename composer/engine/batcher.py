@@ -20,8 +20,8 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,25 @@ class CallBatcher:
         # each batch, the other ranks run the batches it names.
         self.planner: Any = None
         self.plan_index: int | None = None
+        self._holds = 0  # `held()`: while above 0 no call starts; calls gather
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """No call starts while held: the calls submitted meanwhile gather, and the first run after release takes
+        those of one key together (what batching them does not leave to two threads overlapping in time)."""
+        with self._cv:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
+
+    def wait_for_units(self, calls: int, timeout: float) -> bool:
+        """Wait until `calls` calls are pending (with `held()`); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: len(self._pending) >= calls, timeout)
 
     def submit(self, key: Any, payload: Any, rows: int = 1, plan_key: Any = None) -> Any:
         """`plan_key`: what names this call on every rank (a request key and a position), for planned batchers."""
@@ -84,7 +103,7 @@ class CallBatcher:
                 if self.planner is not None and not self.planner.leader:
                     self._follow(call)
                     continue
-                if self._running:
+                if self._running or self._holds:
                     self._cv.wait()
                     continue
                 others = (self.active() if self.active is not None else 0) - len(self._pending)

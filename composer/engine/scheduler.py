@@ -237,6 +237,7 @@ class StepScheduler:
         self._running = False
         self._settling: float | None = None  # since when the ready call waits for requests outside a loop
         self._seq = itertools.count()
+        self._holds = 0  # `held()`: while above 0 no call starts; units gather
         # called (lock held: quick) after every call: a RequestLoop waiting to run the next iteration wakes up
         self.listeners: list[Callable[[], None]] = []
 
@@ -254,6 +255,27 @@ class StepScheduler:
                 if depth:
                     self._in_loop[request.id] = depth
                 self._cv.notify_all()
+
+    # -- holding (tests, and callers that submit several requests as one) -----------------------------------
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """No call starts while held: the units of every request submitted meanwhile gather, and the first call
+        after release takes them together (what batching them does not leave to two threads overlapping in time)."""
+        with self._cv:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
+                for listener in self.listeners:
+                    listener()
+
+    def wait_for_units(self, requests: int, timeout: float) -> bool:
+        """Wait until units of `requests` different requests are pending (with `held()`); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: len({u.request.id for u in self._pending}) >= requests, timeout)
 
     # -- submitting ---------------------------------------------------------------------------------------
     def submit(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
@@ -306,6 +328,8 @@ class StepScheduler:
 
     def _wait_before_running(self) -> float | None:
         """0: this thread should run an iteration now; else how long to wait (None: until notified)."""
+        if self._holds:
+            return None
         wait = self._wait_to_gather()
         if wait == 0.0 and self.call_memory is not None and not self.call_memory.admits(
                 self, [self._first(time.monotonic())]):

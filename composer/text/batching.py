@@ -16,6 +16,8 @@ another share every call.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +54,25 @@ class ForwardBatcher:
         self._cv = threading.Condition()
         self._pending: list[_Unit] = []
         self._running = False
+        self._holds = 0  # `held()`: while above 0 no call starts; units gather
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """No call starts while held: the units submitted meanwhile gather, and the first call after release takes
+        them together (what batching them does not leave to two threads overlapping in time)."""
+        with self._cv:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
+
+    def wait_for_units(self, units: int, timeout: float) -> bool:
+        """Wait until `units` units are pending (with `held()`); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: len(self._pending) >= units, timeout)
 
     def logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
                block: int) -> torch.Tensor:
@@ -61,7 +82,7 @@ class ForwardBatcher:
             self._pending.append(unit)
             self._cv.notify_all()
             while not unit.done:
-                if self._running:
+                if self._running or self._holds:
                     self._cv.wait()
                     continue
                 units = self._take()
