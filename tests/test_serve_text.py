@@ -42,6 +42,11 @@ def client(server):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id  # the served model's name (another is a 404, as OpenAI answers)
+
+
 def test_the_sdks_chat_completion_is_generate_texts(client, gen):
     expected = gen.generate_text(messages=MESSAGES, gen_length=16, seed=3, **SETTINGS)
     model = client.models.list().data[0].id
@@ -53,9 +58,9 @@ def test_the_sdks_chat_completion_is_generate_texts(client, gen):
     assert reply.usage.completion_tokens == 16 and reply.usage.prompt_tokens == expected.prompt_tokens
 
 
-def test_the_sdks_streamed_chat_completion_adds_up_to_the_same_text(client, gen):
+def test_the_sdks_streamed_chat_completion_adds_up_to_the_same_text(client, gen, model):
     expected = gen.generate_text(messages=MESSAGES, gen_length=24, seed=4, **SETTINGS)
-    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, seed=4,
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=24, seed=4,
                                             temperature=1.0, stream=True, extra_body={"steps": 4})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -64,26 +69,26 @@ def test_the_sdks_streamed_chat_completion_adds_up_to_the_same_text(client, gen)
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_completions_with_n_and_stop(client, gen):
+def test_completions_with_n_and_stop(client, gen, model):
     prompt = "the cat is"
     expected = gen.generate_text([prompt, prompt], gen_length=12, seed=5, use_chat_template=False, **SETTINGS)
-    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, seed=5, n=2, temperature=1.0,
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=12, seed=5, n=2, temperature=1.0,
                                       extra_body={"steps": 4, "use_chat_template": False})
     assert [c.text for c in reply.choices] == [r.text for r in expected]
     word = expected[0].text.split()[2]
-    cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, seed=5, n=2, temperature=1.0,
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=12, seed=5, n=2, temperature=1.0,
                                     stop=[word], extra_body={"steps": 4, "use_chat_template": False})
     assert cut.choices[0].text == expected[0].text[: expected[0].text.find(word)]
     assert cut.choices[0].finish_reason == "stop"
 
 
-def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server):
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(client, server, model):
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, logprobs=True)
+        client.chat.completions.create(model=model, messages=MESSAGES, logprobs=True)
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=-1)
+        client.chat.completions.create(model=model, messages=MESSAGES, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="decoding"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"decoding": "magic"})
+        client.chat.completions.create(model=model, messages=MESSAGES, extra_body={"decoding": "magic"})
     reply = server.request("POST", "/v1/completions", {"prompt": 3})
     assert reply.status == 400 and reply.json["error"]["param"] == "prompt"
     reply = server.request("POST", "/v1/chat/completions", raw=b"{not json")

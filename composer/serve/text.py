@@ -1,22 +1,25 @@
 """`composer serve` on a diffusion language model: OpenAI's completions and chat completions APIs.
 
-    POST /v1/completions        {"model", "prompt": str | [str], "max_tokens", "temperature", "top_p", "seed",
-                                 "n", "stop", "stream"}
+    POST /v1/completions        {"model", "prompt": str | [str] | [int] | [[int]], "max_tokens", "temperature",
+                                 "top_p", "seed", "n", "stop", "stream"}
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens" |
                                  "max_completion_tokens", "temperature", "top_p", "seed", "n", "stop", "stream"}
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /v1/models/{model}, /health, /metrics
 
 The official `openai` SDK works against it unchanged (`client.chat.completions.create(...)`, `stream=True` as
 server-sent events of the text each block makes final). composer's own settings (block_length,
 num_inference_steps or steps, threshold, decoding, top_k, editing_threshold, ...) go in the body too (the SDK's
-`extra_body`). OpenAI fields composer cannot honour (logprobs, penalties, logit_bias, tools, response_format) are
-refused when set; bookkeeping ones (user, metadata, store, stream_options) are accepted.
+`extra_body`). What a body may hold and how it is checked: composer/serve/text_requests.py.
 
-Requests run on a thread each; their refinement steps share model forwards (composer/text/batching.py).
+A request is checked whole before anything runs, a stream's included (its first block is made before the 200, so
+an error the library finds before generating has its real status): the fields on the event loop, the tokens on a
+worker thread. Requests then run on a thread each; their refinement steps share model forwards
+(composer/text/batching.py), and no forward is longer than the model's context allows.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -26,27 +29,16 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from composer.errors import ComposerError
 from composer.logging import get_logger
 from composer.serve.app import ServeConfig, _read_json, add_error_handlers, error
 from composer.serve.requests import RequestProblem as _Problem
-
-
-def RequestProblem(message: str, field: str | None = None) -> _Problem:  # noqa: N802 - an exception's maker
-    """A refused request: 400, as OpenAI's API answers invalid requests."""
-    return _Problem(message, field=field, status=400)
+from composer.serve.text_requests import TextRequest, body_limit, check_model, fit, parse
 
 logger = get_logger(__name__)
-
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
-               "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
-               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}), "echo": (None, False),
-               "best_of": (None, 1), "suffix": (None, "")}
-IGNORED = {"model", "user", "metadata", "store", "stream_options", "parallel_tool_calls", "service_tier"}
-ALIASES = {"steps": "num_inference_steps"}
 
 
 class TextServerState:
@@ -84,42 +76,6 @@ class TextServerState:
             if results:
                 self.tokens += sum(len(r.token_ids) for r in results)
                 self.forwards += results[0].stats.forwards
-
-
-def _settings(body: dict, chat: bool) -> tuple[dict[str, Any], int, list[str]]:
-    """The generate_text settings of an OpenAI body, the number of choices (`n`) and the stop strings."""
-    from composer.text.sampling import TextSamplingParam
-
-    fields = set(TextSamplingParam.__dataclass_fields__) - {"prompt"}
-    settings: dict[str, Any] = {}
-    for key, value in body.items():
-        if key in ("prompt", "messages", "stream", "n", "stop", "max_tokens", "max_completion_tokens"):
-            continue
-        if key in UNSUPPORTED:
-            if value not in UNSUPPORTED[key]:
-                raise RequestProblem(f"{key} is not supported by composer's diffusion language models", field=key)
-            continue
-        if key in IGNORED:
-            continue
-        name = ALIASES.get(key, key)
-        if name not in fields:
-            raise RequestProblem(f"unknown field {key!r} (composer's text settings: {', '.join(sorted(fields))})",
-                                 field=key)
-        settings[name] = value
-    limit = body.get("max_completion_tokens") if chat else None
-    limit = limit if limit is not None else body.get("max_tokens")
-    if limit is not None:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
-            raise RequestProblem(f"max_tokens = {limit!r}: a positive integer", field="max_tokens")
-        settings["gen_length"] = limit
-    n = body.get("n", 1) or 1
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
-        raise RequestProblem(f"n = {n!r}: an integer from 1 to 16", field="n")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise RequestProblem("stop: a string or a list of up to 4 non-empty strings", field="stop")
-    return settings, n, stop
 
 
 def _cut(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -160,8 +116,21 @@ def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
     async def models():
         if (not_ready := ready()) is not None:
             return not_ready
-        return {"object": "list", "data": [{"id": model_name(), "object": "model", "created": 0,
-                                            "owned_by": "composer"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        """The served model under any of the names a request may give it (`client.models.retrieve`), else 404."""
+        if (not_ready := ready()) is not None:
+            return not_ready
+        try:
+            check_model(name, state.generator)
+        except _Problem as exc:
+            return _refused(exc)
+        return model_card()
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name(), "object": "model", "created": 0, "owned_by": "composer"}
 
     @app.get("/metrics")
     async def metrics():
@@ -177,51 +146,36 @@ def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
     async def handle(request: Request, chat: bool):
         if (not_ready := ready()) is not None:
             return not_ready
+        generator = state.generator
         try:
-            body = await _read_json(request, config.max_body_bytes)
-            if not isinstance(body, dict):
-                raise RequestProblem("the body must be a JSON object")
-            settings, n, stop = _settings(body, chat)
-            if chat:
-                messages = body.get("messages")
-                if not isinstance(messages, list) or not messages:
-                    raise RequestProblem("messages: a non-empty list of {role, content}", field="messages")
-                inputs = {"messages": [_message(m) for m in messages] if n == 1 else
-                          [[_message(m) for m in messages]] * n}
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, str):
-                    prompt = [prompt] * n if n > 1 else prompt
-                elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-                    prompt = [p for p in prompt for _ in range(n)]
-                else:
-                    raise RequestProblem("prompt: a string or a non-empty list of strings", field="prompt")
-                inputs = {"prompt": prompt}
-            # the whole request is checked before anything runs (a bad value: 400, nothing lost)
-            state.generator.sampling_param(**settings)
+            body = await _read_json(request, body_limit(generator, config.max_body_bytes))
+            checked = parse(body, chat, generator)
+            await run_in_threadpool(fit, generator, checked)  # tokenizing: on a worker thread, holding no one
         except _Problem as exc:
-            return error(exc.status, str(exc), exc.field)
+            return _refused(exc)
         except ComposerError as exc:
             return error(400, str(exc))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        if body.get("stream"):
-            return StreamingResponse(_events(state, inputs, settings, stop, ident, created, chat, n),
-                                     media_type="text/event-stream")
+        if checked.stream:
+            return await stream(checked, ident, created)
         start = time.perf_counter()
         state.began()
         try:
-            results = await run_in_threadpool(lambda: state.generator.generate_text(**inputs, **settings))
+            results = await run_in_threadpool(lambda: generator.generate_text(**checked.inputs(), **checked.settings))
         except ComposerError as exc:
             state.count([], time.perf_counter() - start, failed=True)
-            return error(400, str(exc))
+            return error(_status(exc), str(exc))
+        except BaseException:
+            state.count([], time.perf_counter() - start, failed=True)
+            raise
         finally:
             state.began(-1)
         results = results if isinstance(results, list) else [results]
         state.count(results, time.perf_counter() - start)
         choices = []
         for index, result in enumerate(results):
-            text, stopped = _cut(result.text, stop)
+            text, stopped = _cut(result.text, checked.stop)
             reason = "stop" if stopped or result.finished else "length"
             if chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": text},
@@ -236,6 +190,28 @@ def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
                           "total_tokens": prompt_tokens + completion},
                 "composer": {"forwards": results[0].stats.forwards, "seed": results[0].seed}}
 
+    async def stream(checked: TextRequest, ident: str, created: int):
+        """Server-sent events, once the first piece is made: what fails before it (the library's checks, the
+        tokenizer's) is an error with its status, as the SDK expects, not a 200 with an error event."""
+        def begin() -> tuple[Iterator[Any], Any]:
+            pieces = state.generator.stream_text(**checked.inputs(), **checked.settings)
+            return pieces, next(pieces, None)
+
+        start = time.perf_counter()
+        state.began()
+        try:
+            pieces, first = await run_in_threadpool(begin)
+        except ComposerError as exc:
+            state.count([], time.perf_counter() - start, failed=True)
+            return error(_status(exc), str(exc))
+        except BaseException:
+            state.count([], time.perf_counter() - start, failed=True)
+            raise
+        finally:
+            state.began(-1)
+        return StreamingResponse(_events(state, pieces, first, checked, ident, created, start),
+                                 media_type="text/event-stream")
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, chat=False)
@@ -247,22 +223,24 @@ def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
     return app
 
 
-def _message(message: Any) -> dict[str, str]:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise RequestProblem("messages: each a {role, content} object", field="messages")
-    content = message.get("content")
-    if isinstance(content, list):  # OpenAI's content parts: the text ones
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict)
-                          and part.get("type") == "text")
-    if not isinstance(content, str):
-        raise RequestProblem("messages: each content a string (or text parts)", field="messages")
-    return {"role": message["role"], "content": content}
+def _status(exc: ComposerError) -> int:
+    """A library error's status: the request's fault (a bad value, something the model cannot do) is a 400."""
+    return 400 if isinstance(exc, (ValueError, NotImplementedError)) else 500
 
 
-def _events(state: TextServerState, inputs: dict, settings: dict, stop: list[str], ident: str, created: int,
-            chat: bool, n: int) -> Iterator[bytes]:
-    """Server-sent events: the text each block makes final, per choice, then a last chunk with each choice's
-    finish reason, then [DONE]. Run by Starlette on a thread (a sync iterator)."""
+def _refused(exc: _Problem) -> JSONResponse:
+    """A refused request as OpenAI answers it (another model's name: 404 `model_not_found`)."""
+    if exc.status == 404:
+        return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.field,
+                                       "code": "model_not_found"}}, 404)
+    return error(exc.status, str(exc), exc.field)
+
+
+def _events(state: TextServerState, pieces: Iterator[Any], first: Any, checked: TextRequest, ident: str,
+            created: int, start: float) -> Iterator[bytes]:
+    """Server-sent events: the text each block makes final, per choice (from the first piece, already made), then a
+    last chunk with each choice's finish reason, then [DONE]. Run by Starlette on a thread (a sync iterator)."""
+    chat, stop = checked.chat, checked.stop
     kind = "chat.completion.chunk" if chat else "text_completion"
     model = str(state.generator.model_path)
 
@@ -277,16 +255,15 @@ def _events(state: TextServerState, inputs: dict, settings: dict, stop: list[str
         payload = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
         return f"data: {json.dumps(payload)}\n\n".encode()
 
-    start = time.perf_counter()
     state.began()
     sent: dict[int, str] = {}
     stopped: set[int] = set()
     results = []
     try:
         if chat:
-            for index in range(n):
+            for index in range(checked.rows):
                 yield event(index, None, None, first=True)
-        for piece in state.generator.stream_text(**inputs, **settings):
+        for piece in itertools.chain([first] if first is not None else [], pieces):
             row = piece.row
             if row in stopped:
                 continue
@@ -308,6 +285,9 @@ def _events(state: TextServerState, inputs: dict, settings: dict, stop: list[str
         yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n".encode()
     finally:
         state.began(-1)
+        close = getattr(pieces, "close", None)
+        if close is not None:  # a client gone mid-stream: the request leaves the pipeline now, not when collected
+            close()
     yield b"data: [DONE]\n\n"
 
 
