@@ -116,6 +116,25 @@ def test_frames_match_diffusers(animate_dir, gen, name):
             assert max_uint8_diff(gen.generate_video(**{**request, **other}).frames, ours[0].frames) > 5
 
 
+@pytest.mark.parametrize("length", [10, 15])
+def test_num_frames_is_not_used_so_any_value_runs_as_in_diffusers(animate_dir, gen, length):
+    """diffusers' WanAnimatePipeline has no num_frames (the pose video's length is the video's): a request giving
+    the pose video's length (not 4k + 1) runs and equals diffusers' frames."""
+    request = {**BASE, **CASES["animate"], **driving(length)}
+    ours = gen.generate_video(**request, num_frames=length)
+    assert ours.frames.shape == (length, HEIGHT, WIDTH, 3)
+    assert max_uint8_diff(ours.frames, reference_frames(diffusers_pipe(animate_dir), request)[0]) <= 1
+
+
+def test_a_max_frames_cap_bounds_the_pose_videos_length(gen):
+    from composer.request_check import ModelLimits, check_request
+
+    limits = ModelLimits.from_pipeline(gen.pipeline).capped("this server's --{flag}", max_frames=9)
+    request = gen.default_sampling.updated(**BASE, **driving(), num_frames=5)
+    with pytest.raises(RequestError, match="pose_video frames = 11: expected at most 9 \\(this server.s --max-frames"):
+        check_request(request, limits)
+
+
 # -- the DiT ---------------------------------------------------------------------------------------------------------
 def test_dit_matches_diffusers_and_refuses_bad_configs(tmp_path):
     """Every parameter perturbed; the face as frames (encoded in batches of 3 of 10) or as precomputed tokens, the

@@ -68,12 +68,18 @@ class WanT2V480PSamplingParam(SamplingParam):
     video: Any = video_field()
     strength: float = strength_field(0.8)
 
+    @property
+    def length_from_input(self) -> str | None:
+        """With a video (video-to-video), its length is the video's and num_frames is not used, as in diffusers'
+        WanVideoToVideoPipeline, which has none."""
+        return "video" if self.video is not None else None
+
     def check_inputs(self, result: Any, limits: Any) -> None:
-        """Video-to-video's rule: the video reads and has 4k + 1 frames (the request's num_frames), and `strength`
-        keeps at least one step (composer/stages/video_latents.py)."""
+        """Video-to-video's rule: the video reads and has 4k + 1 frames (the request's length, at most max_frames),
+        and `strength` keeps at least one step (composer/stages/video_latents.py)."""
         from composer.stages.video_latents import check_video_to_video
 
-        check_video_to_video(self, result, limits.temporal_factor or 4)
+        check_video_to_video(self, result, limits.temporal_factor or 4, limits)
 
 
 register_configs(

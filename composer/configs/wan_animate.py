@@ -69,10 +69,16 @@ class WanAnimateSamplingParam(SamplingParam):
     prev_segment_conditioning_frames: int = field(default=1, metadata={"help": PREVIOUS_HELP})
     motion_encode_batch_size: int | None = field(default=None, metadata={"help": MOTION_BATCH_HELP})
 
+    @property
+    def length_from_input(self) -> str:
+        """The input whose length is the video's: num_frames is not used (diffusers' pipeline has none), so any value
+        is accepted; the pose video's length is checked instead."""
+        return "pose_video"
+
     def check_inputs(self, result: Any, limits: Any) -> None:
         from composer.stages.animate import check_animate_inputs
 
-        check_animate_inputs(self, result, getattr(limits, "temporal_factor", None) or 4)
+        check_animate_inputs(self, result, getattr(limits, "temporal_factor", None) or 4, limits)
 
 
 register_configs(

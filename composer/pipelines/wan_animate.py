@@ -51,9 +51,9 @@ class WanAnimatePipeline(WanImageToVideoPipeline):
         vae, transformer = self.modules["vae"], self.modules["transformer"]
         temporal, spatial = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial
         patch = transformer.config.patch_size
-        # (num_frames is checked as every Wan request's, and not used: the pose video's length is the video's)
+        # num_frames is not used (the pose video's length is the video's, as in diffusers, which has none): any value
         self.add_stage(InputValidationStage(spatial_multiple=spatial * max(patch[1], patch[2]),
-                                            temporal_factor=temporal))
+                                            temporal_factor=temporal, uses_num_frames=False))
         self.add_stage(TextEncodingStage(self.modules["text_encoder"], self.modules["tokenizer"],
                                          max_length=self.config.text_encoder_max_length,
                                          clean=self.config.clean_prompts))

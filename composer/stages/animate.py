@@ -81,11 +81,14 @@ WHAT = {"pose_video": "the poses the character follows", "face_video": "the char
         "character where it is white"}
 
 
-def check_animate_inputs(sp: Any, result: VerificationResult, temporal: int = 4) -> dict[str, list]:
-    """Wan Animate's input rules, before anything loads: a pose and a face video of one length; for mode replace a
-    background and a mask video of that length too (and neither for animate); segments of `temporal` k + 1 frames,
-    more than twice the frames carried over (1 or 5), which the pose video must outlast. (The character image: the
-    request check's image rule; `mode`: its choices.) Returns the videos it read (PIL frames by field)."""
+def check_animate_inputs(sp: Any, result: VerificationResult, temporal: int = 4, limits: Any = None) -> dict[str, list]:
+    """Wan Animate's input rules, before anything loads: a pose and a face video of one length (the video's: at most
+    the `limits`' max_frames); for mode replace a background and a mask video of that length too (and neither for
+    animate); segments of `temporal` k + 1 frames, more than twice the frames carried over (1 or 5), which the pose
+    video must outlast. (The character image: the request check's image rule; `mode`: its choices; num_frames is not
+    used.) Returns the videos it read (PIL frames by field)."""
+    from composer.request_check import check_input_length
+
     required = VIDEOS if sp.mode == "replace" else VIDEOS[:2]
     videos: dict[str, list] = {}
     for name in VIDEOS:
@@ -103,6 +106,8 @@ def check_animate_inputs(sp: Any, result: VerificationResult, temporal: int = 4)
         except InvalidInputError as exc:
             result.failures.append((name, _shown(value), f"a readable video ({exc})"))
     pose = len(videos["pose_video"]) if "pose_video" in videos else None
+    if pose is not None:
+        check_input_length(result, "pose_video", pose, limits)
     for name, frames in videos.items():
         if pose is not None and len(frames) != pose:
             result.add_failure(f"{name} frames", len(frames), f"{pose}, the pose video's length")

@@ -17,7 +17,8 @@ class InputValidationStage(Stage):
     """Checks prompt, size, frame count, steps, guidance and seed against the model's constraints.
 
     `spatial_multiple`: VAE spatial factor x DiT patch size (16 for Wan); `temporal_factor`: the VAE's
-    temporal compression (num_frames must be temporal_factor*k + 1).
+    temporal compression (num_frames must be temporal_factor*k + 1). `uses_num_frames` False: the video's length is an
+    input video's (Wan Animate's pose video), num_frames is not used and not checked.
     """
 
     def __init__(
@@ -27,7 +28,9 @@ class InputValidationStage(Stage):
         supports_cfg: bool = True,
         fixed_steps: int | None = None,
         supports_flow_shift: bool = True,
+        uses_num_frames: bool = True,
     ):
+        self.uses_num_frames = uses_num_frames
         self.spatial_multiple = spatial_multiple
         self.temporal_factor = temporal_factor
         self.supports_cfg = supports_cfg
@@ -51,7 +54,8 @@ class InputValidationStage(Stage):
             if isinstance(frames, int) and not isinstance(frames, bool)
             else ""
         )
-        result.add_check("num_frames", frames, V.congruent(t, 1), hint=frames_hint)
+        if self.uses_num_frames:
+            result.add_check("num_frames", frames, V.congruent(t, 1), hint=frames_hint)
         if self.fixed_steps is None:
             result.add_check("num_inference_steps", batch.num_inference_steps, V.positive_int)
         elif batch.num_inference_steps != self.fixed_steps:

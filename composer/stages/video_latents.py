@@ -81,10 +81,13 @@ def check_video_input(result: VerificationResult, video: Any, temporal: int | No
     return frames
 
 
-def check_video_to_video(sp: Any, result: VerificationResult, temporal: int) -> None:
+def check_video_to_video(sp: Any, result: VerificationResult, temporal: int, limits: Any = None) -> None:
     """Wan video-to-video's request rule (its SamplingParam's `check_inputs`): the video reads and has `temporal` k + 1
-    frames, and `strength` keeps at least one step; a strength other than the default without a video does
-    nothing, so it is refused. (A non-finite strength is named by the request check's number rule.)"""
+    frames (at most the `limits`' max_frames: its length is the video's, num_frames is not used), and `strength`
+    keeps at least one step; a strength other than the default without a video does nothing, so it is refused.
+    (A non-finite strength is named by the request check's number rule.)"""
+    from composer.request_check import check_input_length
+
     strength = sp.strength
     finite = isinstance(strength, (int, float)) and not isinstance(strength, bool) and math.isfinite(strength)
     if sp.video is None:
@@ -93,8 +96,9 @@ def check_video_to_video(sp: Any, result: VerificationResult, temporal: int) -> 
             result.add_failure("strength", strength, f"unset ({default}) without a video: strength is video-to-"
                                "video's (give video= / --video too)")
         return
-    if check_video_input(result, sp.video, temporal) is None:
+    if (video := check_video_input(result, sp.video, temporal)) is None:
         return
+    check_input_length(result, "video", len(video), limits)
     if finite and (problem := strength_problem(strength, sp.num_inference_steps)) is not None:
         result.add_failure("strength", strength, problem)
 
