@@ -187,7 +187,9 @@ def check_request(
         result.add_failure("negative_prompt", sp.negative_prompt, "a string")
     _check_size(result, "height", sp.height, limits)
     _check_size(result, "width", sp.width, limits)
-    if segments is None:  # with segments, the video's length follows them
+    # with segments, or an input video whose length is the video's (a family's `length_from_input`: its own
+    # check_inputs bounds that video), the video's length follows them and num_frames is not used
+    if segments is None and not getattr(sp, "length_from_input", None):
         _check_num_frames(result, sp.num_frames, limits, start_latent_frames)
     if limits.fixed_steps is None:
         result.add_check("num_inference_steps", sp.num_inference_steps, V.positive_int)
@@ -441,6 +443,15 @@ def _check_num_frames(result: VerificationResult, frames: Any, limits: ModelLimi
     after = f" after {start} start latent frame(s)" if start else ""
     result.add_failure("num_frames", frames, f"a length whose latent frames fill whole {n}-frame blocks{after}: "
                        f"{valid[0]}, {valid[1]}, {valid[2]}, ... ({over}nearest valid: {near})")
+
+
+def check_input_length(result: VerificationResult, name: str, frames: int, limits: ModelLimits | None) -> None:
+    """An input video whose length is the video's (a family's `length_from_input`): at most the limits' max_frames,
+    as num_frames would be."""
+    most = None if limits is None else limits.max_frames
+    if most is not None and frames > most:
+        result.add_failure(f"{name} frames", frames, f"at most {most} ({limits.reasons.get('max_frames', 'the limit')}"
+                           "; the video made is as long as this one)")
 
 
 def _check_start_frames(result: VerificationResult, sp: Any, temporal: int) -> int:
