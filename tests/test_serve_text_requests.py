@@ -71,18 +71,19 @@ def test_an_oversized_body_is_a_413_naming_the_limit_before_it_is_read(server):
 
 
 def test_a_prompt_past_the_context_is_a_400_naming_it_and_runs_nothing(server, gen, model):
+    plain = {"model": model, "use_chat_template": False}  # the prompts' own tokens (tiny-dllm's template pads sums)
     before = forwards(gen)
-    reply = server.request("POST", "/v1/completions", {"model": model, "prompt": "1 " * 100, "max_tokens": 8})
+    reply = server.request("POST", "/v1/completions", {**plain, "prompt": "1 " * 100, "max_tokens": 8})
     assert reply.status == 400 and reply.json["error"]["param"] == "prompt"
     assert "100 tokens" in reply.json["error"]["message"] and "context of 64" in reply.json["error"]["message"]
-    reply = server.request("POST", "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 60})
+    reply = server.request("POST", "/v1/completions", {**plain, "prompt": PROMPT, "max_tokens": 60})
     assert reply.status == 400 and reply.json["error"]["param"] == "prompt"  # as OpenAI names a context overrun
     assert "at most 58" in reply.json["error"]["message"]  # 64 - the prompt's 6 tokens
     assert forwards(gen) == before and running(server) == 0
-    ok = server.request("POST", "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 58})
+    ok = server.request("POST", "/v1/completions", {**plain, "prompt": PROMPT, "max_tokens": 58})
     assert ok.status == 200 and ok.json["usage"]["prompt_tokens"] == 6
     # without max_tokens, the folder's gen_length (8) is lowered to what the context leaves (4 after 60 tokens)
-    ok = server.request("POST", "/v1/completions", {"model": model, "prompt": "1 " * 60})
+    ok = server.request("POST", "/v1/completions", {**plain, "prompt": "1 " * 60})
     assert ok.status == 200 and ok.json["usage"]["completion_tokens"] <= 4
 
 
@@ -115,6 +116,46 @@ def test_a_huge_request_held_in_its_checks_does_not_stall_a_good_one(server, gen
         thread.join(60)
     assert huge["reply"].status == 400 and "200000 tokens" in huge["reply"].json["error"]["message"]
     assert running(server) == 0
+
+
+class HeldText:
+    """The real generator, except that a request for GATED waits, watching its cancel token, until it is cancelled
+    (then raises Cancelled, as the pipeline does before its next forward)."""
+
+    def __init__(self, generator):
+        self._generator = generator
+        self.entered, self.cancelled = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def generate_text(self, prompt=None, *, cancel=None, **kwargs):
+        if prompt != GATED:
+            return self._generator.generate_text(prompt, cancel=cancel, **kwargs)
+        self.entered.set()
+        while not cancel.cancelled:
+            assert not self.cancelled.wait(0.01)
+        self.cancelled.set()
+        cancel.check()
+
+
+GATED = "9 9 9 ="
+
+
+def test_a_request_whose_client_leaves_is_cancelled(gen, tmp_path_factory):
+    held = HeldText(gen)
+    srv = Server(lambda: held, ServeConfig(output_dir=tmp_path_factory.mktemp("serve")), factory=create_text_app)
+    try:
+        srv.wait_ready()
+        body = json.dumps({"prompt": GATED, "max_tokens": 8}).encode()
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert held.entered.wait(30)
+        assert held.cancelled.wait(30)  # the client closed its connection: the request was stopped
+        assert srv.request("POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 8}).status == 200
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize("field, value", [
@@ -190,7 +231,7 @@ def test_errors_known_before_a_stream_starts_have_their_status(client, server, m
 
 def test_token_id_prompts_as_lm_eval_sends_them(client, server, gen, model):
     ids = gen.pipeline.tokenizer(PROMPT)["input_ids"]
-    expected = gen.generate_text(PROMPT, gen_length=8, seed=1234).text
+    expected = gen.generate_text(PROMPT, gen_length=8, seed=1234, use_chat_template=False).text  # ids: no template
     # lm-eval's local-completions with a tokenizer: {"prompt": [[ids]], "temperature": 0, "stop", "seed": 1234}
     body = {"model": model, "prompt": [ids], "max_tokens": 8, "temperature": 0, "stop": ["\n\n"], "seed": 1234}
     reply = server.request("POST", "/v1/completions", body)

@@ -19,6 +19,7 @@ worker thread. Requests then run on a thread each; their refinement steps share 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import threading
@@ -32,13 +33,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from composer.errors import ComposerError
+from composer.cancel import CancelToken
+from composer.errors import Cancelled, ComposerError
 from composer.logging import get_logger
 from composer.serve.app import ServeConfig, _read_json, add_error_handlers, error
 from composer.serve.requests import RequestProblem as _Problem
 from composer.serve.text_requests import TextRequest, body_limit, check_model, fit, parse
 
 logger = get_logger(__name__)
+
+DISCONNECT_POLL_S = 0.25  # how often a running request looks for its client
 
 
 class TextServerState:
@@ -161,15 +165,21 @@ def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             return await stream(checked, ident, created)
         start = time.perf_counter()
         state.began()
+        cancel = CancelToken()  # a client that leaves stops its request: it would take a share of every forward
+        watcher = asyncio.create_task(_cancel_when_gone(request, cancel))
         try:
-            results = await run_in_threadpool(lambda: generator.generate_text(**checked.inputs(), **checked.settings))
+            results = await run_in_threadpool(lambda: generator.generate_text(**checked.inputs(), **checked.settings,
+                                                                              cancel=cancel))
         except ComposerError as exc:
             state.count([], time.perf_counter() - start, failed=True)
+            if isinstance(exc, Cancelled):
+                logger.info("%s stopped: %s", ident, cancel.reason)
             return error(_status(exc), str(exc))
         except BaseException:
             state.count([], time.perf_counter() - start, failed=True)
             raise
         finally:
+            watcher.cancel()
             state.began(-1)
         results = results if isinstance(results, list) else [results]
         state.count(results, time.perf_counter() - start)
@@ -221,6 +231,13 @@ def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
         return await handle(request, chat=True)
 
     return app
+
+
+async def _cancel_when_gone(request: Request, cancel: CancelToken) -> None:
+    """Cancel the request once its client has disconnected (checked every DISCONNECT_POLL_S)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    cancel.cancel("its client disconnected")
 
 
 def _status(exc: ComposerError) -> int:
