@@ -42,6 +42,7 @@ from composer.registry.configs import resolve_configs
 from composer.registry.pipelines import get_pipeline_class
 from composer.request_check import ModelLimits, check_request, foreign_knob_problem
 from composer.runtime import RuntimeArgs
+from composer.stages.text_encoding import PromptWarnings
 from composer.video import save_video
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class GenerationResult:
     latents: torch.Tensor | None = None  # the final latents [B, C, F, h, w] on the CPU (before decoding)
     # the LoRA adapters it was made with: each denoiser's description (files, layers touched, kinds left out)
     lora: dict[str, str] | None = None
+    warnings: list[str] = field(default_factory=list)  # what the run said of this request (a truncated prompt)
 
     @property
     def num_frames(self) -> int:
@@ -453,6 +455,7 @@ class VideoGenerator:
             several = videos is not None and videos.count > 1
         results = []
         lora = self.lora_report()
+        said = batch.get(PromptWarnings, PromptWarnings()).rows
         for i, seed in enumerate(batch.seeds):
             sampling = sp.updated(seed=seed)
             if several:  # the row's own request: what a single call making this video would be given
@@ -465,6 +468,7 @@ class VideoGenerator:
             result = GenerationResult(
                 frames=batch.frames[i], seed=seed, sampling=sampling, timings=timings, stats=stats,
                 latents=batch.latents[i:i + 1].detach().cpu(), lora=lora,
+                warnings=[m.replace(f"[{i}]", "") for m in said.get(i, [])] if several else said.get(i, []),
             )
             if sampling.output_path and parallel_state.is_main_process():  # rank 0 writes; the others don't
                 result.output_path = save_video(result.frames, sampling.output_path, fps=sp.fps)

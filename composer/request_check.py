@@ -24,6 +24,10 @@ from composer.stages.validators import V, VerificationResult
 from composer.video import FRAME_FILE_PATTERN, SUPPORTED_OUTPUTS, output_kind
 
 SEED_MAX = 2**63 - 1
+# The most characters of a free-text field (prompt, negative_prompt, a segment's prompt, any other text): far past
+# what a text encoder reads (Wan's T5 reads 512 tokens, about 2000 characters; longer is cut, with a warning),
+# and short of a body that only costs memory and time (a 20 MB prompt). One limit for the API, CLI and server.
+MAX_TEXT_CHARS = 20_000
 CLI_FLAG_NAMES = {"num_inference_steps": "--steps", "output_path": "--output", "segments": "--segment"}
 
 
@@ -183,6 +187,8 @@ def check_request(
                            "causal (block-autoregressive) models can")
     if segments is None:
         _check_prompt(result, sp.prompt, stream)
+    for name, value, rule in text_length_problems(sp, explicit):
+        result.failures.append((name, value, rule))
     if sp.negative_prompt is not None and not isinstance(sp.negative_prompt, (str, list)):
         result.add_failure("negative_prompt", sp.negative_prompt, "a string")
     _check_size(result, "height", sp.height, limits)
@@ -365,6 +371,31 @@ def _as_written(field: str, value: str, rule: str, cli: bool,
     return flag, value, rule.replace("overwrite=True", "--overwrite")
 
 
+def text_length_problems(request: Any, segments: list | None = None,
+                         sampling_cls: type | None = None) -> list[tuple[str, str, str]]:
+    """(field, value shown, rule) for every free-text value longer than MAX_TEXT_CHARS: the request's text fields
+    (a SamplingParam's, or those of a server's JSON body by `sampling_cls`), a list of prompts and segments'
+    prompts alike."""
+    if isinstance(request, dict):
+        values, types = request, field_types(sampling_cls) if sampling_cls is not None else {}
+    else:
+        values, types = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}, \
+            field_types(type(request))
+    texts = []
+    for name, value in values.items():
+        if name not in types or base_type(types[name]) is not str:
+            continue  # not a text field (uploads, numbers, a family's lists)
+        if isinstance(value, str):
+            texts.append((name, value))
+        elif isinstance(value, list):
+            texts += [(f"{name}[{i}]" if len(value) > 1 else name, v) for i, v in enumerate(value)
+                      if isinstance(v, str)]
+    texts += [(f"segments[{i}]", item[0]) for i, item in enumerate(segments or [])
+              if isinstance(item, (tuple, list)) and item and isinstance(item[0], str)]
+    return [(name, f"{text[:40]!r}... ({len(text)} characters)", f"at most {MAX_TEXT_CHARS} characters (a text "
+             "encoder reads far fewer: shorten it)") for name, text in texts if len(text) > MAX_TEXT_CHARS]
+
+
 def _check_prompt(result: VerificationResult, prompt: Any, stream: bool) -> None:
     prompts = prompt if isinstance(prompt, list) else [prompt]
     if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
@@ -414,6 +445,15 @@ def _check_at_most(result: VerificationResult, name: str, value: Any, limits: Mo
         result.add_failure(name, value, f"{kind} (at most {most}: {limits.reasons.get(cap, 'the limit')})")
 
 
+def check_input_length(result: VerificationResult, name: str, frames: int, limits: ModelLimits | None) -> None:
+    """An input video whose length is the video's (a family's `length_from_input`): at most the limits' max_frames,
+    as num_frames would be."""
+    most = None if limits is None else limits.max_frames
+    if most is not None and frames > most:
+        result.add_failure(f"{name} frames", frames, f"at most {most} ({limits.reasons.get('max_frames', 'the limit')}"
+                           "; the video made is as long as this one)")
+
+
 def _check_num_frames(result: VerificationResult, frames: Any, limits: ModelLimits, start: int) -> None:
     """The model's rule for the length, and at most max_frames; the nearest valid length offered keeps both."""
     t, n, most = limits.temporal_factor, limits.frames_per_block, limits.max_frames
@@ -443,15 +483,6 @@ def _check_num_frames(result: VerificationResult, frames: Any, limits: ModelLimi
     after = f" after {start} start latent frame(s)" if start else ""
     result.add_failure("num_frames", frames, f"a length whose latent frames fill whole {n}-frame blocks{after}: "
                        f"{valid[0]}, {valid[1]}, {valid[2]}, ... ({over}nearest valid: {near})")
-
-
-def check_input_length(result: VerificationResult, name: str, frames: int, limits: ModelLimits | None) -> None:
-    """An input video whose length is the video's (a family's `length_from_input`): at most the limits' max_frames,
-    as num_frames would be."""
-    most = None if limits is None else limits.max_frames
-    if most is not None and frames > most:
-        result.add_failure(f"{name} frames", frames, f"at most {most} ({limits.reasons.get('max_frames', 'the limit')}"
-                           "; the video made is as long as this one)")
 
 
 def _check_start_frames(result: VerificationResult, sp: Any, temporal: int) -> int:

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from composer.request_check import ModelLimits, RequestError, check_cli_request, check_request
+from composer.request_check import (
+    MAX_TEXT_CHARS,
+    ModelLimits,
+    RequestError,
+    check_cli_request,
+    check_request,
+    text_length_problems,
+)
 
 
 def test_a_size_past_the_transformers_positions_is_refused_before_loading(cli, monkeypatch):
@@ -90,3 +97,117 @@ def test_check_cli_request_names_the_flag_and_the_limit():
         check_cli_request("shapes-t2v", None, {"prompt": "a cat", "height": "8200"})
     assert info.value.failures == [("--height", "8200", "a positive multiple of 8 (at most 8192: the transformer's "
                                     "rope_max_seq_len = 1024 positions per axis; nearest valid: 8192)")]
+
+
+# -- text fields: a bounded length everywhere, and a prompt the encoder cuts is said to be cut -----------------------
+
+LONG = " ".join(["a red circle moving left"] * 40)  # 200 tokens and the end token; shapes-t2v reads 24
+HUGE = "a" * (MAX_TEXT_CHARS + 1)
+SMALL = dict(height=32, width=32, num_frames=5, num_inference_steps=1, seed=0)
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    from composer.generator import VideoGenerator
+
+    return VideoGenerator.from_pretrained("shapes-t2v", progress=False)
+
+
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt"])
+def test_a_text_field_past_the_limit_is_refused_by_the_api_naming_it(shapes, field):
+    kwargs = {"prompt": "a cat", field: HUGE}
+    with pytest.raises(RequestError, match=fr"{field} = 'aaa.*\.\.\. \({MAX_TEXT_CHARS + 1} characters\): expected at "
+                                           fr"most {MAX_TEXT_CHARS} characters"):
+        shapes.generate_video(**kwargs, **SMALL)
+
+
+def test_a_list_of_prompts_and_segments_are_held_to_the_same_limit():
+    from composer.configs.wan import WanT2V480PSamplingParam
+
+    sp = WanT2V480PSamplingParam(prompt="a cat", negative_prompt=HUGE)
+    assert [f for f, _, _ in text_length_problems(sp, [("ok", 2), (HUGE, 1)])] == ["negative_prompt", "segments[1]"]
+    body = {"prompt": ["ok", HUGE], "image": HUGE, "seed": 3}  # an upload's base64 is not a text field
+    assert [f for f, _, _ in text_length_problems(body, sampling_cls=type(sp))] == ["prompt[1]"]
+
+
+def test_the_cli_refuses_a_prompt_past_the_limit_before_loading():
+    with pytest.raises(RequestError) as info:
+        check_cli_request("shapes-t2v", None, {"prompt": HUGE})
+    assert info.value.failures[0][0] == "--prompt" and "at most 20000 characters" in info.value.failures[0][2]
+
+
+def test_the_server_refuses_a_20_mb_prompt_naming_it(shapes):
+    from composer.serve.requests import RequestProblem, ServerLimits, check_body
+
+    with pytest.raises(RequestProblem, match="at most 20000 characters") as info:
+        check_body({"prompt": "a" * (20 * 2**20)}, shapes, ServerLimits())
+    assert info.value.field == "prompt" and info.value.status == 422
+
+
+def test_a_truncated_prompt_is_a_warning_naming_the_token_counts(shapes, log):
+    result = shapes.generate_video(LONG, **SMALL)
+    said = "prompt is 200 tokens; the text encoder reads the first 23 (its max_sequence_length): the last 177 are dropped"
+    assert f"WARNING {said}" in log.getvalue()
+    assert result.warnings == [said]
+    assert shapes.generate_video("a red circle", **SMALL).warnings == []
+
+
+def test_a_batch_says_which_rows_were_cut(shapes):
+    results = shapes.generate_video(["a red circle", LONG], **SMALL)
+    assert [r.warnings for r in results] == [[], ["prompt is 200 tokens; the text encoder reads the first 23 (its "
+                                                  "max_sequence_length): the last 177 are dropped"]]
+
+
+def test_a_served_job_carries_the_truncation_in_its_json(shapes, tmp_path):
+    pytest.importorskip("uvicorn")
+    from serve_support import Server
+
+    from composer.serve.app import ServeConfig
+
+    srv = Server(lambda: shapes, ServeConfig(output_dir=tmp_path))
+    try:
+        srv.wait_ready()
+        reply = srv.request("POST", "/v1/videos", {"prompt": LONG, "num_inference_steps": 1, "num_frames": 5,
+                                                   "size": "32x32", "negative_prompt": LONG})
+        assert reply.status == 200, reply.body
+        assert reply.json["warnings"] == [
+            "prompt is 200 tokens; the text encoder reads the first 23 (its max_sequence_length): the last 177 are "
+            "dropped",
+            "negative_prompt is 200 tokens; the text encoder reads the first 23 (its max_sequence_length): the last "
+            "177 are dropped"]
+        short = srv.request("POST", "/v1/videos", {"prompt": "a red circle", "num_inference_steps": 1,
+                                                   "num_frames": 5, "size": "32x32"})
+        assert short.json["warnings"] == []
+        again = srv.request("GET", f"/v1/videos/{reply.json['id']}")
+        assert again.json["warnings"] == reply.json["warnings"]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("family", ["hunyuanvideo", "hunyuanvideo-1.5"])
+def test_the_llm_text_encoders_say_how_many_tokens_they_cut(family):
+    """HunyuanVideo's template stage and HunyuanVideo-1.5's chat stage count the prompt inside their template, so
+    the tokens said to be dropped are those the encoder's cut at crop + max_length drops."""
+    from composer.stages.chat_text_encoding import ChatTextEncodingStage
+    from composer.stages.template_text_encoding import TemplateTextEncodingStage
+
+    if family == "hunyuanvideo":
+        from composer.configs.hunyuan_video import HunyuanVideoConfig
+        from composer.testing.tiny_hunyuan import build_tiny_hunyuan_components
+
+        c, config = build_tiny_hunyuan_components(), HunyuanVideoConfig()
+        stage = TemplateTextEncodingStage(c["text_encoder"], c["tokenizer"], c["text_encoder_2"], c["tokenizer_2"],
+                                          template=config.prompt_template, max_length=40)
+        full = len(stage.tokenizer(stage.template.format(LONG)).input_ids)
+    else:
+        from composer.configs.hunyuan_video15 import HunyuanVideo15Config
+        from composer.testing.tiny_hunyuan15 import build_tiny_hunyuan15_components
+
+        c, config = build_tiny_hunyuan15_components(), HunyuanVideo15Config()
+        stage = ChatTextEncodingStage(c["text_encoder"], c["tokenizer"], c["text_encoder_2"], c["tokenizer_2"],
+                                      system_message=config.system_message, max_length=40)
+        full = len(stage.tokenizer.apply_chat_template(stage._conversation(LONG), add_generation_prompt=True,
+                                                       tokenize=True, return_dict=True)["input_ids"][0])
+    assert stage.truncation_warnings("prompt", ["a cat"]) == {}
+    (message,), = stage.truncation_warnings("prompt", [LONG]).values()
+    assert message.endswith(f"the last {full - stage.crop_start - 40} are dropped") and message.startswith("prompt is ")

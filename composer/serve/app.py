@@ -177,7 +177,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
     def new_job(checked: Any, request: Request, remixed_from: str | None = None) -> Job:
         return Job(new_job_id(config.replica), checked.params, model=str(state.generator.model_path),
                    inputs=checked.inputs, lora=checked.lora, priority=checked.priority, owner=owner_of(request),
-                   remixed_from=remixed_from)
+                   remixed_from=remixed_from, warnings=checked.warnings)
 
     @app.get("/health")
     async def health():

@@ -43,13 +43,15 @@ class Job:
     priority: int = 0  # higher starts first, and its steps are scheduled first
     owner: str | None = None  # the name of the API key that created it (auth.py; None: no keys configured)
     remixed_from: str | None = None  # the video this one remixes (POST /v1/videos/{id}/remix)
+    warnings: list[str] = field(default_factory=list)  # what the request should know (a prompt the encoder cuts)
     inputs: dict[str, Any] = field(default_factory=dict, repr=False)  # decoded images: not in the record
 
     def to_json(self) -> dict[str, Any]:
         """The video object as the API returns it: OpenAI's fields with OpenAI's types (`progress` an integer 0..100,
         `created_at` / `completed_at` integer seconds, `seconds` and `size` strings, `error` {code, message}), and
         composer's beside them (`kind`, `progress_fraction` 0..1, `started_at`, `times` (the timestamps to the
-        microsecond), `seed`, `lora`, `priority` and the checked `request`)."""
+        microsecond), `seed`, `lora`, `priority`, the checked `request` and its `warnings`: a prompt longer than the
+        text encoder reads, cut)."""
         req = self.request
         status = self.status
         return {
@@ -65,6 +67,7 @@ class Job:
             "times": {"created_at": self.created_at, "started_at": self.started_at,  # fractional seconds
                       "completed_at": self.completed_at},
             "seed": req.get("seed"), "lora": self.lora, "priority": self.priority, "request": req,
+            "warnings": self.warnings,
         }
 
     def record(self) -> dict[str, Any]:

@@ -13,7 +13,13 @@ from typing import Any
 from composer._fields import field_types, json_value_problem
 from composer.errors import ComposerError, InvalidInputError
 from composer.images import refuse_image_knobs
-from composer.request_check import ModelLimits, RequestError, check_request, foreign_knob_problem
+from composer.request_check import (
+    ModelLimits,
+    RequestError,
+    check_request,
+    foreign_knob_problem,
+    text_length_problems,
+)
 from composer.runtime import lora_scale_problem
 from composer.serve.uploads import (
     IMAGE_FIELDS,
@@ -76,6 +82,7 @@ class CheckedRequest:
     inputs: dict[str, Any]
     lora: list[list] = field(default_factory=list)
     priority: int = 0
+    warnings: list[str] = field(default_factory=list)  # what the job should know (a prompt the encoder cuts)
 
 
 def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[LoraOption] = (),
@@ -106,6 +113,8 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
                              unknown[0])
     if body.get("prompt") is None:
         raise RequestProblem("prompt is required: a non-empty string", "prompt")
+    for name, value, rule in text_length_problems(body, sampling_cls=type(defaults)):  # before decoding uploads
+        raise RequestProblem(f"{name} = {value}: expected {rule}", name)
     params: dict[str, Any] = {}
     inputs: dict[str, Any] = {}
     for key, value in body.items():
@@ -141,7 +150,21 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
         sp = sp.updated(seed=random.randrange(2**31))
     record = {k: v for k, v in dataclasses.asdict(sp).items()
               if k not in SERVER_FIELDS and k not in INPUT_FIELDS and _json_safe(v)}
-    return CheckedRequest(record, inputs, lora, priority)
+    return CheckedRequest(record, inputs, lora, priority, prompt_warnings(generator.pipeline, sp))
+
+
+def prompt_warnings(pipeline: Any, sp: Any) -> list[str]:
+    """What the pipeline's text encoding will say of the request's prompts (one longer than the encoder reads
+    is cut), known before the job runs, so the job carries it from the start."""
+    from composer.stages.text_encoding import PromptLengths
+
+    stage = next((s for s in getattr(pipeline, "stages", []) if isinstance(s, PromptLengths)), None)
+    if stage is None:
+        return []
+    said = stage.truncation_warnings("prompt", [sp.prompt]).get(0, [])
+    if sp.negative_prompt:
+        said += stage.truncation_warnings("negative_prompt", [sp.negative_prompt]).get(0, [])
+    return said
 
 
 def derive_body(body: dict, source: Any, store: Any, generator: Any, config: Any, mode: str | None) -> CheckedRequest:

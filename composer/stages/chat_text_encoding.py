@@ -83,6 +83,12 @@ class ChatTextEncodingStage(TemplateTextEncodingStage):
         logger.debug("chat template: %d tokens before the prompt are cropped", count)
         return count
 
+    def prompt_tokens(self, text: str) -> int:
+        """The prompt's tokens in the chat template, the system turn before it (the crop) left out."""
+        ids = self.tokenizer.apply_chat_template(self._conversation(text), add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)["input_ids"]
+        return len(ids[0] if ids and isinstance(ids[0], list) else ids) - self.crop_start
+
     @torch.no_grad()
     def _encode_uncached(self, text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = next(self.text_encoder.parameters()).device
@@ -110,6 +116,7 @@ class ChatTextEncodingStage(TemplateTextEncodingStage):
         return states[:int(mask.sum())]
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        self.warn_truncated(batch, batch.negative_prompt if batch.do_classifier_free_guidance else None)
         prompt_rows = self.encode(batch.prompt)
         negative_rows = []
         if batch.do_classifier_free_guidance:

@@ -20,6 +20,7 @@ import torch
 from composer.batch import ForwardBatch, PromptExtras
 from composer.logging import get_logger
 from composer.stages.base import Stage
+from composer.stages.text_encoding import PromptLengths
 from composer.stages.validators import V, VerificationResult
 
 logger = get_logger(__name__)
@@ -27,7 +28,7 @@ logger = get_logger(__name__)
 Encoded = tuple[torch.Tensor, torch.Tensor]  # (states [n, D] of the n prompt tokens, pooled [D2])
 
 
-class TemplateTextEncodingStage(Stage):
+class TemplateTextEncodingStage(PromptLengths, Stage):
     """Writes `prompt_embeds` [B, L, D] (and `negative_prompt_embeds` under CFG) and attaches `PromptExtras`
     (token masks, None when no row is padded, and the CLIP pooled vectors). Encodings are cached per text."""
 
@@ -63,6 +64,14 @@ class TemplateTextEncodingStage(Stage):
         count = len(self.tokenizer(prefix, add_special_tokens=True).input_ids)
         logger.debug("prompt template: %d tokens before the prompt are cropped", count)
         return count
+
+    def prompt_tokens(self, text: str) -> int:
+        """The prompt's tokens in the template, the template's text before it (the crop) left out."""
+        ids = self.tokenizer(self.template.format(text), truncation=False, verbose=False).input_ids
+        return len(ids) - self.crop_start
+
+    def token_limits(self) -> list[tuple[int, str]]:
+        return [(self.max_length, "the text encoder")]
 
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
         shape = [batch.batch_size, None, None]
@@ -117,6 +126,7 @@ class TemplateTextEncodingStage(Stage):
         return states, mask, torch.stack([p for _, p in rows])
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
+        self.warn_truncated(batch, batch.negative_prompt if batch.do_classifier_free_guidance else None)
         prompt_rows = self.encode(batch.prompt)
         negative_rows = self.encode(batch.negative_prompt) if batch.do_classifier_free_guidance else []
         lengths = [s.shape[0] for s, _ in prompt_rows + negative_rows]
