@@ -41,7 +41,7 @@ from composer.prompt_lists import VideoRequests, numbered_path, video_requests
 from composer.registry.configs import resolve_configs
 from composer.registry.pipelines import get_pipeline_class
 from composer.request_check import ModelLimits, check_request, foreign_knob_problem
-from composer.runtime import RuntimeArgs
+from composer.runtime import RuntimeArgs, apply_threads
 from composer.stages.text_encoding import PromptWarnings
 from composer.video import save_video
 
@@ -177,6 +177,8 @@ class VideoGenerator:
         if state is not None:  # this rank's device; rank 0 alone shows progress
             runtime = dataclasses.replace(runtime, device=str(state.device),
                                           progress=runtime.progress and state.is_main)
+        # torch's CPU threads: this machine's cores shared by the ranks torchrun started on it
+        apply_threads(runtime, int(os.environ.get("LOCAL_WORLD_SIZE") or 1) if state is not None else 1)
         model_path, index, pipeline_cls, configs = (
             resolved.model_path, resolved.index, resolved.pipeline_cls, resolved.configs
         )

@@ -72,6 +72,51 @@ def field_choices(cls: type) -> dict[str, tuple[str, ...]]:
     return out
 
 
+def usable_cpus() -> int:
+    """The CPU cores this process may use: its affinity mask (taskset, a cpuset), lowered by a cgroup v2 CPU quota
+    (`docker --cpus 2`: cpu.max "200000 100000"), at least 1."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def default_threads(concurrent_runs: int = 1) -> int:
+    """The documented rule for `threads` on the CPU: the usable cores divided by the runs sharing them, at least 1."""
+    return max(1, usable_cpus() // max(1, concurrent_runs))
+
+
+def apply_threads(runtime: RuntimeArgs, concurrent_runs: int = 1) -> int | None:
+    """Set torch's intra-op threads for `runtime`: its `threads`, or on the CPU `default_threads(concurrent_runs)`
+    (torch's own default, a thread per physical core for each process, oversubscribes a shared machine: two runs
+    at once on 2 cores each took 16x as long). An OMP_NUM_THREADS in the environment is a choice too, and is left
+    as torch read it. Returns the count set (None: left to torch)."""
+    import os
+
+    import torch
+
+    count = runtime.threads
+    if count is None:
+        if runtime.torch_device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+            return None
+        count = default_threads(concurrent_runs)
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+        logger.info("torch uses %d CPU thread(s) per operation (%s)", count, "threads" if runtime.threads else
+                    f"{usable_cpus()} usable core(s) / {max(1, concurrent_runs)} run(s); set threads / --threads to "
+                    "choose")
+    return count
+
+
 def to_torch_dtype(name: str):
     import torch
 
@@ -150,6 +195,14 @@ class RuntimeArgs:
         metadata={"help": "most transformer tokens in one call when concurrent requests' steps share it (rows x "
                           "tokens per row after patchify; a CFG pair is two rows); a step larger than this alone "
                           "still runs, alone; default: no limit"},
+    )
+    threads: int | None = field(
+        default=None,
+        metadata={"help": "CPU threads torch uses for one operation (torch.set_num_threads; one setting for the "
+                          "process); default on the CPU: the CPU cores this process may use divided by the runs that "
+                          "share them (composer serve: --max-concurrent; torchrun: the ranks on this machine), at "
+                          "least 1, unless OMP_NUM_THREADS is set; on a GPU, torch's own (README, "
+                          "\"CPU threads\")"},
     )
     stage_threads: int = field(
         default=4,
@@ -354,6 +407,9 @@ class RuntimeArgs:
             what = "a folder" if Path(self.preview_decoder).expanduser().is_dir() else "no such file"
             errors.append(f"preview_decoder = {self.preview_decoder!r}: expected an existing TAEHV weights file (.pth "
                           f"or .safetensors); {what}")
+        if self.threads is not None and self.threads < 1:
+            errors.append(f"threads = {self.threads}: expected a positive integer (or unset: the CPU cores divided by "
+                          "the runs sharing them)")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             errors.append(f"max_batch_size = {self.max_batch_size}: expected a positive integer (or unset: no limit)")
         if not isinstance(self.stage_threads, int) or self.stage_threads < 1:

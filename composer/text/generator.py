@@ -23,7 +23,7 @@ import torch
 from composer.cancel import CancelToken
 from composer.errors import UnsupportedError
 from composer.logging import get_logger
-from composer.runtime import RuntimeArgs
+from composer.runtime import RuntimeArgs, apply_threads
 from composer.text.limits import check_text_request
 from composer.text.pipeline import TextBatch, TextPipeline, TextStats, until_eos
 from composer.text.sampling import TextSamplingParam
@@ -92,6 +92,7 @@ class TextGenerator:
         state = parallel_state.init_parallel(runtime)  # under torchrun: joins the process group
         if state is not None:
             runtime = dataclasses.replace(runtime, device=str(state.device), progress=runtime.progress and state.is_main)
+        apply_threads(runtime, int(os.environ.get("LOCAL_WORLD_SIZE") or 1) if state is not None else 1)
         configs = resolved.configs
         logger.info("loading %s as family %s (matched by %s) with %s", resolved.model_path, configs.family.name,
                     configs.matched_by, resolved.pipeline_cls.__name__)
