@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 _configured = False
@@ -182,3 +182,56 @@ def quiet_this_thread() -> Iterator[None]:
         yield
     finally:
         _muted.on = previous
+
+
+_bars: dict[tuple[str, str], dict] = {}
+_bars_lock = threading.Lock()
+
+
+@contextmanager
+def progress_bar(total: int | None, desc: str, unit: str, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    """A progress bar for one run's `total` steps; yields `advance(n=1)`.
+
+    Runs at once in one process (generate_video from several threads, a server's concurrent jobs) share one bar
+    per description ("denoising (3 runs)", its total the sum of theirs) instead of each drawing its own on one
+    terminal line, which garbled them (tqdm's moving bars write cursor movements that only a live terminal
+    undoes). A run that ends early takes its unfinished steps off the total; the bar closes with the last run."""
+    if not enabled:
+        yield lambda n=1: None
+        return
+    from tqdm.auto import tqdm  # a notebook's widget in Jupyter, text elsewhere
+
+    key = (desc, unit)
+    with _bars_lock:
+        shared = _bars.get(key)
+        if shared is None:
+            shared = _bars[key] = {"bar": tqdm(total=total, desc=desc, unit=unit, leave=False), "runs": 0}
+        elif shared["bar"].total is not None:
+            shared["bar"].total = None if total is None else shared["bar"].total + total
+        shared["runs"] += 1
+        _describe(shared, desc)
+    done = 0
+
+    def advance(n: int = 1) -> None:
+        nonlocal done
+        done += n
+        with _bars_lock:
+            shared["bar"].update(n)
+
+    try:
+        yield advance
+    finally:
+        with _bars_lock:
+            shared["runs"] -= 1
+            if shared["runs"] == 0:
+                shared["bar"].close()
+                del _bars[key]
+            else:
+                if total is not None and shared["bar"].total is not None:
+                    shared["bar"].total -= max(total - done, 0)
+                _describe(shared, desc)
+
+
+def _describe(shared: dict, desc: str) -> None:
+    runs = shared["runs"]
+    shared["bar"].set_description(desc if runs == 1 else f"{desc} ({runs} runs)", refresh=True)

@@ -106,3 +106,59 @@ def test_the_api_and_the_server_say_what_the_model_does(monkeypatch):
     with pytest.raises(RequestProblem, match="start_video given, but shapes-t2v cannot continue a video") as info:
         check_body({"prompt": "a cat", "start_video": "AAAA"}, gen, ServerLimits())
     assert info.value.field == "start_video"
+
+
+def test_runs_at_once_share_one_progress_bar(capsys):
+    """Three threads' bars: one line, "denoising (3 runs)" over their 12 steps, no cursor movements (tqdm's
+    stacked bars move the cursor up, which garbles anything but a live terminal)."""
+    import threading
+
+    from composer import logging as clog
+
+    together = threading.Barrier(3)
+
+    def run(steps: int) -> None:
+        with clog.progress_bar(steps, "denoising", "step") as advance:
+            together.wait(timeout=10)
+            for _ in range(steps):
+                advance()
+            together.wait(timeout=10)
+
+    threads = [threading.Thread(target=run, args=(4,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    err = capsys.readouterr().err
+    assert "denoising (3 runs)" in err and "/12 " in err and "12/12" in err
+    assert "\x1b[" not in err and "\n" not in err.strip("\n")  # one line, redrawn in place
+    assert clog._bars == {}
+
+
+def test_a_run_that_stops_early_takes_its_steps_off_the_shared_bar(capsys):
+    from composer import logging as clog
+
+    with clog.progress_bar(10, "denoising", "step") as first:
+        with clog.progress_bar(10, "denoising", "step") as second:
+            second(3)  # cancelled after 3 of its 10 steps
+        assert clog._bars[("denoising", "step")]["bar"].total == 13
+        first(10)
+    assert clog._bars == {}
+
+
+def test_concurrent_generate_video_calls_draw_one_readable_bar(capsys):
+    import threading
+
+    from composer.generator import VideoGenerator
+
+    gen = VideoGenerator.from_pretrained("shapes-t2v", progress=True)
+    capsys.readouterr()
+    threads = [threading.Thread(target=gen.generate_video, args=(f"a red circle {i}",),
+                                kwargs=dict(height=32, width=32, num_frames=5, num_inference_steps=3, seed=i))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    err = capsys.readouterr().err
+    assert "denoising" in err and "\x1b[" not in err

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from composer.engine.guidance import ClassifierFreeGuidance
 from composer.engine.inputs import ModelInputs
@@ -38,7 +37,7 @@ from composer.engine.scheduler import (
     running_request,
 )
 from composer.engine.steps import StepRule
-from composer.logging import get_logger, log_once
+from composer.logging import get_logger, log_once, progress_bar
 
 logger = get_logger(__name__)
 
@@ -282,9 +281,10 @@ class DenoisingEngine:
         timesteps = steps.timesteps
         num_steps = len(timesteps)
         schedule = tuple(float(t) for t in timesteps)
-        # closed (and cleared) even when a step raises, e.g. a cancelled request: no stale bar before its message
-        with tqdm(timesteps, desc="denoising", unit="step", disable=not progress, leave=False) as bar:
-            for index, t in enumerate(bar):
+        # closed (and cleared) even when a step raises, e.g. a cancelled request: no stale bar before its message;
+        # runs in other threads at the same time share it (composer.logging.progress_bar)
+        with progress_bar(num_steps, "denoising", "step", progress) as advance:
+            for index, t in enumerate(timesteps):
                 info = StepInfo(index, num_steps, float(t), run, latents, schedule)
                 for hook in self.hooks:
                     if hasattr(hook, "before_step"):
@@ -302,6 +302,7 @@ class DenoisingEngine:
                 for hook in self.hooks:
                     if hasattr(hook, "after_step"):
                         hook.after_step(info)
+                advance()
         return latents
 
 

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from composer.batch import ForwardBatch, LatentBlock, RequestStats
 from composer.cache import KVCache, KVCacheSpec
@@ -47,6 +46,7 @@ from composer.engine import ClassifierFreeGuidance, DenoisingEngine, FewStepFlow
 from composer.engine.loop import Blocking, ModelStep, drive, is_wait, wait_for
 from composer.engine.scheduler import current_request
 from composer.errors import InvalidInputError
+from composer.logging import progress_bar
 from composer.models.wan.causal import block_causal_mask
 from composer.schedulers import FlowMatchTable
 from composer.stages.base import Stage, drives_task
@@ -333,12 +333,12 @@ class CausalDenoisingStage(Stage):
         # Streaming callers report each block themselves; the whole-video path gets a progress bar.
         request = current_request()
         quiet = not self.progress or (request is not None and request.background)
-        with tqdm(desc="blocks", unit="block", disable=quiet, leave=False) as bar:
+        with progress_bar(None, "blocks", "block", not quiet) as advance:  # shared by runs at once
             for piece in self.stream(batch, None):
                 if is_wait(piece):
                     yield piece
                     continue
-                bar.update()
+                advance()
         return batch
 
     # -- the sampler ---------------------------------------------------------------------------------
