@@ -314,8 +314,9 @@ class ScriptedStream:
 
     FPS, FRAMES_PER_BLOCK = 8, 4
 
-    def __init__(self):
+    def __init__(self, gap: float = 0.3):
         self.received: list[dict] = []
+        self.gap = gap  # seconds the stream listens for the client's messages after each block
 
     async def serve(self, websocket) -> None:
         from starlette.websockets import WebSocketDisconnect
@@ -343,7 +344,7 @@ class ScriptedStream:
                 await websocket.send_bytes(jpeg((40 * block % 256, 20 * i, 200)))
             sent += self.FRAMES_PER_BLOCK
             try:  # the client's messages between blocks
-                message = json.loads(await asyncio.wait_for(websocket.receive_text(), 0.3))
+                message = json.loads(await asyncio.wait_for(websocket.receive_text(), self.gap))
             except asyncio.TimeoutError:
                 continue
             self.received.append(message)
@@ -411,6 +412,45 @@ def test_the_live_view_shows_a_streams_frames_at_its_fps_and_sends_the_next_prom
     assert (times[-1] - times[0]) / 1000 >= (shown - 1) / ScriptedStream.FPS * 0.95, times
     assert page.get_attribute(f"{tile(0)} .tile-video a", "href") == log[-1]["video"]
     assert page.is_visible(f"{tile(0)} .tile-close") and page.is_disabled(f"{tile(0)} .tile-stop")
+    assert problems == []
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_a_live_tiles_status_follows_the_frame_shown_and_a_finished_stream_disables_stop_and_send(
+        causal, page, tmp_path):
+    """The server sends the whole stream at once, and the page plays it at 8 fps: while it plays, the status names
+    the block of the frame shown (not the newest one), the whole video is not offered yet, and Stop and Send are
+    disabled once the server said done."""
+    from starlette.routing import WebSocketRoute
+
+    stream = ScriptedStream(gap=0.01)
+    srv = Server(lambda: causal, ServeConfig(output_dir=tmp_path))
+    srv.app.router.routes.insert(0, WebSocketRoute("/v1/streams", stream.serve))
+    blocks, per_block = 8, ScriptedStream.FRAMES_PER_BLOCK
+    try:
+        srv.wait_ready()
+        open_live_page(page, f"http://127.0.0.1:{srv.port}")
+        start_live_stream(page, "a red circle moving right", blocks=blocks)
+        wait_for(page, "() => window.ComposerLive.tiles[0].log.some(m => m.type === 'done')")
+        seen = page.evaluate(f"""() => {{
+          const tile = document.querySelector('{tile(0)}'), part = (name) => tile.querySelector('.tile-' + name);
+          return {{shown: Number(part('frame').dataset.shown), status: part('status').textContent,
+                   linkHidden: part('video').hidden, stop: part('stop').disabled, send: part('send').disabled,
+                   next: part('next-prompt').disabled, state: tile.dataset.state,
+                   stopAll: document.querySelector('#live-stop-all').disabled}};
+        }}""")
+        wait_for(page, f"() => document.querySelector('{tile(0)}').dataset.state === 'finished'")
+        link_hidden = page.is_hidden(f"{tile(0)} .tile-video")
+        problems = list(page.problems)
+    finally:
+        srv.stop()
+    assert 1 <= seen["shown"] < blocks * per_block and seen["state"] == "running", seen  # still playing
+    block = (seen["shown"] - 1) // per_block  # the block of the frame shown: far behind the server's last
+    assert seen["status"].startswith(f'block {block}: "a red circle moving right"'), seen
+    assert "more frames received" in seen["status"], seen
+    assert seen["linkHidden"] and seen["stop"] and seen["send"] and seen["next"] and seen["stopAll"], seen
+    assert not link_hidden  # offered once the last frame was shown
     assert problems == []
 
 

@@ -6,7 +6,8 @@
 
 class LiveStream {
   // request: the first message ({prompt, ...sampling fields, num_blocks}); handlers: onEvent(message) for each
-  // JSON message, onFrame(blob, info) for each frame at its time, onClose(info) once, when it is over.
+  // JSON message, onFrame(blob, info) for each frame at its time, onEnded() when the socket closes (frames may still
+  // be due), onClose(info) once, when it is over (the last frame shown).
   constructor(url, request, handlers, WebSocketImpl = window.WebSocket) {
     this.request = request;
     this.handlers = handlers;
@@ -72,6 +73,7 @@ class LiveStream {
 
   closed(event) {
     this.socketClosed = true;
+    if (this.handlers.onEnded) this.handlers.onEnded();
     if (!this.finished) {
       this.finished = true;
       if (event.code !== 1000) {
@@ -99,7 +101,10 @@ function streamUrl() {
 }
 
 // One stream's tile: made from #live-tile-template, it owns its LiveStream. `log` and `frameTimes` are its
-// messages and the times its frames were shown (for the browser test and the curious).
+// messages and the times its frames were shown (for the browser test and the curious). Its status follows the frame
+// shown, not the newest message: frames are paced at the stream's fps, so the server may be many blocks ahead of
+// the picture. `generating` turns false when the server is done (or failed): Stop and Send are then disabled while
+// the rest plays; `running` when the last frame has been shown, and only then is the whole video offered.
 class LiveTile {
   constructor(container, request, model, onChange, LiveStreamImpl = LiveStream) {
     this.request = request;
@@ -108,7 +113,11 @@ class LiveTile {
     this.frameTimes = [];
     this.serverFps = null;   // the rate the stream reached, as the server measures it (chunk messages' fps)
     this.targetFps = request.target_fps || null;
-    this.running = true;
+    this.running = true;      // frames may still be shown
+    this.generating = true;   // the server may still make blocks (Stop and Send act)
+    this.done = null;         // the server's "done" message, shown once the last frame has been
+    this.switching = null;    // an acknowledged prompt switch whose first block is not shown yet
+    this.status = "";
     const node = document.getElementById("live-tile-template").content.firstElementChild.cloneNode(true);
     this.node = node;
     this.part = (name) => node.querySelector(`.tile-${name}`);
@@ -123,7 +132,7 @@ class LiveTile {
       event.preventDefault();
       const input = this.part("next-prompt");
       const next = input.value.trim();
-      if (this.running && next) {
+      if (this.generating && next) {
         this.stream.sendPrompt(next);
         input.value = "";
       }
@@ -132,12 +141,23 @@ class LiveTile {
     this.stream = new LiveStreamImpl(streamUrl(), request, {
       onEvent: (message) => this.event(message),
       onFrame: (blob, info) => this.frame(blob, info),
+      onEnded: () => this.ended(),
       onClose: (info) => this.close(info),
     });
   }
 
   setState(state) {
     this.node.dataset.state = state;
+  }
+
+  // The finished stream: Stop, Send and the next prompt are disabled (the frames may still be playing).
+  ended() {
+    if (!this.generating) return;
+    this.generating = false;
+    this.part("stop").disabled = true;
+    this.part("send").disabled = true;
+    this.part("next-prompt").disabled = true;
+    this.onChange();
   }
 
   event(message) {
@@ -155,26 +175,33 @@ class LiveTile {
       img.width = message.width;
       img.height = message.height;
       this.setState("running");
-    } else if (message.type === "chunk") {
-      status.textContent = `block ${message.block}: "${message.prompt}"`;
+    } else if (message.type === "chunk") {  // the status changes when its frames are shown (frame())
       if (typeof message.fps === "number") this.serverFps = message.fps;
       this.showStats();
     } else if (message.type === "prompt") {
-      status.textContent = `prompt "${message.prompt}" from block ${message.from_block}`;
+      this.switching = message;
+      this.showStatus();
     } else if (message.type === "done") {
-      const link = this.part("video");
-      link.textContent = "";
-      const a = document.createElement("a");
-      a.href = message.video;
-      a.textContent = `the whole video (${message.frames} frames)`;
-      link.append("Done: ", a);
-      link.hidden = false;
+      this.done = message;
+      this.ended();
     } else if (message.type === "error") {
       const box = this.part("error");
       const field = message.error && message.error.param ? `${message.error.param}: ` : "";
       box.textContent = field + (message.error ? message.error.message : "stream error");
-      box.hidden = false;
+      box.hidden = false;  // (a bad message mid-stream is answered with an error too, and the stream goes on)
     }
+  }
+
+  // The status of the frame shown: its block and prompt, a switch still to come, the frames received but not shown.
+  showStatus(info) {
+    if (info && info.chunk) {
+      this.status = `block ${info.chunk.block}: "${info.chunk.prompt}"`;
+      if (this.switching && info.chunk.block >= this.switching.from_block) this.switching = null;
+    }
+    if (!this.status) return;
+    const next = this.switching ? `; "${this.switching.prompt}" from block ${this.switching.from_block}` : "";
+    const waiting = info && info.waiting ? ` (${info.waiting} more frames received)` : "";
+    this.part("status").textContent = this.status + next + waiting;
   }
 
   frame(blob, info) {
@@ -187,6 +214,7 @@ class LiveTile {
     this.frameTimes.push(performance.now());
     img.src = url;
     img.hidden = false;
+    this.showStatus(info);
     this.showStats();
   }
 
@@ -202,11 +230,19 @@ class LiveTile {
     this.node.dataset.fps = this.serverFps === null ? "" : String(this.serverFps);
   }
 
+  // The last frame has been shown (or the stream ended without more): now the whole video is offered.
   close(info) {
     this.running = false;
-    this.part("stop").disabled = true;
-    this.part("send").disabled = true;
-    this.part("next-prompt").disabled = true;
+    this.ended();
+    if (this.done) {
+      const link = this.part("video");
+      link.textContent = "";
+      const a = document.createElement("a");
+      a.href = this.done.video;
+      a.textContent = `the whole video (${this.done.frames} frames)`;
+      link.append("Done: ", a);
+      link.hidden = false;
+    }
     this.part("close").hidden = false;
     this.part("status").textContent = `${info.finished ? "finished" : "closed"}: ${info.shown} frames shown`;
     this.setState("finished");
@@ -214,7 +250,7 @@ class LiveTile {
   }
 
   stop() {
-    if (this.running) this.stream.stop();
+    if (this.generating) this.stream.stop();
     this.part("stop").disabled = true;
   }
 
@@ -229,8 +265,8 @@ class LiveTile {
 
 const live = {tiles: [], LiveStream, LiveTile, streamUrl};  // tiles: every stream started, the newest last
 
-live.running = function () {
-  return live.tiles.filter((tile) => tile.running);
+live.running = function () {  // the streams the server may still be making (what Stop all stops)
+  return live.tiles.filter((tile) => tile.generating);
 };
 
 live.setup = function (model) {
