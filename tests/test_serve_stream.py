@@ -371,8 +371,12 @@ class NotReading:
     """A WebSocket client that does the handshake, sends its request and then never reads: what a stalled viewer
     is to the server (default socket buffers, as any client's)."""
 
-    def __init__(self, srv: Server, request: dict):
-        self.sock = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    def __init__(self, srv: Server, request: dict, receive_buffer: int | None = None):
+        self.sock = socket.socket()
+        if receive_buffer is not None:  # a small window: the server's side sees the backlog after fewer chunks
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        self.sock.settimeout(30)
+        self.sock.connect(("127.0.0.1", srv.port))
         key = base64.b64encode(os.urandom(16)).decode()
         self.sock.sendall(f"GET /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade"
                           f"\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
@@ -428,6 +432,21 @@ def test_a_client_that_takes_nothing_parks_its_stream_and_is_failed_after_the_st
         client.drop()
     assert job["status"] == "failed" and "read nothing for" in job["error"]["message"], job
     assert scripted.produced < 50  # generation stopped while the client was behind
+    assert any("read nothing for" in line and job["id"] in line for line in warnings_logged)
+
+
+def test_a_model_stream_whose_client_takes_nothing_waits_and_is_failed(server, warnings_logged):
+    """The same with the causal model's own chunks (small JPEGs, each a task on the request loop: the chunk waits
+    in `offer`, no thread held)."""
+    routes = server.app.state.streams
+    routes.stall_timeout, routes.behind_bytes = 1.0, 1024
+    client = NotReading(server, {"prompt": RED, "num_blocks": 40, **FAST}, receive_buffer=4096)
+    try:
+        job = server.wait(stream_id(server), timeout=60)
+    finally:
+        client.drop()
+    assert job["status"] == "failed" and "read nothing for 1 s" in job["error"]["message"], job
+    assert job["progress_fraction"] < 0.5
     assert any("read nothing for" in line and job["id"] in line for line in warnings_logged)
 
 
