@@ -79,10 +79,12 @@ class ServerState:
         self.worker = Worker(generator, self.store, self.config.max_queue, self.config.request_timeout,
                              self.config.loras, self.config.max_concurrent)
         runtime = getattr(getattr(generator, "pipeline", None), "runtime", None)
-        if runtime is not None:  # torch's CPU threads: the cores shared by the jobs that may run at once
+        if runtime is not None:  # torch's CPU threads: the cores shared by the jobs that may run at once (on every
+            import os  # rank torchrun started on this machine)
+
             from composer.runtime import apply_threads
 
-            apply_threads(runtime, self.worker.max_concurrent)
+            apply_threads(runtime, self.worker.max_concurrent * int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
         ranks = getattr(generator, "world_size", 1)
         if getattr(getattr(generator, "pipeline", None), "can_stream", False) and not (
                 isinstance(ranks, int) and ranks > 1):  # several ranks: sessions are not sent to the others
