@@ -162,3 +162,45 @@ def test_concurrent_generate_video_calls_draw_one_readable_bar(capsys):
         t.join()
     err = capsys.readouterr().err
     assert "denoising" in err and "\x1b[" not in err
+
+
+def test_short_help_lists_the_common_flags_with_the_models_defaults(capsys):
+    from composer.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    short = capsys.readouterr().out
+    assert len(short.splitlines()) < 100
+    flat = " ".join(short.split())
+    assert "frame height in pixels (default: 64)" in flat and "the model family's" not in flat
+    assert "--ar-step" not in flat and "composer generate --help-all" in flat
+    assert "Defaults shown are shapes-t2v's (the default model)" in flat
+    with pytest.raises(SystemExit):
+        main(["generate", "--model-path", "shapes-causal", "--help"])
+    assert "denoising steps (default: 8)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["generate", "--help-all"])
+    full = capsys.readouterr().out
+    assert "--ar-step" in full and len(full.splitlines()) > len(short.splitlines())
+
+
+def test_models_marks_what_is_usable_offline(cli, monkeypatch, tmp_path, tiny_wan_dir):
+    import shutil
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Wan-AI--Wan2.1-T2V-1.3B-Diffusers" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_wan_dir, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    code, out, _ = cli("models")
+    assert code == 0
+    assert out.splitlines()[0].startswith("Embedded models (in the package: no download, usable offline")
+    assert "shapes-t2v, shapes-causal, tiny-dllm" in out.splitlines()[0]
+    import re
+
+    families = re.split(r"\n  (?=\S)", out)
+    by_name = {block.splitlines()[0]: block for block in families}
+    assert "local:    embedded: usable offline (--model-path shapes-t2v)" in by_name["shapes-t2v"]
+    assert "in the Hugging Face cache: usable offline (Wan-AI/Wan2.1-T2V-1.3B-Diffusers)" in by_name["wan2.1-t2v"]
+    assert "not downloaded (`hf download Wan-AI/Wan2.2-T2V-A14B-Diffusers`" in by_name["wan2.2-t2v-a14b"]

@@ -88,15 +88,21 @@ def test_usage_errors_exit_1_and_version_prints():
 
 
 def test_help_shows_defaults():
+    """Every flag (--help-all) with the default model's real values, never "the model family's"."""
+    from composer.cli.help import generate_help
     from composer.cli.main import build_parser
 
     sub = build_parser()._subparsers._group_actions[0].choices["generate"]
-    text = " ".join(sub.format_help().split())
-    assert "--overlap-frames INT causal models: latent frames carried into the next rollout / prompt (default: 3)" in text
-    assert "frame height in pixels (default: the model family's)" in text
+    text = " ".join(generate_help(sub, everything=True, model_path=None).split())
+    assert "--overlap-frames INT causal models: latent frames carried into the next rollout / prompt (not a setting " \
+           "of shapes-t2v)" in text
+    assert "frame height in pixels (default: 64)" in text and "(default: the model family's)" not in text
     assert "(default: auto)" in text and "VAE precision (fp32 keeps decode quality) (default: fp32)" in text
     assert "show progress bars for long steps (default: on)" in text
     assert "(default: None)" not in text
+    causal = " ".join(generate_help(sub, everything=True, model_path="shapes-causal").split())
+    assert "latent frames carried into the next rollout / prompt (default: 3)" in causal
+    assert "denoising steps (default: 8)" in causal  # the folder's step list, not the family's 4
 
 
 @pytest.mark.slow

@@ -81,15 +81,16 @@ def add_flags(group: argparse._ArgumentGroup, flags: list[Flag]) -> list[str]:
         if flag.default is not None and "default" not in help_text:  # a help text that states its own wins
             help_text = f"{help_text} (default: {flag.default})"
         if flag.type is bool:
-            group.add_argument(*names, dest=flag.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=help_text)
+            action = group.add_argument(*names, dest=flag.name, action=argparse.BooleanOptionalAction, default=None,
+                                        help=help_text)
         elif flag.type is list:
-            group.add_argument(*names, dest=flag.name, nargs="+", default=None, metavar="VALUE", help=help_text,
-                               action=StoreTyped)
+            action = group.add_argument(*names, dest=flag.name, nargs="+", default=None, metavar="VALUE",
+                                        help=help_text, action=StoreTyped)
         else:
             metavar = {int: "INT", float: "FLOAT"}.get(flag.type, "STR")
-            group.add_argument(*names, dest=flag.name, type=str, default=None, metavar=metavar, help=help_text,
-                               action=StoreTyped)
+            action = group.add_argument(*names, dest=flag.name, type=str, default=None, metavar=metavar,
+                                        help=help_text, action=StoreTyped)
+        action.composer_flag = flag  # --help restates its default for the model asked about (cli/generate.py)
     return [flag.name for flag in flags]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from composer.cancel import CancelToken
 from composer.cli.flags import Flag, add_flags, collect, dataclass_flags
+from composer.cli.help import HelpAction
 from composer.cli.interrupt import cancel_on_sigint
 from composer.errors import ConfigError
 from composer.logging import silence_library_progress_bars
@@ -38,10 +39,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
         allow_abbrev=False,
+        add_help=False,  # cli/help.py's: the common flags, with the model's own defaults
         help="generate a video",
         description="Generate a video. Without --model-path, uses the embedded default model.",
     )
-    p.add_argument("--model-path", default=None, help="diffusers model folder or hub id (default: embedded model)")
+    p.add_argument("-h", "--help", action=HelpAction, help="show the common flags and exit")
+    p.add_argument("--help-all", action=HelpAction, help="show every flag and exit")
+    p.add_argument("--model-path", default=None, metavar="PATH",
+                   help="diffusers model folder, hub id or embedded model name (default: shapes-t2v, embedded)")
     p.add_argument("--config", default=None, help="YAML preset with model_path / runtime / sampling sections")
     p.add_argument(
         "--prompt-file", default=None, metavar="PATH",

@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("composer: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `composer models | head`: the reader left; stop quietly, as other tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # the shell's 128 + SIGPIPE
 
 
 if __name__ == "__main__":
