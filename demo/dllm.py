@@ -54,8 +54,10 @@ def tokenizer():
 
     backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+    made = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
                                    mask_token="<mask>", unk_token="<unk>")
+    made.chat_template = tasks.CHAT_TEMPLATE  # "123+456=" written as trained
+    return made
 
 
 def encode(text: str) -> list[int]:
@@ -139,7 +141,7 @@ def save_folder(model: LLaDAModelLM, path: Path, settings: DllmTraining) -> Path
              "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}
     (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     sampling = {"gen_length": settings.gen_length, "block_length": settings.block_length,
-                "num_inference_steps": settings.block_length, "threshold": 1.01, "editing_threshold": 0.0,
-                "use_chat_template": False}
+                "num_inference_steps": settings.block_length, "threshold": 0.9, "editing_threshold": 0.0,
+                "use_chat_template": True}  # threshold 0.9: as right as one token a step, 3x fewer forwards
     (path / "composer.json").write_text(json.dumps({"family": "tiny-dllm", "sampling": sampling}, indent=2) + "\n")
     return path

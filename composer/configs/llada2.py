@@ -26,15 +26,16 @@ class LLaDA2SamplingParam(TextSamplingParam):
 @dataclass
 class TinyDllmSamplingParam(TextSamplingParam):
     """The embedded tiny-dllm (addition; composer/text/tasks.py): 8 tokens in one block (the whole answer, as it was
-    trained), one token a step by confidence (threshold above 1: the schedule alone commits), no editing, no chat
-    template. Its folder's composer.json states the same."""
+    trained), 8 steps at most, every token more probable than 0.9 committed at once (at least one a step: on the
+    10,310 held-out problems as right as one token a step, in 2.4 forwards instead of 8), no editing, the chat
+    template (which writes "123+456=" as the model was trained: "1 2 3 + 4 5 6 ="). Its folder's composer.json
+    states the same."""
 
     gen_length: int = 8
     block_length: int | None = 8
     num_inference_steps: int = 8
-    threshold: float = 1.01
+    threshold: float = 0.9
     editing_threshold: float | None = 0.0
-    use_chat_template: bool = False
 
 
 register_configs(LLaDA2Config, TinyDllmSamplingParam, hf_model_paths=["composer/tiny-dllm"], name="tiny-dllm")

@@ -13,6 +13,19 @@ import re
 DIGITS = 3
 HELD_OUT_MODULUS = 97
 
+# The model's chat template (its tokenizer_config.json): the last user message, when it is a sum of two numbers of
+# up to three digits however spaced ("123+456=", "7 + 5"), written as prompt_for writes it ("1 2 3 + 4 5 6 ="); any
+# other text as it is. Applied to plain prompts too (its composer.json: use_chat_template).
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(text='') -%}"
+    "{%- for m in messages if m['role'] == 'user' -%}{%- set ns.text = m['content'] -%}{%- endfor -%}"
+    "{%- set parts = ns.text.replace(' ', '').rstrip('=').split('+') -%}"
+    "{%- if parts | length == 2 and parts[0].isdecimal() and parts[1].isdecimal() and parts[0] | length <= 3"
+    " and parts[1] | length <= 3 -%}"
+    "{{ ('%03d' | format(parts[0] | int)) | list | join(' ') }} + "
+    "{{ ('%03d' | format(parts[1] | int)) | list | join(' ') }} ="
+    "{%- else -%}{{ ns.text }}{%- endif -%}")
+
 
 def prompt_for(a: int, b: int) -> str:
     return " ".join(f"{a:0{DIGITS}d}") + " + " + " ".join(f"{b:0{DIGITS}d}") + " ="
