@@ -146,3 +146,14 @@ def test_both_transformers_cache_conventions_give_the_same_ids(pair, monkeypatch
     monkeypatch.setattr(decoder, "create_diffusion_decoder_attention_mask",
                         _taking(decoder.create_diffusion_decoder_attention_mask, other))
     assert gen.generate_text(PROMPT, **settings).token_ids == installed.token_ids
+
+
+def test_a_transformers_without_diffusion_gemma_is_refused_before_loading(pair, monkeypatch):
+    import transformers
+
+    from composer.errors import UnsupportedError
+
+    gen, _ = pair
+    monkeypatch.setattr(transformers, "DiffusionGemmaForBlockDiffusion", None)  # as one made before it
+    with pytest.raises(UnsupportedError, match="DiffusionGemma needs a transformers that has"):
+        TextGenerator.from_pretrained(gen.pipeline.folder, progress=False)

@@ -19,6 +19,19 @@ class DiffusionGemmaTextPipeline(TextPipeline):
     required_modules = ("model", "processor", "scheduler")
     strategies = ("exact",)  # the canvas loop takes no decoding strategy
 
+    @staticmethod
+    def check_runtime(index: Any, runtime: Any) -> None:
+        """As every text pipeline's, and a transformers that has DiffusionGemma (checked before anything loads)."""
+        TextPipeline.check_runtime(index, runtime)
+        import transformers
+
+        if getattr(transformers, "DiffusionGemmaForBlockDiffusion", None) is None:
+            from composer.errors import UnsupportedError
+
+            raise UnsupportedError(f"DiffusionGemma needs a transformers that has DiffusionGemmaForBlockDiffusion "
+                                   f"(5.23 and 5.24 tested); this one is {transformers.__version__}: "
+                                   "pip install -U transformers")
+
     @property
     def tokenizer(self) -> Any:
         processor = self.modules["processor"]
