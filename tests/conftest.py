@@ -131,3 +131,25 @@ def log(monkeypatch):
     root.addHandler(handler)
     yield stream
     root.removeHandler(handler)
+
+
+# -- the quick tier's budget ------------------------------------------------------------------------------------
+# `make test` runs the tests not marked slow and must stay under 5 minutes on 2 cores. The summary lists the quick
+# tests that took longer than QUICK_TEST_S here (setup included), so a long case is seen the day it lands and is
+# marked slow or made shorter; it is a report, not a failure (timings depend on the machine and its load).
+QUICK_TEST_S = float(os.environ.get("COMPOSER_QUICK_TEST_S", "8"))
+_quick_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if "slow" not in report.keywords and report.when in ("setup", "call"):
+        _quick_durations[report.nodeid] = _quick_durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    long = sorted(((s, n) for n, s in _quick_durations.items() if s > QUICK_TEST_S), reverse=True)
+    if long and "not slow" in (config.getoption("markexpr") or ""):
+        terminalreporter.write_sep("-", f"quick-tier tests over {QUICK_TEST_S:g} s here: mark them slow or shorten "
+                                        "them (tests/conftest.py)")
+        for seconds, nodeid in long:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")

@@ -16,6 +16,7 @@ def dit_1_3b():
     return released_dit("wan2.1-t2v-1.3b")
 
 
+@pytest.mark.slow  # two 1.3B models built on the CPU
 def test_the_real_1_3b_dit_predicts_as_diffusers_at_a_tiny_resolution(dit_1_3b):
     theirs = dit_1_3b
     assert sum(p.numel() for p in theirs.parameters()) > 1.3e9  # the released size, not a reduced one

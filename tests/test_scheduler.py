@@ -86,12 +86,15 @@ def test_mixed_sizes_run_side_by_side_and_stay_exact(t2v):
     gen, counter = t2v
     sizes = {"a": dict(height=64, width=64, num_frames=17), "b": dict(height=48, width=64, num_frames=9),
              "c": dict(height=64, width=64, num_frames=17)}
-    solo = {k: gen.generate_video(seed=5, **REQUEST, **v) for k, v in sizes.items()}
+    solo = {k: gen.generate_video(seed=5, **REQUEST, **sizes[k]) for k in ("a", "b")}
+    solo["c"] = solo["a"]  # the same request
     counter.rows = []
-    results, errors = run_threads(lambda k: gen.generate_video(seed=5, **REQUEST, **sizes[k]), [(k,) for k in sizes])
+    results, errors = run_threads(lambda k: gen.generate_video(seed=5, **REQUEST, **sizes[k]), [(k,) for k in sizes],
+                                  hold=gen)
     assert not errors, errors
     for k in sizes:
         assert_same_video(results[k], solo[k])
+    assert 4 in counter.rows  # a and c (one size) shared calls; b (another size) ran beside them
 
 
 def test_a_cancelled_request_leaves_the_others_exact(t2v):

@@ -56,7 +56,8 @@ def test_the_mask_is_the_window_slid_inside_the_grid(grid, window):
     assert torch.equal(window_mask(grid, window), _brute_force_mask(grid, window))
 
 
-@pytest.mark.parametrize("grid", [pytest.param((3, 4, 6), marks=pytest.mark.slow), (2, 7, 5), (1, 3, 9)])
+@pytest.mark.parametrize("grid", [pytest.param((3, 4, 6), marks=pytest.mark.slow),
+                                  pytest.param((2, 7, 5), marks=pytest.mark.slow), (1, 3, 9)])  # compiles: 10-30 s each
 def test_a_window_covering_the_grid_is_dense_attention(grid):
     q, k, v = _qkv(grid)
     for window in (grid, (9, 99, 99)):  # exactly the grid, and larger than it (clipped)
@@ -64,7 +65,9 @@ def test_a_window_covering_the_grid_is_dense_attention(grid):
         assert (out - _sdpa(q, k, v)).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("grid, window", [((3, 8, 12), (1, 3, 5)), ((5, 6, 20), (3, 4, 4)), ((2, 17, 9), (2, 16, 3))])
+@pytest.mark.parametrize("grid, window", [((3, 8, 12), (1, 3, 5)),
+                                          pytest.param((5, 6, 20), (3, 4, 4), marks=pytest.mark.slow),
+                                          pytest.param((2, 17, 9), (2, 16, 3), marks=pytest.mark.slow)])
 def test_a_smaller_window_is_sdpa_with_the_same_boolean_mask(grid, window):
     q, k, v = _qkv(grid, heads=3, head_dim=32, seed=1)
     out = _backend(window)(q, k, v, token_grid=grid)
@@ -73,6 +76,7 @@ def test_a_smaller_window_is_sdpa_with_the_same_boolean_mask(grid, window):
     assert (out - _sdpa(q, k, v)).abs().max() > 1e-3  # and the window does change the result
 
 
+@pytest.mark.slow  # two compiled grids
 def test_the_block_mask_is_built_once_per_grid_and_window():
     grid, window = (2, 6, 10), (1, 3, 3)
     q, k, v = _qkv(grid)

@@ -27,9 +27,10 @@ def uint8_diff(a: torch.Tensor, b: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("kwargs, tile", [
     pytest.param(dict(base_dim=16, num_res_blocks=1), 4, marks=pytest.mark.slow),  # Wan2.1's layout; tiles of 4
-    (dict(base_dim=16, num_res_blocks=1, z_dim=48, is_residual=True, in_channels=12, out_channels=12, patch_size=2,
-          scale_factor_spatial=16, dim_mult=[1, 2, 4, 4], temperal_downsample=[False, True, True],
-          latents_mean=[0.0] * 48, latents_std=[1.0] * 48), 3),  # Wan2.2 TI2V's: residual up blocks, patchified
+    pytest.param(dict(base_dim=16, num_res_blocks=1, z_dim=48, is_residual=True, in_channels=12, out_channels=12,
+                      patch_size=2, scale_factor_spatial=16, dim_mult=[1, 2, 4, 4],
+                      temperal_downsample=[False, True, True], latents_mean=[0.0] * 48, latents_std=[1.0] * 48), 3,
+                 marks=pytest.mark.slow),  # Wan2.2 TI2V's: residual up blocks, patchified
 ])
 def test_tiled_decode_equals_the_whole_decode(kwargs, tile):
     vae = wan_vae(**kwargs)

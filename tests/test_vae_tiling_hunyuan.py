@@ -37,7 +37,7 @@ def uint8_diff(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((to_u8(a) - to_u8(b)).abs().max())
 
 
-@pytest.mark.parametrize("frames, size", [(2, (12, 20)), (6, (8, 12))])  # 6 latent frames: HunyuanVideo's own
+@pytest.mark.parametrize("frames, size", [(2, (12, 20)), pytest.param(6, (8, 12), marks=pytest.mark.slow)])  # 6 latent frames: HunyuanVideo's own
 def test_hunyuan_tiled_decode_equals_the_whole_decode(frames, size):  # decode splits them in time (4 + 1, by 3)
     vae = hunyuan_vae()
     z = torch.randn(1, 4, frames, *size, generator=torch.Generator().manual_seed(frames))
@@ -53,6 +53,7 @@ def test_hunyuan_tiled_decode_equals_the_whole_decode(frames, size):  # decode s
     assert uint8_diff(theirs, whole) > 2  # diffusers' tiles normalise by their own statistics: not the whole decode
 
 
+@pytest.mark.slow
 def test_hunyuan_tiles_need_the_whole_videos_statistics(monkeypatch):
     """With each tile's own GroupNorm statistics (what a tile decoded alone gets) the frames are far off: the sums
     over every tile are what makes the tiles exact; and without the halo the seams show."""

@@ -291,6 +291,7 @@ def test_wan22_and_incomplete_i2v_folders_are_refused_before_loading(i2v_dir, tm
             VideoGenerator.from_pretrained(folder, progress=False)
 
 
+@pytest.mark.slow  # a cold compile (tests/test_family_compile.py has every family in the full tier)
 def test_regional_compile_equals_eager(i2v_dir, gen):
     request = dict(REQUEST, num_inference_steps=2, seed=12)
     image = make_image(60, 40)
