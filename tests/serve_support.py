@@ -31,13 +31,14 @@ class Reply:
 class Server:
     """A running server; `request` talks to it, `stop` shuts it down (the worker too)."""
 
-    def __init__(self, load: Callable[[], Any], config: ServeConfig, factory: Callable[..., Any] = create_app):
+    def __init__(self, load: Callable[[], Any], config: ServeConfig, factory: Callable[..., Any] = create_app,
+                 **uvicorn_options: Any):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.app = factory(load, config)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                     lifespan="on"))
+                                                     lifespan="on", **uvicorn_options))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         deadline = time.time() + 60

@@ -118,9 +118,10 @@ def scripted(generator):
     return Scripted(generator)
 
 
-def start(scripted, tmp_path, **config) -> Server:
+def start(scripted, tmp_path, ws_ping_interval: float = 20.0, ws_ping_timeout: float = 20.0, **config) -> Server:
     srv = Server(lambda: scripted, ServeConfig(output_dir=tmp_path / "serve", limits=ServerLimits(max_frames=200),
-                                               **config))
+                                               **config), ws_ping_interval=ws_ping_interval,
+                 ws_ping_timeout=ws_ping_timeout)  # uvicorn's keepalive (its defaults unless given)
     srv.wait_ready()
     return srv
 
@@ -448,6 +449,26 @@ def test_a_model_stream_whose_client_takes_nothing_waits_and_is_failed(server, w
     assert job["status"] == "failed" and "read nothing for 1 s" in job["error"]["message"], job
     assert job["progress_fraction"] < 0.5
     assert any("read nothing for" in line and job["id"] in line for line in warnings_logged)
+
+
+def test_uvicorns_keepalive_dropping_a_client_that_reads_nothing_fails_its_stream_logged(scripted, tmp_path,
+                                                                                         warnings_logged):
+    """What the issue saw at 40 s (uvicorn pings every 20 s, drops a client that has not answered 20 s later), in
+    2 s: the stream waits for its client, the keepalive drops the connection, and the job fails as stalled with a
+    WARNING, not `cancelled` without a word."""
+    srv = start(scripted, tmp_path, ws_ping_interval=0.5, ws_ping_timeout=0.5)
+    try:
+        srv.app.state.streams.behind_bytes = 1024  # (the stall timeout stays 60 s: the keepalive comes first)
+        client = NotReading(srv, {"prompt": RED, "num_blocks": 40, **FAST}, receive_buffer=4096)
+        try:
+            job = srv.wait(stream_id(srv), timeout=60)
+        finally:
+            client.drop()
+    finally:
+        srv.stop()
+    assert job["status"] == "failed" and "stopped reading" in job["error"]["message"], job
+    assert "connection closed" in job["error"]["message"] and job["progress_fraction"] < 0.5
+    assert any("stopped reading" in line and job["id"] in line for line in warnings_logged)
 
 
 def test_a_stalled_clients_dropped_connection_fails_its_stream_logged_instead_of_a_silent_cancel(

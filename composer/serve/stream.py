@@ -81,15 +81,19 @@ class ClientBacklog:
         self.transport = _transport_of(ws)
         sock = self.transport.get_extra_info("socket") if self.transport is not None else None
         self._fd = sock.fileno() if sock is not None and _SIOCOUTQ is not None else None
+        self._last = 0
 
     @property
     def measured(self) -> bool:
         return self.transport is not None
 
     def __call__(self) -> int:
-        """Bytes sent and not yet taken (0 when not measured, or once the connection is gone)."""
-        if self.transport is None or self.transport.is_closing():
+        """Bytes sent and not yet taken (0 when not measured; once the connection is closing, what it was then: a
+        connection the keepalive dropped has not had its bytes taken)."""
+        if self.transport is None:
             return 0
+        if self.transport.is_closing():
+            return self._last
         size = self.transport.get_write_buffer_size()
         if self._fd is not None:
             import fcntl
@@ -98,6 +102,7 @@ class ClientBacklog:
                 size += struct.unpack("i", fcntl.ioctl(self._fd, _SIOCOUTQ, b"\0\0\0\0"))[0]
             except OSError:  # not a TCP socket (a Unix socket), or closed
                 self._fd = None
+        self._last = size
         return size
 
     def abort(self) -> None:
