@@ -35,6 +35,9 @@ def test_every_usage_error_is_one_line(capsys):
                                               "--help`)"]
     code, err = run_main(capsys, "generate", "a cat")
     assert code == 1 and len(err.splitlines()) == 1 and "unexpected argument 'a cat'" in err
+    code, err = run_main(capsys, "generat", "--prompt", "a cat")
+    assert code == 1 and len(err.splitlines()) == 1 and "invalid choice: 'generat'" in err
+    assert "did you mean generate?" in err
 
 
 @pytest.mark.parametrize(("typed", "meant"), [("shapes-t2", "shapes-t2v"), ("composer/shapes-causl", "shapes-causal"),

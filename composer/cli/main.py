@@ -14,6 +14,14 @@ class ArgumentParser(argparse.ArgumentParser):
     Subcommand parsers are made of the same class."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        import difflib
+        import re
+
+        # argparse's "invalid choice: 'generat' (choose from 'generate', ...)": the nearest choice first
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            near = difflib.get_close_matches(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), n=1)
+            message += f"; did you mean {near[0]}?" if near else ""
         self.exit(1, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
