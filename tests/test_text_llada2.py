@@ -140,6 +140,13 @@ def test_the_folder_defaults_and_explicit_settings(gen, folder):
         gen.sampling_param(gen_lenght=3)
 
 
+def test_a_calls_none_is_the_settings_none_not_the_default(gen):
+    stated = gen.sampling_param(top_p=0.9, top_k=5, editing_threshold=0.8, block_length=4)  # as a folder states
+    cleared = stated.updated(top_p=None, top_k=None, editing_threshold=None, block_length=None, threshold=None)
+    assert (cleared.top_p, cleared.top_k, cleared.editing_threshold, cleared.block_length) == (None,) * 4
+    assert cleared.threshold == stated.threshold  # a setting that takes no None keeps its value
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"gen_length": 0}, "gen_length = 0"),
     ({"gen_length": -1}, "gen_length = -1"),
@@ -151,6 +158,7 @@ def test_the_folder_defaults_and_explicit_settings(gen, folder):
     ({"top_p": 0}, "top_p = 0"),
     ({"sampling_method": "beam"}, "sampling_method"),
     ({"decoding": "turbo"}, "decoding = 'turbo'"),
+    ({"seed": 2**64}, "seed = 18446744073709551616"),
     ({"prompt": ""}, "prompt: empty"),
     ({"prompt": ["the cat", "  "]}, "prompt: empty"),
 ])

@@ -94,6 +94,8 @@ class TextSamplingParam(SamplingSettings):
             problems.append(f"top_k = {self.top_k}: must be >= 0 (0 or none: no cutoff)")
         if not self.threshold >= 0:
             problems.append(f"threshold = {self.threshold}: must be >= 0 (above 1: commit the top-k only)")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            problems.append(f"seed = {self.seed}: must be in [-2**63, 2**64) (what torch.Generator takes)")
         if not self.low_threshold >= 0:
             problems.append(f"low_threshold = {self.low_threshold}: must be >= 0")
         if self.sampling_method not in SAMPLING_METHODS:
