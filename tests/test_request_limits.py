@@ -211,3 +211,28 @@ def test_the_llm_text_encoders_say_how_many_tokens_they_cut(family):
     assert stage.truncation_warnings("prompt", ["a cat"]) == {}
     (message,), = stage.truncation_warnings("prompt", [LONG]).values()
     assert message.endswith(f"the last {full - stage.crop_start - 40} are dropped") and message.startswith("prompt is ")
+
+
+def test_a_live_streams_job_carries_the_truncation_too(tmp_path):
+    pytest.importorskip("websockets")
+    import json
+
+    from serve_support import Server
+    from websockets.sync.client import connect
+
+    from composer.generator import VideoGenerator
+    from composer.serve.app import ServeConfig
+
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    srv = Server(lambda: gen, ServeConfig(output_dir=tmp_path))
+    try:
+        srv.wait_ready()
+        with connect(f"ws://127.0.0.1:{srv.port}/v1/streams", open_timeout=30) as ws:
+            ws.send(json.dumps({"prompt": LONG, "num_blocks": 1, "guidance_scale": 1.0, "seed": 5}))
+            started = json.loads(ws.recv(timeout=60))
+            assert started["type"] == "started", started
+            job = srv.request("GET", f"/v1/videos/{started['id']}").json
+        assert len(job["warnings"]) == 1 and job["warnings"][0].startswith("prompt is 200 tokens; the text encoder "
+                                                                            "reads the first")
+    finally:
+        srv.stop()

@@ -442,7 +442,7 @@ def add_stream_routes(app: FastAPI, state: Any) -> StreamRoutes:
             return await _refuse(ws, str(exc), exc.field)
 
         job = Job(new_job_id(state.config.replica), checked.params, model=str(generator.model_path), kind=STREAM,
-                  lora=checked.lora, priority=checked.priority,
+                  lora=checked.lora, priority=checked.priority, warnings=checked.warnings,
                   owner=getattr(ws.state, "api_key_name", None))  # the API key's name (auth.py; None: no keys)
         if "rtmp_url" in checked.inputs:  # its stream key is a secret: kept out of the record GET /v1/videos shows
             job.inputs["rtmp_url"] = checked.inputs["rtmp_url"]
