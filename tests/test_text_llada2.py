@@ -252,6 +252,20 @@ def test_a_prompt_past_the_models_context_is_refused_before_any_forward(tmp_path
         gen.generate_text("the cat", gen_length=40)
 
 
+def test_text_limits_count_whole_blocks_and_whole_canvases():
+    from composer.text.limits import TextLimits, check_text_request
+    from composer.text.sampling import TextSamplingParam
+
+    sp = TextSamplingParam(prompt="p", gen_length=20, block_length=None)
+    blocks, canvases = TextLimits(context=32, block_length=8), TextLimits(context=32, canvas_length=8)
+    assert blocks.positions(10, sp) == 32 and canvases.positions(10, sp) == 34  # ceil(30/8)*8; 10 + 3 canvases
+    check_text_request(sp, blocks, prompt_tokens=[10, 4])
+    with pytest.raises(InvalidInputError, match=r"prompt\[0\] is 10 tokens .* ask for at most 16 new tokens"):
+        check_text_request(sp, canvases, prompt_tokens=[10, 4])
+    with pytest.raises(InvalidInputError, match="takes exact only"):
+        check_text_request(TextSamplingParam(prompt="p", decoding="threshold"), TextLimits(strategies=("exact",)))
+
+
 def test_a_model_in_the_folders_own_code_runs_when_trusted(tmp_path):
     """The released LLaDA2 folders define their model class in their own files (config.json auto_map): composer
     refuses to run that code unless told to trust it, and then gives the ids diffusers' pipeline gives over the

@@ -132,7 +132,7 @@ class PromptTokenizationStage(Stage):
 def prompt_tokens_checked(batch: TextBatch, limits: TextLimits | None) -> None:
     """The tokenized prompts against the model's context (InvalidInputError before any forward)."""
     if limits is not None:
-        check_text_request(batch.sampling, limits, prompt_tokens=[batch.input_ids.shape[1]] * batch.rows,
+        check_text_request(batch.sampling, limits, prompt_tokens=batch.prompt_mask.sum(dim=1).tolist(),
                            check_prompt=False)
 
 
@@ -153,7 +153,8 @@ def warn_unknown_tokens(tokenizer: Any, batch: TextBatch) -> None:
         count = int((batch.input_ids[row][batch.prompt_mask[row].bool()] == unk).sum())
         if count:
             where = f"prompt[{row}]" if batch.rows > 1 else "the prompt"
-            named = ", ".join(repr(u) for u in dict.fromkeys(unknown)) or f"{count} token(s)"
+            named = (", ".join(repr(u) for u in dict.fromkeys(unknown))
+                     or f"{count} token(s) (not of the prompt's own text: of the chat template around it)")
             logger.warning("%s has text the model's tokenizer does not know: %s (read as %s, which the model cannot "
                            "answer); write the prompt in the form the model was trained on", where, named,
                            getattr(tokenizer, "unk_token", "the unknown token"))
