@@ -392,8 +392,22 @@ def text_length_problems(request: Any, segments: list | None = None,
                       if isinstance(v, str)]
     texts += [(f"segments[{i}]", item[0]) for i, item in enumerate(segments or [])
               if isinstance(item, (tuple, list)) and item and isinstance(item[0], str)]
-    return [(name, f"{text[:40]!r}... ({len(text)} characters)", f"at most {MAX_TEXT_CHARS} characters (a text "
-             "encoder reads far fewer: shorten it)") for name, text in texts if len(text) > MAX_TEXT_CHARS]
+    return [(name, _shown_text(text), TEXT_RULE) for name, text in texts if len(text) > MAX_TEXT_CHARS]
+
+
+TEXT_RULE = f"at most {MAX_TEXT_CHARS} characters (a text encoder reads far fewer: shorten it)"
+
+
+def _shown_text(text: str) -> str:
+    return f"{text[:40]!r}... ({len(text)} characters)"
+
+
+def text_length_problem(name: str, text: Any) -> str | None:
+    """One text field outside a request (a session's next prompt, a live stream's switch) against the same limit:
+    the message, or None."""
+    if isinstance(text, str) and len(text) > MAX_TEXT_CHARS:
+        return f"{name} = {_shown_text(text)}: expected {TEXT_RULE}"
+    return None
 
 
 def _check_prompt(result: VerificationResult, prompt: Any, stream: bool) -> None:

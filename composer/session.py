@@ -24,6 +24,7 @@ import numpy as np
 
 from composer.batch import VideoChunk
 from composer.errors import InvalidInputError
+from composer.request_check import text_length_problem
 
 
 class _SegmentFeed:
@@ -147,6 +148,8 @@ class Session:
         self._check_usable()
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidInputError(f"prompt = {prompt!r}: expected a non-empty string")
+        if problem := text_length_problem("prompt", prompt):  # the limit every request's text has
+            raise InvalidInputError(problem)
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise InvalidInputError(f"num_blocks = {num_blocks!r}: expected an integer >= 1")
         self._feed.waiting.append((prompt, num_blocks))

@@ -236,3 +236,17 @@ def test_a_live_streams_job_carries_the_truncation_too(tmp_path):
                                                                             "reads the first")
     finally:
         srv.stop()
+
+
+def test_a_sessions_next_prompt_and_a_live_switch_are_held_to_the_same_limit():
+    from composer.errors import InvalidInputError
+    from composer.generator import VideoGenerator
+    from composer.serve.requests import RequestProblem
+    from composer.serve.stream import _client_message
+
+    gen = VideoGenerator.from_pretrained("shapes-causal", progress=False)
+    with gen.open_session(seed=1) as session:
+        with pytest.raises(InvalidInputError, match=f"prompt = 'aaa.*: expected at most {MAX_TEXT_CHARS} characters"):
+            session.extend(HUGE, 1)
+    with pytest.raises(RequestProblem, match=f"expected at most {MAX_TEXT_CHARS} characters"):
+        _client_message({"type": "prompt", "prompt": HUGE}, None, None)

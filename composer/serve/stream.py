@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from composer.cancel import CancelToken
 from composer.errors import ComposerError
 from composer.logging import get_logger
-from composer.request_check import ModelLimits
+from composer.request_check import ModelLimits, text_length_problem
 from composer.serve.jobs import CANCELLED, COMPLETED, FINISHED, IN_PROGRESS, QUEUED, STATES, Job, new_job_id
 from composer.serve.requests import RequestProblem, check_body
 from composer.serve.worker import QueueFull
@@ -699,6 +699,8 @@ def _client_message(body: Any, session: StreamSession, state: Any) -> None:
     prompt, blocks = body.get("prompt"), body.get("blocks")
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestProblem(f"prompt = {prompt!r}: expected a non-empty string", "prompt")
+    if problem := text_length_problem("prompt", prompt):  # the limit every request's text has
+        raise RequestProblem(problem, "prompt")
     if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
         raise RequestProblem(f"blocks = {blocks!r}: expected an integer >= 1 (or leave it out: until the next "
                              "switch)", "blocks")
