@@ -137,8 +137,8 @@ def held(gen, requests: int, timeout: float = 120.0) -> Iterator[None]:
     block starts `requests` requests; at its end wait until a unit of each is queued, then release: their first call
     is shared whatever the threads' timing (a test must not depend on two threads overlapping in time)."""
     pipeline = gen.pipeline
-    holders = ([e.scheduler for e in pipeline.engines if e.scheduler is not None] if hasattr(pipeline, "engines")
-               else [pipeline.batcher])
+    holders = ([pipeline.batcher] if getattr(pipeline, "batcher", None) is not None
+               else [e.scheduler for e in pipeline.engines if e.scheduler is not None])
     with ExitStack() as stack:
         for holder in holders:
             stack.enter_context(holder.held())
