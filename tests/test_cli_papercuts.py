@@ -207,3 +207,12 @@ def test_models_marks_what_is_usable_offline(cli, monkeypatch, tmp_path, tiny_wa
     assert "local:    embedded: usable offline (--model-path shapes-t2v)" in by_name["shapes-t2v"]
     assert "in the Hugging Face cache: usable offline (Wan-AI/Wan2.1-T2V-1.3B-Diffusers)" in by_name["wan2.1-t2v"]
     assert "not downloaded (`hf download Wan-AI/Wan2.2-T2V-A14B-Diffusers`" in by_name["wan2.2-t2v-a14b"]
+
+
+def test_every_line_of_a_prompt_file_is_held_to_the_text_limit_before_loading(cli, tmp_path):
+    from composer.request_check import MAX_TEXT_CHARS
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n" + "a" * (MAX_TEXT_CHARS + 1) + "\n")
+    code, _, err = cli("generate", "--prompt-file", prompts, "-o", tmp_path / "clip.mp4")
+    assert code == 1 and f"{prompts} prompt 2 = 'aaa" in err and f"at most {MAX_TEXT_CHARS} characters" in err

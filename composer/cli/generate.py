@@ -23,7 +23,7 @@ from composer.cli.help import HelpAction
 from composer.cli.interrupt import cancel_on_sigint
 from composer.errors import ConfigError
 from composer.logging import silence_library_progress_bars
-from composer.request_check import check_cli_request
+from composer.request_check import check_cli_request, text_length_problem
 from composer.runtime import RuntimeArgs
 
 DEFAULT_BLOCKS_PER_PROMPT = 3
@@ -278,7 +278,11 @@ def _prompt_file_prompts(args: argparse.Namespace, sampling: dict) -> list[str] 
     if args.segment or args.stream or args.interactive:
         raise ConfigError("--prompt-file makes whole videos in one batch; it does not go with --segment, --stream "
                           "or --interactive")
-    return read_prompt_file(args.prompt_file)
+    prompts = read_prompt_file(args.prompt_file)
+    for number, prompt in enumerate(prompts, 1):  # every line, before loading (the request check sees the first)
+        if problem := text_length_problem(f"{args.prompt_file} prompt {number}", prompt):
+            raise ConfigError(problem)
+    return prompts
 
 
 def _generate_prompt_list(generator, sp, prompts: list[str], name: str, cancel=None) -> int:
