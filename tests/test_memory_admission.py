@@ -7,6 +7,7 @@ numbers (shapes and dtypes only), never from the machine's free memory."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
@@ -19,7 +20,7 @@ from composer import VideoGenerator
 from composer.cancel import CancelToken
 from composer.engine.scheduler import StepScheduler
 from composer.errors import Cancelled, MemoryBudgetError
-from composer.memory import HEADROOM, MemoryAdmission, MemoryShare, RequestMemory
+from composer.memory import HEADROOM, MemoryAdmission, MemoryShare, RequestMemory, fmt_bytes
 from composer.memory.predict import StageMemory
 
 SHORT = dict(num_inference_steps=3)  # the shapes model's 17x64x64 default video
@@ -33,8 +34,12 @@ def plain():
 
 @pytest.fixture(scope="module")
 def one_at_a_time():
-    """The shapes model under a budget that holds one of its default videos beside the weights, not two."""
-    return VideoGenerator.from_pretrained(None, device="cpu", memory_budget=40e6, progress=False)
+    """The shapes model under a budget that holds one of its default videos beside the weights, not two: a room
+    of 1.5 times the predictor's share of one."""
+    probe = VideoGenerator.from_pretrained(None, device="cpu", memory_budget=1 << 40, progress=False)
+    share = probe._checked("a", None, None, dict(SHORT), 0)[3]
+    budget = budget_for(share.peak + share.peak // 2, probe.memory_guard.admission.weights)
+    return VideoGenerator.from_pretrained(None, device="cpu", memory_budget=budget, progress=False)
 
 
 def budget_for(room: int, weights: int) -> int:
@@ -152,8 +157,8 @@ def test_two_requests_that_do_not_fit_together_run_one_after_the_other_each_as_a
     gen = one_at_a_time
     admission, waits = gen.memory_guard.admission, gen.memory_guard.admission.stats().waits
     batched = gen.pipeline.engines[0].scheduler.stats.batched_units
-    share = gen._checked("a", None, None, dict(SHORT), 0)[3]  # 11.94 MiB held beside 14.83 MiB of weights:
-    assert admission.room // 2 < share.peak <= admission.room  # one fits the 38.15 MiB budget, two do not
+    share = gen._checked("a", None, None, dict(SHORT), 0)[3]
+    assert admission.room // 2 < share.peak <= admission.room  # one fits the budget, two do not
     hold = admission.reserve(share)
     first = gen.submit_video("a red circle moving left", seed=1, **SHORT)
     wait_for_waiting(admission, 1)
@@ -177,7 +182,8 @@ def test_two_requests_that_do_not_fit_together_run_one_after_the_other_each_as_a
 
 def test_a_request_that_cannot_fit_even_alone_is_refused_with_the_numbers(one_at_a_time):
     gen = one_at_a_time
-    with pytest.raises(MemoryBudgetError, match=r"needs about .* Decoding .* more than the budget of 38\.15 MiB"):
+    budget = re.escape(fmt_bytes(gen.memory_guard.plan.budget))
+    with pytest.raises(MemoryBudgetError, match=rf"needs about .* Decoding .* more than the budget of {budget}"):
         gen.submit_video("a red circle", height=128, width=128, **SHORT)
     stats = gen.memory_guard.admission.stats()
     assert stats.running == stats.waiting == stats.reserved == 0

@@ -7,10 +7,11 @@ request through a *twin* of the pipeline: the same pipeline class and stages, bu
 latents, a KV cache) is counted as the twin holds it. So the prediction follows the code that runs, for every
 family, instead of a formula per architecture.
 
-On the CPU the trace adds each convolution's oneDNN scratch (about its weight and its input, freed when it returns:
-`LiveBytes`). Not modelled: the allocator's rounding and the GPU kernels' private workspaces (cuDNN's for a
-convolution, an attention kernel's). docs/memory.md gives the measured gaps (on the CPU within 2% for the Wan and
-HunyuanVideo VAEs; on an H200 10-14% under for the Wan VAE's decode), which the planner's headroom covers.
+On the CPU the trace adds what each convolution's kernel holds while it runs (the native kernel's im2col buffer,
+oneDNN's copies padded to its channel blocks: composer/memory/cpu_convolution.py). Not modelled: the allocator's
+rounding, the kernels' code loaded on first use and the GPU kernels' private workspaces (cuDNN's for a
+convolution, an attention kernel's). docs/memory.md gives the measured gaps (on the CPU 1-5% under over narrow and
+wide VAEs; on an H200 10-14% under for the Wan VAE's decode), which the planner's headroom covers.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from composer.memory.cpu_convolution import CONVOLUTIONS, convolution_scratch
+
 REAL_LIMIT = 1 << 20  # bytes: bookkeeping outputs up to this size are computed for real (see LiveBytes)
 
 
@@ -28,10 +30,6 @@ def fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-# convolution operators as a dispatch mode sees them (conv3d arrives whole, not as aten.convolution)
-_CONVOLUTIONS = frozenset({"convolution", "_convolution", "conv1d", "conv2d", "conv3d", "mkldnn_convolution"})
 
 
 class LiveBytes(TorchDispatchMode):
@@ -97,18 +95,11 @@ class LiveBytes(TorchDispatchMode):
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
                 self._count(value)
-        if self.device_type in (None, "cpu") and getattr(func, "_opname", None) in _CONVOLUTIONS:
-            self._cpu_convolution_scratch(args)
+        if self.device_type in (None, "cpu") and getattr(func, "_opname", None) in CONVOLUTIONS:
+            # what the CPU kernel holds beyond its output while it runs (an im2col buffer, oneDNN's reordered
+            # copies: composer/memory/cpu_convolution.py): a transient, it raises the peak, not `live`
+            self.peak = max(self.peak, self.live + convolution_scratch(func, args, kwargs, out))
         return out
-
-    def _cpu_convolution_scratch(self, args) -> None:
-        """On the CPU, oneDNN runs a convolution on copies of its weight and its input reordered into its blocked
-        layout, freed when it returns: the call's peak is above its output by about one weight and one input
-        (measured on single 3D convolutions, docs/memory.md). A transient: it raises the peak, not `live`."""
-        x, weight = args[0], args[1]
-        if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.device.type == "cpu":
-            scratch = x.numel() * x.element_size() + weight.numel() * weight.element_size()
-            self.peak = max(self.peak, self.live + scratch)
 
     def _same_device(self, func, args, kwargs):
         """A small tensor the twin made on the host (a timestep embedding's table, say) where the real run has it
