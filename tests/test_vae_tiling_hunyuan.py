@@ -185,14 +185,17 @@ def test_the_memory_predictor_traces_the_tiled_decode():
     from composer.memory.trace import LiveBytes, fake_mode
 
     vae = hunyuan_vae()
-    z = torch.randn(1, 4, 2, 24, 40)
+    # 384x640 pixels: at 192x320 the peak is a trunk convolution's im2col buffer on whole frames (the CPU's native
+    # kernel), which tiles do not change (8-pixel tiles: traced 229.7 vs 230.6 MiB, measured 229.5 vs 230.5)
+    z = torch.randn(1, 4, 2, 48, 80)
     peaks = {}
     for way in ("whole", "tiled"):
         with fake_mode() as fake:
             zf = fake.from_tensor(z)
             with LiveBytes() as live, torch.inference_mode():
-                vae.decode(zf) if way == "whole" else decode_tiled_hunyuan(vae, zf, tile=8)
+                vae.decode(zf) if way == "whole" else decode_tiled_hunyuan(vae, zf, tile=16)
         peaks[way] = live.peak
     # on the CPU the waiting tiles stay where they are (on an accelerator they wait on the host): the saving here is
-    # the working set of one tile instead of the whole frame's
+    # the working set of one tile instead of the whole frame's (traced 496.5 vs 918.7 MiB; measured 496.5 vs
+    # 918.6)
     assert 0 < peaks["tiled"] < 0.75 * peaks["whole"]
