@@ -27,7 +27,7 @@ def test_the_registry_is_the_backend_modules_and_the_only_list_of_names(capsys):
     from composer.cli.main import main
 
     with pytest.raises(SystemExit):
-        main(["generate", "--help"])
+        main(["generate", "--help-all"])  # (every flag: --help shows the common ones)
     assert f"(one of: {', '.join(backend_choices())})" in " ".join(capsys.readouterr().out.split())
     assert main(["models"]) == 0
     listed = capsys.readouterr().out

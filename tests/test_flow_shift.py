@@ -166,7 +166,7 @@ def test_help_says_the_default_is_the_folders_scheduler_setting(capsys):
     from composer.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--help"])
+        main(["generate", "--help-all"])  # (every flag: --help shows the common ones)
     assert exit_info.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
     flow_shift_help = help_text.rsplit("--flow-shift FLOAT", 1)[1].split("--seed", 1)[0]

@@ -251,7 +251,7 @@ def test_the_cli_flag(cli, capsys, tiny_causal_dir, tmp_path):
     from composer.cli.main import main
 
     with pytest.raises(SystemExit):
-        main(["generate", "--help"])
+        main(["generate", "--model-path", str(tiny_causal_dir), "--help-all"])  # defaults: the causal model's
     help_text = " ".join(capsys.readouterr().out.split())
     flag_help = help_text.rsplit("--prompt-switch STR", 1)[1].split(" --", 1)[0]
     assert "(one of: restart, keep, recache) (default: restart)" in flag_help and "causal-streaming.md" in flag_help

@@ -190,7 +190,7 @@ def test_the_cli_refuses_bad_inputs_before_loading(cli, vace_dir, tmp_path, monk
                        "--reference-image", tmp_path / "none.png", "--conditioning-scale", "inf", "--height", "48",
                        "--width", "80", "--output", tmp_path / "out.mp4")
     assert code == 1 and err.startswith("composer: error: invalid request (nothing was loaded or generated)"), err
-    for words in ("--mask", "not 32x32", "--reference-images", "none.png", "--conditioning-scale"):
+    for words in ("--mask", "not 32x32", "--reference-image ", "none.png", "--conditioning-scale"):  # flags as typed
         assert words in err, err
     assert "Traceback" not in err
 
