@@ -35,6 +35,7 @@ def causal_dir(tiny_wan_dir, tmp_path_factory):
     return root / "model"
 
 
+@pytest.mark.slow  # a real process
 def test_stream_writes_the_video_block_by_block(causal_dir, tmp_path):
     out = tmp_path / "stream.mp4"
     run = cli("generate", "--model-path", causal_dir, "--prompt", "a red circle", *SIZE, "--num-frames", "29",

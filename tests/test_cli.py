@@ -47,6 +47,7 @@ def read_video(path):
     return frames  # [T, H, W, 3]
 
 
+@pytest.mark.slow  # a real process (the quick tier keeps test_bad_inputs.py's)
 def test_generate_writes_a_playable_mp4(tiny_wan_dir, tmp_path):
     out = tmp_path / "clip.mp4"
     run = composer_process("generate", "--model-path", tiny_wan_dir, "--prompt", "a red circle", *SMALL,

@@ -642,6 +642,7 @@ def test_a_closed_swapped_cache_frees_nothing_twice():
     assert pool.stats().used_bytes == 0
 
 
+@pytest.mark.slow
 def test_a_session_between_extends_lends_its_pages_to_a_higher_priority_stream(unlimited):
     """A 'keep' session holds its KV cache between extends; under a budget for one stream, a priority-1 stream
     moves that idle cache to host memory, runs to its end, and the session's next extend brings it back and

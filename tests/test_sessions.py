@@ -42,7 +42,8 @@ def small(gen) -> dict:
     return {} if "shapes" in str(gen.pipeline.folder) else {"height": 32, "width": 32, "guidance_scale": 3.0}
 
 
-@pytest.mark.parametrize("mode", ["restart", "keep", "recache"])
+@pytest.mark.parametrize("mode", [pytest.param("restart", marks=pytest.mark.slow), "keep",
+                                  pytest.param("recache", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("model", ["shapes", "windowed"])
 def test_a_fork_and_its_parent_each_continue_as_a_linear_stream(model, mode, request):
     gen = request.getfixturevalue(model)

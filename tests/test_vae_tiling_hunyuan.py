@@ -79,6 +79,7 @@ def test_hunyuan_tiles_need_the_whole_videos_statistics(monkeypatch):
     assert seen and uint8_diff(local, whole) > 2 and uint8_diff(no_halo, whole) > 2
 
 
+@pytest.mark.slow
 def test_hunyuan15_tiled_decode_equals_the_whole_decode():
     vae = hunyuan15_vae()
     z = torch.randn(1, 8, 3, 6, 10, generator=torch.Generator().manual_seed(2))
@@ -180,6 +181,7 @@ def test_a_hunyuan_decode_split_over_ranks_equals_one_rank(tmp_path, world):
         torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), one, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_the_memory_predictor_traces_the_tiled_decode():
     """The planner's fake trace runs the same code: a tiled HunyuanVideo decode predicts less than the whole one."""
     from composer.memory.trace import LiveBytes, fake_mode

@@ -38,7 +38,8 @@ def _worker(rank, world, folder, image, runtime, out):
     torch.save({"latents": result.latents, "frames": torch.from_numpy(result.frames)}, f"{out}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize("runtime", [dict(ulysses_degree=2), dict(tp_size=2)], ids=["ulysses2", "tp2"])
+@pytest.mark.parametrize("runtime", [dict(ulysses_degree=2), pytest.param(dict(tp_size=2), marks=pytest.mark.slow)],
+                         ids=["ulysses2", "tp2"])
 def test_layout_equals_one_process(folder_and_image, runtime, tmp_path, one_thread):
     folder, image = folder_and_image
     expected = _generate(folder, image)
