@@ -250,3 +250,37 @@ def test_a_sessions_next_prompt_and_a_live_switch_are_held_to_the_same_limit():
             session.extend(HUGE, 1)
     with pytest.raises(RequestProblem, match=f"expected at most {MAX_TEXT_CHARS} characters"):
         _client_message({"type": "prompt", "prompt": HUGE}, None, None)
+
+
+class _LockCheckingTokenizer:
+    """A tokenizer that records, at every call, whether the calling thread holds its lock (stages.base)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __call__(self, *args, **kwargs):
+        from composer.stages.base import tokenizer_lock
+
+        self.calls.append(tokenizer_lock(self)._is_owned())
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_every_tokenizer_call_of_the_text_encoding_holds_the_tokenizers_lock(shapes):
+    """A fast tokenizer sets its truncation and padding on the shared object at each call: the length count (no
+    truncation) of one request beside another's padded encoding gave a prompt of 6 tokens where 24 were checked
+    (six served jobs at once failed). Every call, the length count's and the encoding's, holds the lock."""
+    from composer.batch import ForwardBatch
+
+    stage = shapes.pipeline.stage("TextEncodingStage")
+    original = stage.tokenizer
+    stage.tokenizer = checking = _LockCheckingTokenizer(original)
+    stage.__dict__.pop("_tail", None)
+    try:
+        stage.forward(ForwardBatch(prompt=[LONG + " once more"], negative_prompt=["blurry, once more"],
+                                   guidance_scale=5.0))
+    finally:
+        stage.tokenizer = original
+    assert len(checking.calls) >= 3 and all(checking.calls), checking.calls  # counts, then encodings

@@ -7,7 +7,9 @@ The pipeline runs both kinds through the public `__call__` / `iter_call`; nothin
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +29,22 @@ def drives_task(forward):
     """Mark a stage's `forward` as `drive(self.forward_task(batch))` (see `Stage.has_task`)."""
     forward.drives_task = True
     return forward
+
+
+_tokenizer_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_tokenizer_locks_guard = threading.Lock()
+
+
+def tokenizer_lock(tokenizer: Any) -> threading.RLock:
+    """The process-wide lock of a tokenizer, held around every call of it. A fast tokenizer keeps its truncation and
+    padding settings on its Rust object and sets them at each call, so two threads calling it with different settings
+    (a prompt's length counted untruncated beside another request's padded encoding) get each other's: a prompt
+    padded to 6 tokens instead of 24."""
+    with _tokenizer_locks_guard:
+        lock = _tokenizer_locks.get(tokenizer)
+        if lock is None:
+            lock = _tokenizer_locks[tokenizer] = threading.RLock()
+        return lock
 
 
 class Stage:

@@ -19,6 +19,7 @@ import torch
 
 from composer.batch import ForwardBatch, PromptExtras
 from composer.logging import get_logger
+from composer.stages.base import tokenizer_lock
 from composer.stages.template_text_encoding import TemplateTextEncodingStage
 
 logger = get_logger(__name__)
@@ -77,25 +78,29 @@ class ChatTextEncodingStage(TemplateTextEncodingStage):
     def count_template_tokens(self) -> int:
         """Tokens before the prompt: the chat template's text up to the user's content (the system turn)."""
         marker = "\x00prompt\x00"
-        text = self.tokenizer.apply_chat_template(self._conversation(marker), add_generation_prompt=True,
-                                                  tokenize=False)[0]
-        count = len(self.tokenizer(text.split(marker)[0], add_special_tokens=False).input_ids)
+        with tokenizer_lock(self.tokenizer):
+            text = self.tokenizer.apply_chat_template(self._conversation(marker), add_generation_prompt=True,
+                                                      tokenize=False)[0]
+            count = len(self.tokenizer(text.split(marker)[0], add_special_tokens=False).input_ids)
         logger.debug("chat template: %d tokens before the prompt are cropped", count)
         return count
 
     def prompt_tokens(self, text: str) -> int:
         """The prompt's tokens in the chat template, the system turn before it (the crop) left out."""
-        ids = self.tokenizer.apply_chat_template(self._conversation(text), add_generation_prompt=True,
-                                                 tokenize=True, return_dict=True)["input_ids"]
+        with tokenizer_lock(self.tokenizer):
+            ids = self.tokenizer.apply_chat_template(self._conversation(text), add_generation_prompt=True,
+                                                     tokenize=True, return_dict=True)["input_ids"]
         return len(ids[0] if ids and isinstance(ids[0], list) else ids) - self.crop_start
 
     @torch.no_grad()
     def _encode_uncached(self, text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = next(self.text_encoder.parameters()).device
-        inputs = self.tokenizer.apply_chat_template(
-            self._conversation(text), add_generation_prompt=True, tokenize=True, return_dict=True,
-            padding="max_length", max_length=self.crop_start + self.max_length, truncation=True, return_tensors="pt",
-        )
+        with tokenizer_lock(self.tokenizer):
+            inputs = self.tokenizer.apply_chat_template(
+                self._conversation(text), add_generation_prompt=True, tokenize=True, return_dict=True,
+                padding="max_length", max_length=self.crop_start + self.max_length, truncation=True,
+                return_tensors="pt",
+            )
         mask = inputs["attention_mask"]
         out = self.text_encoder(input_ids=inputs["input_ids"].to(device), attention_mask=mask.to(device),
                                 output_hidden_states=True)
@@ -108,8 +113,9 @@ class ChatTextEncodingStage(TemplateTextEncodingStage):
         if quoted is None:
             return None
         device = next(self.text_encoder_2.parameters()).device
-        tokens = self.tokenizer_2(quoted, padding="max_length", max_length=self.max_length_2, truncation=True,
-                                  add_special_tokens=True, return_tensors="pt")
+        with tokenizer_lock(self.tokenizer_2):
+            tokens = self.tokenizer_2(quoted, padding="max_length", max_length=self.max_length_2, truncation=True,
+                                      add_special_tokens=True, return_tensors="pt")
         mask = tokens.attention_mask
         states = self.text_encoder_2(input_ids=tokens.input_ids.to(device),
                                      attention_mask=mask.to(device).float())[0][0]

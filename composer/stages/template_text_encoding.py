@@ -19,7 +19,7 @@ import torch
 
 from composer.batch import ForwardBatch, PromptExtras
 from composer.logging import get_logger
-from composer.stages.base import Stage
+from composer.stages.base import Stage, tokenizer_lock
 from composer.stages.text_encoding import PromptLengths
 from composer.stages.validators import V, VerificationResult
 
@@ -61,13 +61,15 @@ class TemplateTextEncodingStage(PromptLengths, Stage):
     def count_template_tokens(self) -> int:
         """Tokens before the prompt: BOS (when the tokenizer adds one) and the template's text before '{}'."""
         prefix = self.template.split("{}")[0]
-        count = len(self.tokenizer(prefix, add_special_tokens=True).input_ids)
+        with tokenizer_lock(self.tokenizer):
+            count = len(self.tokenizer(prefix, add_special_tokens=True).input_ids)
         logger.debug("prompt template: %d tokens before the prompt are cropped", count)
         return count
 
     def prompt_tokens(self, text: str) -> int:
         """The prompt's tokens in the template, the template's text before it (the crop) left out."""
-        ids = self.tokenizer(self.template.format(text), truncation=False, verbose=False).input_ids
+        with tokenizer_lock(self.tokenizer):
+            ids = self.tokenizer(self.template.format(text), truncation=False, verbose=False).input_ids
         return len(ids) - self.crop_start
 
     def token_limits(self) -> list[tuple[int, str]]:
@@ -82,18 +84,20 @@ class TemplateTextEncodingStage(PromptLengths, Stage):
     @torch.no_grad()
     def _encode_uncached(self, text: str) -> Encoded:
         device = next(self.text_encoder.parameters()).device
-        inputs = self.tokenizer(
-            [self.template.format(text)], max_length=self.crop_start + self.max_length, padding="max_length",
-            truncation=True, padding_side="right", return_attention_mask=True, return_tensors="pt",
-        )
+        with tokenizer_lock(self.tokenizer):
+            inputs = self.tokenizer(
+                [self.template.format(text)], max_length=self.crop_start + self.max_length, padding="max_length",
+                truncation=True, padding_side="right", return_attention_mask=True, return_tensors="pt",
+            )
         mask = inputs.attention_mask.to(device)
         out = self.text_encoder(input_ids=inputs.input_ids.to(device), attention_mask=mask, output_hidden_states=True)
         states = out.hidden_states[-(self.hidden_layers_to_skip + 1)][0, self.crop_start:]
         length = int(inputs.attention_mask[0, self.crop_start:].sum())  # host-side: no device sync
         device_2 = next(self.text_encoder_2.parameters()).device
-        ids_2 = self.tokenizer_2(
-            [text], padding="max_length", max_length=self.max_length_2, truncation=True, return_tensors="pt"
-        ).input_ids
+        with tokenizer_lock(self.tokenizer_2):
+            ids_2 = self.tokenizer_2(
+                [text], padding="max_length", max_length=self.max_length_2, truncation=True, return_tensors="pt"
+            ).input_ids
         pooled = self.text_encoder_2(ids_2.to(device_2), output_hidden_states=False).pooler_output[0]
         return states[:max(length, 1)], pooled
 

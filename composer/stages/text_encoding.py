@@ -12,7 +12,7 @@ import torch
 
 from composer.batch import ForwardBatch
 from composer.logging import get_logger
-from composer.stages.base import Stage
+from composer.stages.base import Stage, tokenizer_lock
 from composer.stages.validators import V, VerificationResult
 
 logger = get_logger(__name__)
@@ -124,7 +124,8 @@ class TextEncodingStage(PromptLengths, Stage):
     def prompt_tokens(self, text: str) -> int:
         """The prompt's tokens as encoded (cleaned, with the end token), without the cut at max_length."""
         text = clean_prompt(text) if self.clean else text
-        return len(self.tokenizer(text, add_special_tokens=True, truncation=False, verbose=False).input_ids)
+        with tokenizer_lock(self.tokenizer):
+            return len(self.tokenizer(text, add_special_tokens=True, truncation=False, verbose=False).input_ids)
 
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
         shape = [batch.batch_size, self.max_length, None]
@@ -134,15 +135,9 @@ class TextEncodingStage(PromptLengths, Stage):
 
     @torch.no_grad()
     def _encode_uncached(self, texts: list[str]) -> torch.Tensor:
-        inputs = self.tokenizer(
-            texts,
-            padding="max_length",
-            max_length=self.max_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
+        with tokenizer_lock(self.tokenizer):
+            inputs = self.tokenizer(texts, padding="max_length", max_length=self.max_length, truncation=True,
+                                    add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
         device = next(self.text_encoder.parameters()).device
         mask = inputs.attention_mask.to(device)
         hidden = self.text_encoder(inputs.input_ids.to(device), mask).last_hidden_state

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from composer.stages.base import Stage
+from composer.stages.base import Stage, tokenizer_lock
 
 
 def cache_keyword(fn: Any) -> str:
@@ -51,9 +51,11 @@ class ChatTokenizationStage(Stage):
     def forward(self, batch):
         from composer.text.pipeline import prompt_tokens_checked, warn_unknown_tokens
 
-        batch = self._encode(batch)
-        prompt_tokens_checked(batch, self.limits)
-        warn_unknown_tokens(getattr(self.processor, "tokenizer", self.processor), batch)
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        with tokenizer_lock(tokenizer):  # (its padding settings are the object's: one call at a time)
+            batch = self._encode(batch)
+            prompt_tokens_checked(batch, self.limits)
+            warn_unknown_tokens(tokenizer, batch)
         return batch
 
     def _encode(self, batch):

@@ -20,7 +20,7 @@ import torch
 from composer.cancel import CancelToken
 from composer.logging import get_logger
 from composer.pipelines.base import ComposedPipeline, RequestGate
-from composer.stages.base import Stage
+from composer.stages.base import Stage, tokenizer_lock
 from composer.stages.validators import VerificationResult
 from composer.text import refinement, strategies
 from composer.text.batching import ForwardBatcher
@@ -84,9 +84,10 @@ class PromptTokenizationStage(Stage):
         self.limits = limits
 
     def forward(self, batch: TextBatch) -> TextBatch:
-        batch = self._encode(batch)
-        prompt_tokens_checked(batch, self.limits)
-        warn_unknown_tokens(self.tokenizer, batch)
+        with tokenizer_lock(self.tokenizer):  # (its padding settings are the object's: one call at a time)
+            batch = self._encode(batch)
+            prompt_tokens_checked(batch, self.limits)
+            warn_unknown_tokens(self.tokenizer, batch)
         return batch
 
     def _encode(self, batch: TextBatch) -> TextBatch:
