@@ -456,7 +456,8 @@ def stream_round(load, args, stalled: bool, frames_dir: Path, slots: int, genera
                                  "status_while": status, "pause_s": pause_s}
             if now != paused_at:
                 result["checks"].append(f"the stalled stream moved from {paused_at} to {now} while it stalled")
-            stack.close()  # the client leaves: its stream is cancelled (or it already failed on the stall timeout)
+            stack.close()  # the client leaves while its stream waits for it: failed as stalled (or cancelled if it
+            # had caught up)
             end = client.wait(stalled_id, time.monotonic() + 60)["status"]
             result["stalled"]["end"] = end
             if end not in ("cancelled", "failed"):

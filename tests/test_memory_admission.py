@@ -24,7 +24,7 @@ from composer.memory import HEADROOM, MemoryAdmission, MemoryShare, RequestMemor
 from composer.memory.predict import StageMemory
 
 SHORT = dict(num_inference_steps=3)  # the shapes model's 17x64x64 default video
-WIDE_IN_TIME = dict(num_inference_steps=3, num_frames=97, height=32, width=32)  # its transformer calls are its peak
+WIDE_IN_TIME = dict(num_inference_steps=3, num_frames=385, height=16, width=16)  # its transformer calls are its peak
 
 
 @pytest.fixture(scope="module")

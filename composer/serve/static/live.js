@@ -6,8 +6,9 @@
 
 class LiveStream {
   // request: the first message ({prompt, ...sampling fields, num_blocks}); handlers: onEvent(message) for each
-  // JSON message, onFrame(blob, info) for each frame at its time, onEnded() when the socket closes (frames may still
-  // be due), onClose(info) once, when it is over (the last frame shown).
+  // JSON message, onFrame(blob, info) for each frame at its time, onQueued(waiting) when a frame arrives that waits
+  // for its time, onEnded() when the socket closes (frames may still be due), onClose(info) once, when it is over
+  // (the last frame shown).
   constructor(url, request, handlers, WebSocketImpl = window.WebSocket) {
     this.request = request;
     this.handlers = handlers;
@@ -31,6 +32,7 @@ class LiveStream {
       this.frames.push({blob: data, chunk: this.chunk});
       this.expected -= 1;
       this.pace();
+      if (this.frames.length && this.handlers.onQueued) this.handlers.onQueued(this.frames.length);
       return;
     }
     let message;
@@ -141,6 +143,7 @@ class LiveTile {
     this.stream = new LiveStreamImpl(streamUrl(), request, {
       onEvent: (message) => this.event(message),
       onFrame: (blob, info) => this.frame(blob, info),
+      onQueued: (waiting) => this.showStatus({waiting}),
       onEnded: () => this.ended(),
       onClose: (info) => this.close(info),
     });
