@@ -36,11 +36,11 @@ demo: install
 	$(ENV_DIR)/bin/composer generate --prompt "$(PROMPT)" --seed $(SEED) --output $(OUTPUT) --overwrite
 
 # Test processes (pytest-xdist): each test file runs whole in one of them (--dist loadfile: a file's fixtures are built
-# once); every test process uses one intra-op thread (tests/conftest.py), so 2 fill a 2-core machine. The full tier
-# runs 3: a quarter of its time is spent waiting on the processes it starts (torchrun ranks, servers, the CLI), and
-# with 2 the cores sat idle then (14:19 on 2 cores at 2026-11-27, 73% of both busy).
-TEST_JOBS ?= 2
-TEST_JOBS_ALL ?= 3
+# once); every test process uses one intra-op thread (tests/conftest.py). 3 on a 2-core machine: part of the tests'
+# time is spent waiting on the processes and servers they start, and with 2 the cores sat idle then (the full tier
+# 14:19 with 2, 73% of both cores busy; 12:54 with 3; 2026-11-27).
+TEST_JOBS ?= 3
+TEST_JOBS_ALL ?= $(TEST_JOBS)
 
 # The quick tier (<= 5 minutes on 2 CPU cores): everything but the tests marked slow (long end-to-end runs, subprocess
 # launches, the scripts' own runs). `make test-all` runs every test (<= 15 minutes; what CI runs).

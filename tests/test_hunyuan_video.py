@@ -265,8 +265,8 @@ def _parallel_worker(rank, world, folder, runtime, request, out_dir):
                 "hooks": gen.pipeline.applied_hooks}, f"{out_dir}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize("runtime", [pytest.param(dict(cfg_parallel=True), marks=pytest.mark.slow),  # quick: ulysses2
-                                     dict(ulysses_degree=2)], ids=["cfg2", "ulysses2"])
+@pytest.mark.slow  # (the quick tier's sequence-parallel case: test_wan_i2v_parallel.py)
+@pytest.mark.parametrize("runtime", [dict(cfg_parallel=True), dict(ulysses_degree=2)], ids=["cfg2", "ulysses2"])
 def test_parallel_layouts_equal_one_process(tiny_hunyuan, gen, tmp_path, one_thread, runtime):
     """On two gloo ranks: CFG parallel (true CFG's two branches, texts of different lengths: each rank runs its
     branch with its key mask) and Ulysses (each rank a part of every frame, the text whole on both; the batched

@@ -244,6 +244,7 @@ def _check_ranks(world_size: int, out_dir, expected: dict[str, torch.Tensor]) ->
             assert diff <= 1e-5, f"rank {rank} of {world_size}, {key}: max abs diff {diff}"
 
 
+@pytest.mark.slow  # (the quick tier keeps the sharded layers' parity)
 def test_tp2_model_and_lora_equal_one_process(dit_folder, tmp_path):
     lora_path = tmp_path / "lora.safetensors"
     _write_lora(_meta(WanTransformer3DModel, WanTransformerConfig.from_dict(MODEL)), lora_path)

@@ -115,6 +115,7 @@ def test_a_cancelled_request_leaves_the_others_exact(t2v):
         assert_same_video(results[s], solo[s])
 
 
+@pytest.mark.slow  # (the quick tier's priority case: test_request_loop.py)
 def test_a_high_priority_request_started_later_finishes_first(t2v):
     gen, _ = t2v
     long_request = dict(REQUEST, num_inference_steps=60, height=48, width=48)
@@ -177,7 +178,8 @@ def step_tokens(t2v):
     return unit_tokens(shapes[0], gen.pipeline.modules["transformer"].config.patch_size)
 
 
-@pytest.mark.parametrize("units_per_call", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (the quick tier keeps max_batch_size's bound)
+@pytest.mark.parametrize("units_per_call", [1, 2])
 def test_max_batch_tokens_bounds_the_tokens_in_a_call(t2v, step_tokens, units_per_call, one_thread):
     solo_gen, _ = t2v
     seeds = (41, 42, 43)

@@ -104,6 +104,7 @@ def test_a_short_job_submitted_after_a_long_one_finishes_first_with_its_solo_fra
         srv.stop()
 
 
+@pytest.mark.slow  # (the quick tier's served jobs sharing calls: test_text_to_video_jobs_run_as_tasks_with_no_thread_each)
 def test_jobs_released_together_share_transformer_calls_and_give_their_solo_frames(gated, t2v, tmp_path):
     srv = start(gated, tmp_path)
     fields = {"num_inference_steps": 12, "num_frames": 5}

@@ -471,8 +471,8 @@ def _parallel_worker(rank, world, folders, runtime, out_dir):
         torch.save(torch.from_numpy(frames), f"{out_dir}/{kind}-rank{rank}.pt")
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name != "tp2" else name
-                                    for name in LAYOUTS])  # tp2 in the quick tier, every layout in the full tier
+@pytest.mark.slow  # every layout in the full tier (the quick tier's layouts: test_parallel_*.py)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parallel_layouts_equal_one_process(layout, a14b_dir, ti2v_dir, a14b_gen, ti2v_gen, tmp_path):
     from composer.testing.distributed import spawn
 

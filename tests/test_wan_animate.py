@@ -92,7 +92,8 @@ def reference_frames(pipe, request: dict) -> np.ndarray:
     return (out * 255).round().astype(np.uint8)
 
 
-@pytest.mark.parametrize("name", list(CASES))  # (about a second each)
+@pytest.mark.parametrize("name", [n if n in ("animate", "replace-cfg") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in CASES])  # (about a second each; the quick tier keeps one per mode)
 def test_frames_match_diffusers(animate_dir, gen, name):
     request = {**BASE, **CASES[name]}
     ours = gen.generate_video(**request)
