@@ -50,7 +50,42 @@ class _Call:
     done: bool = False
 
 
-class CallBatcher:
+class Holdable:
+    """`held()` and `wait_for_units(n)` for a batcher whose callers wait on `self._cv` for `self._pending` (the
+    decode's CallBatcher, the StepScheduler, the text ForwardBatcher): while held no call starts and the units
+    submitted meanwhile gather, so the first call after release takes them together. This is what makes "these
+    requests share a call" independent of two threads overlapping in time (tests, and callers that submit several
+    requests as one)."""
+
+    _holds = 0  # while above 0 no call starts
+
+    def pending_count(self) -> int:
+        """(Lock held) What `wait_for_units` counts: the units queued."""
+        return len(self._pending)
+
+    def on_release(self) -> None:
+        """(Lock held) Called when the last hold ends, after the waiting callers were woken."""
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """No call starts while held."""
+        with self._cv:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
+                self.on_release()
+
+    def wait_for_units(self, count: int, timeout: float) -> bool:
+        """Wait until `pending_count()` reaches `count` (with `held()`); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self.pending_count() >= count, timeout)
+
+
+class CallBatcher(Holdable):
     """`submit(key, payload, rows)` -> `run_batch([payload, ...])[i]`, batching calls of equal keys that queue up
     while another runs (see the module docstring). `lock`: held around every run (a module's lock)."""
 
@@ -72,26 +107,6 @@ class CallBatcher:
         # each batch, the other ranks run the batches it names.
         self.planner: Any = None
         self.plan_index: int | None = None
-        self._holds = 0  # `held()`: while above 0 no call starts; calls gather
-
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        """No call starts while held: the calls submitted meanwhile gather, and the first run after release takes
-        those of one key together (what batching them does not leave to two threads overlapping in time)."""
-        with self._cv:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._holds -= 1
-                self._cv.notify_all()
-
-    def wait_for_units(self, calls: int, timeout: float) -> bool:
-        """Wait until `calls` calls are pending (with `held()`); False on timeout."""
-        with self._cv:
-            return self._cv.wait_for(lambda: len(self._pending) >= calls, timeout)
-
     def submit(self, key: Any, payload: Any, rows: int = 1, plan_key: Any = None) -> Any:
         """`plan_key`: what names this call on every rank (a request key and a position), for planned batchers."""
         call = _Call(key, payload, rows, next(self._seq), plan_key)

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from composer.engine.batcher import Holdable
 from composer.engine.inputs import ModelInputs
 from composer.logging import get_logger
 
@@ -203,7 +204,7 @@ class SchedulerStats:
     settle_seconds: float = 0.0  # time ready calls were held back for requests outside a loop (`settle_s`)
 
 
-class StepScheduler:
+class StepScheduler(Holdable):
     """Runs the transformer calls of every request using one denoising engine (see the module docstring).
 
     `run_solo(unit)` runs one unit exactly as a request alone would; `run_batch(units)` runs several compatible
@@ -237,7 +238,6 @@ class StepScheduler:
         self._running = False
         self._settling: float | None = None  # since when the ready call waits for requests outside a loop
         self._seq = itertools.count()
-        self._holds = 0  # `held()`: while above 0 no call starts; units gather
         # called (lock held: quick) after every call: a RequestLoop waiting to run the next iteration wakes up
         self.listeners: list[Callable[[], None]] = []
 
@@ -256,26 +256,13 @@ class StepScheduler:
                     self._in_loop[request.id] = depth
                 self._cv.notify_all()
 
-    # -- holding (tests, and callers that submit several requests as one) -----------------------------------
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        """No call starts while held: the units of every request submitted meanwhile gather, and the first call
-        after release takes them together (what batching them does not leave to two threads overlapping in time)."""
-        with self._cv:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._holds -= 1
-                self._cv.notify_all()
-                for listener in self.listeners:
-                    listener()
+    # -- holding (Holdable): units count per request, and a RequestLoop waiting to run is woken --------------
+    def pending_count(self) -> int:
+        return len({u.request.id for u in self._pending})
 
-    def wait_for_units(self, requests: int, timeout: float) -> bool:
-        """Wait until units of `requests` different requests are pending (with `held()`); False on timeout."""
-        with self._cv:
-            return self._cv.wait_for(lambda: len({u.request.id for u in self._pending}) >= requests, timeout)
+    def on_release(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     # -- submitting ---------------------------------------------------------------------------------------
     def submit(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],

@@ -16,11 +16,11 @@ another share every call.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from composer.engine.batcher import Holdable
 
 
 @dataclass(eq=False)
@@ -43,7 +43,7 @@ class BatchStats:
     extras: dict = field(default_factory=dict)
 
 
-class ForwardBatcher:
+class ForwardBatcher(Holdable):
     def __init__(self, model: torch.nn.Module, pad_id: int, max_rows: int | None = None,
                  max_tokens: int | None = None):
         self.model = model
@@ -54,25 +54,6 @@ class ForwardBatcher:
         self._cv = threading.Condition()
         self._pending: list[_Unit] = []
         self._running = False
-        self._holds = 0  # `held()`: while above 0 no call starts; units gather
-
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        """No call starts while held: the units submitted meanwhile gather, and the first call after release takes
-        them together (what batching them does not leave to two threads overlapping in time)."""
-        with self._cv:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._holds -= 1
-                self._cv.notify_all()
-
-    def wait_for_units(self, units: int, timeout: float) -> bool:
-        """Wait until `units` units are pending (with `held()`); False on timeout."""
-        with self._cv:
-            return self._cv.wait_for(lambda: len(self._pending) >= units, timeout)
 
     def logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
                block: int) -> torch.Tensor:
