@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +47,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from composer import seeds
 from composer.errors import WorkerError
 from composer.logging import get_logger
 from composer.parallel.rank_protocol import (
@@ -225,7 +225,7 @@ class RankLeader:
         sampling = kwargs.get("sampling_param") or getattr(self._generator, "default_sampling", None)
         if getattr(sampling, "seed", None) is not None:
             return kwargs
-        return {**kwargs, "seed": random.SystemRandom().randrange(2**32)}
+        return {**kwargs, "seed": seeds.draw_seed()}
 
     def _take(self, method: str, timeout_s: float | None = None) -> list[int] | None:
         """A free slot for `method` (every slot for set_lora / unset_lora / the stop, once no call runs); None if

@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from composer import seeds
 from composer.errors import ConfigError
 from composer.logging import get_logger, set_rank
 from composer.platform import accelerator_device, platform_for
@@ -205,7 +205,7 @@ def is_main_process() -> bool:
 
 def random_seed() -> int:
     """A fresh random seed; under several ranks, rank 0's on every rank (each must draw the same noise)."""
-    seed = random.SystemRandom().randrange(2**32)
+    seed = seeds.draw_seed()
     return _STATE.agree(seed) if _STATE is not None else seed
 
 

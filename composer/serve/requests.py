@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from composer import seeds
 from composer._fields import field_types, json_value_problem
 from composer.errors import ComposerError, InvalidInputError
 from composer.images import refuse_image_knobs
@@ -145,9 +146,7 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
     except ComposerError as exc:
         raise RequestProblem(str(exc)) from None
     if sp.seed is None:  # a fixed seed, so the record says how to make the video again
-        import random
-
-        sp = sp.updated(seed=random.randrange(2**31))
+        sp = sp.updated(seed=seeds.draw_seed())
     record = {k: v for k, v in dataclasses.asdict(sp).items()
               if k not in SERVER_FIELDS and k not in INPUT_FIELDS and _json_safe(v)}
     return CheckedRequest(record, inputs, lora, priority, prompt_warnings(generator.pipeline, sp))

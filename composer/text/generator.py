@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from composer import seeds
 from composer.cancel import CancelToken
 from composer.errors import UnsupportedError
 from composer.logging import get_logger
@@ -138,7 +138,7 @@ class TextGenerator:
         if prompt is not None:
             sp = dataclasses.replace(sp, prompt=prompt)
         if sp.seed is None:
-            sp = dataclasses.replace(sp, seed=random.SystemRandom().randrange(2**32))
+            sp = dataclasses.replace(sp, seed=seeds.draw_seed())
         check_text_request(sp, self.limits)  # the prompt's own tokens: once tokenized, before any forward
         prompts = [sp.prompt] if isinstance(sp.prompt, str) else list(sp.prompt)
         generator = torch.Generator("cpu").manual_seed(sp.seed)  # what a seed means to diffusers' pipeline
