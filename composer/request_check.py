@@ -1,10 +1,11 @@
-"""The up-front check of a whole request: sampling values, output path, fps, segments, start frames.
+"""The one check of a whole request: sampling values, output path, fps, segments, start frames.
 
-It runs before any work: in the CLI before the model loads (the model's constraints read from the folder's
-JSON configs, `ModelLimits.from_folder`), in the API before `generate_video` / `stream_video` do anything
-(`ModelLimits.from_pipeline`). Every problem is reported at once, named as the user wrote it (`--height`
-in the CLI, `height` in Python), with the value given, what is valid and the nearest valid value. The
-pipeline's InputValidationStage stays as the second line of defence.
+It runs once, at submit, before any work: in the CLI before the model loads (the model's constraints read from
+the folder's JSON configs, `ModelLimits.from_folder`), in the server before a job is queued, in the API before
+`generate_video` / `stream_video` do anything (`ModelLimits.from_pipeline`). Every problem is reported at once,
+named as the user wrote it (`--height` in the CLI, `height` in Python), with the value given, what is valid and
+the nearest valid value. A request that passes is a `CheckedRequest`: what the API, the CLI and the server carry
+to the run, which nothing checks again (the pipeline's InputValidationStage asserts what this check established).
 """
 
 from __future__ import annotations
@@ -157,6 +158,93 @@ def _read_json(path: Path, types: dict[str, Any]) -> dict:
     return raw
 
 
+_SEAL = object()  # only check_request makes a CheckedRequest
+
+
+@dataclass(frozen=True, eq=False)
+class CheckedRequest:
+    """A video request that passed the one request check (`check_request`): the request state the Python API, the
+    CLI and the server carry from submit to the run, never checked again. Made only by `check_request`; the
+    generator runs one as it is (`VideoGenerator.generate_video(checked)`), and the stages' input checks are then
+    assertions of what this check established (composer/stages/input_validation.py)."""
+
+    sampling: Any  # the SamplingParam as checked and as run (a prompt list's rows are `videos`, not its prompt)
+    limits: ModelLimits  # what it was checked against (the model's, under a server's caps)
+    segments: Any = None  # (prompt, num_blocks) pairs (a list, checked), a lazy source (checked as read), or None
+    videos: Any = None  # the rows of a prompt list or of num_videos_per_prompt (prompt_lists.VideoRequests), or None
+    stream: bool = False  # checked as a stream (stream_video)
+    _seal: object = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self._seal is not _SEAL:
+            raise TypeError("a CheckedRequest is made by composer.request_check.check_request, not by hand")
+
+    def holds_for(self, limits: ModelLimits) -> bool:
+        """Whether this check covers a run under `limits` (the running model's): the same model rules and no cap
+        looser than the one checked against (a server's caps are the model's or tighter)."""
+        for f in dataclasses.fields(ModelLimits):
+            mine, theirs = getattr(self.limits, f.name), getattr(limits, f.name)
+            if f.name == "reasons":
+                continue
+            if f.name.startswith("max_"):
+                if theirs is not None and (mine is None or mine > theirs):
+                    return False
+            elif mine != theirs:
+                return False
+        return True
+
+    def updated(self, **changes: Any) -> CheckedRequest:
+        """This request with `changes` (SamplingParam fields), for a run after loading (problems named as Python's
+        fields). Fields set after the check (`seed`: a drawn one; `output_path`, `overwrite`: a default path) are
+        checked alone, with the whole check's messages (RequestError); a change of any other field makes another
+        request, checked whole against the same limits."""
+        sampling = self.sampling.updated(**changes)
+        if set(changes) - _SET_AFTER:
+            return check_request(sampling, self.limits, self.segments, stream=self.stream, videos=self.videos)
+        result = VerificationResult()
+        if "seed" in changes and sampling.seed is not None:
+            _check_seed(result, sampling.seed, _rows(sampling, self.videos))
+        if ("output_path" in changes or "overwrite" in changes) and sampling.output_path:
+            _check_output(result, sampling.output_path, bool(getattr(sampling, "overwrite", False)), False)
+        if result.failures:
+            raise RequestError([_as_written(f, v, r, False) for f, v, r in result.failures])
+        return dataclasses.replace(self, sampling=sampling)
+
+
+_SET_AFTER = {"seed", "output_path", "overwrite"}
+
+
+def checked_for(request: CheckedRequest, limits: ModelLimits, *, sampling_param: Any = None, segments: Any = None,
+                overrides: dict[str, Any] | None = None) -> CheckedRequest:
+    """A CheckedRequest handed to a generator whose model has `limits`: as it is when its check covers them (it
+    is not checked again), else checked once more against them (it was checked for another model). It carries
+    the whole request: other request arguments beside it are refused."""
+    given = [name for name, value in (("sampling_param", sampling_param), ("segments", segments)) if value is not None]
+    given += sorted(overrides or {})
+    if given:
+        raise TypeError(f"{', '.join(given)} given with a CheckedRequest, which carries the whole request: set them "
+                        "before checking it (check_request), or pass the request's fields instead of it")
+    if request.holds_for(limits):
+        return request
+    return check_request(request.sampling, limits, request.segments, stream=request.stream, videos=request.videos)
+
+
+def _rows(sp: Any, videos: Any = None) -> int:
+    """The videos a request makes (video i has seed + i): a prompt list's rows, or its copies of one prompt."""
+    if videos is not None:
+        return max(1, len(videos.prompts))
+    if isinstance(sp.prompt, list):
+        return max(1, len(sp.prompt))
+    copies = getattr(sp, "num_videos_per_prompt", 1)
+    return copies if V.positive_int(copies) else 1
+
+
+def _check_seed(result: VerificationResult, seed: Any, rows: int) -> None:
+    """Every row's seed (seed + i) is a valid generator seed."""
+    hint = f"video i of {rows} has seed + i" if rows > 1 else ""
+    result.add_check("seed", seed, V.int_in_range(0, SEED_MAX - rows + 1), hint=hint)
+
+
 def check_request(
     sp: Any,
     limits: ModelLimits,
@@ -165,12 +253,23 @@ def check_request(
     cli: bool = False,
     stream: bool = False,
     flags: dict[str, str] | None = None,
-) -> None:
-    """Raise one RequestError listing every problem of the request `sp` (a SamplingParam) for this model.
+    videos: Any = None,
+) -> CheckedRequest:
+    """The one check of a video request, at submit: raise one RequestError listing every problem of the request
+    `sp` (a SamplingParam) for this model, else return it as a CheckedRequest, which nothing checks again.
 
     `segments`: (prompt, num_blocks) pairs (a list is checked here; a lazy source is checked as it is read).
     `flags`: in the CLI, the spelling the user typed per field (problems name the flag as typed).
+    `videos`: the rows of a prompt list (composer.prompt_lists.VideoRequests: each is checked as a prompt).
     """
+    checked = sp if videos is None else dataclasses.replace(sp, prompt=videos.prompts)
+    _check_fields(checked, limits, segments, cli=cli, stream=stream, flags=flags, rows=_rows(sp, videos))
+    return CheckedRequest(sp, limits, segments, videos, stream, _SEAL)
+
+
+def _check_fields(sp: Any, limits: ModelLimits, segments: Iterable | None, *, cli: bool, stream: bool,
+                  flags: dict[str, str] | None, rows: int) -> None:
+    """check_request's checks (every problem, then one RequestError): what runs once per request."""
     result = VerificationResult()
     start_latent_frames = _check_start_frames(result, sp, limits.temporal_factor or 4)
     _check_input_images(result, sp, limits)
@@ -185,7 +284,7 @@ def check_request(
     if stream and limits.frames_per_block is None:
         result.add_failure("stream", True, "off: this model makes the whole video at once and cannot stream; "
                            "causal (block-autoregressive) models can")
-    if segments is None:
+    if segments is None or (explicit is None and sp.prompt is not None):  # a lazy source: its first prompt, read
         _check_prompt(result, sp.prompt, stream)
     for name, value, rule in text_length_problems(sp, explicit):
         result.failures.append((name, value, rule))
@@ -211,7 +310,7 @@ def check_request(
         else:
             result.add_failure("flow_shift", sp.flow_shift, "unset (the model folder fixes the schedule's shift)")
     if sp.seed is not None:
-        result.add_check("seed", sp.seed, V.int_in_range(0, SEED_MAX))
+        _check_seed(result, sp.seed, rows)
     for name, rule in (("rollout_blocks", V.positive_int), ("overlap_frames", V.int_in_range(0, 10**6))):
         if getattr(sp, name, None) is not None:
             result.add_check(name, getattr(sp, name), rule)
@@ -231,14 +330,18 @@ def check_cli_request(
     stream: bool = False,
     interactive_blocks: int | None = None,
     flags: dict[str, str] | None = None,
-) -> None:
+    resolved: Any = None,
+) -> CheckedRequest:
     """`composer generate`'s check before loading: the flags' types, then the whole request against the
-    constraints the model folder's JSON configs state (no weights are read). `interactive_blocks`: with
-    --interactive, the first prompt runs for that many blocks (num_frames does not apply). `flags`: the spelling
-    the user typed for a field (gen_length: --max-new-tokens), as problems name it."""
-    from composer.generator import resolve_model  # the generator imports this module
+    constraints the model folder's JSON configs state (no weights are read); the request as checked.
+    `interactive_blocks`: with --interactive, the first prompt runs for that many blocks (num_frames does not
+    apply). `flags`: the spelling
+    the user typed for a field (gen_length: --max-new-tokens), as problems name it. `resolved`: the model as
+    `composer.generator.resolve_model` found it (the CLI resolves it once); None: resolved here."""
+    if resolved is None:
+        from composer.generator import resolve_model  # the generator imports this module
 
-    resolved = resolve_model(model_path, model_family)
+        resolved = resolve_model(model_path, model_family)
     index = resolved.index
     config = resolved.configs.pipeline_config().updated_from_folder(index.extra)
     limits = ModelLimits.from_folder(index.folder, config)
@@ -265,12 +368,14 @@ def check_cli_request(
     sp = defaults.updated(**typed)  # unknown keys (another family's field): ConfigError
     if interactive_blocks is not None and segments is None and isinstance(sp.prompt, str) and sp.prompt.strip():
         segments = [(sp.prompt, interactive_blocks)]
+    checked = None
     try:
-        check_request(sp, limits, segments, cli=True, stream=stream, flags=flags)
+        checked = check_request(sp, limits, segments, cli=True, stream=stream, flags=flags)
     except RequestError as exc:
         failures += exc.failures
     if failures:
         raise RequestError(failures, cli=True)
+    return checked
 
 
 # What a model lacking a knob another family takes cannot do, in the user's words ("cannot do video-to-video").

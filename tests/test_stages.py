@@ -7,7 +7,7 @@ import torch
 
 from composer.batch import ForwardBatch
 from composer.errors import InvalidInputError, StageVerificationError
-from composer.stages.base import Stage
+from composer.stages.base import Stage, StageInvariantError
 from composer.stages.denoising import DenoisingStage
 from composer.stages.input_validation import InputValidationStage
 from composer.stages.latents import LatentPreparationStage
@@ -19,20 +19,27 @@ def _batch(**kwargs):
     return ForwardBatch(prompt=["a cat"], **kwargs)
 
 
-def test_verification_error_names_stage_field_value_and_rule():
+def test_an_input_check_is_an_assertion_naming_stage_field_value_and_rule():
+    """A user's request is checked at submit (composer.request_check); a stage's input check that fails is a bug,
+    an AssertionError, not a user's InvalidInputError, and it says where."""
     stage = InputValidationStage(spatial_multiple=16, temporal_factor=4)
-    with pytest.raises(StageVerificationError) as info:
+    with pytest.raises(StageInvariantError) as info:
         stage(_batch(height=100, width=64, num_frames=9))
     err = info.value
-    assert isinstance(err, InvalidInputError) and isinstance(err, ValueError)
-    assert err.stage == "InputValidationStage" and err.phase == "input"
+    assert isinstance(err, AssertionError) and not isinstance(err, InvalidInputError)
+    assert err.stage == "InputValidationStage"
     assert err.failures == [("height", "100", "a positive multiple of 16 (nearest valid: 96)")]
-    assert str(err) == "InputValidationStage input check failed: height = 100: expected a positive multiple of 16 (nearest valid: 96)"
+    assert str(err).startswith("InputValidationStage: input invariant broken (height = 100: expected a positive "
+                               "multiple of 16 (nearest valid: 96)); the request check at submit refuses")
+    import pickle  # it crosses processes (parallel/workers.py) whole
+
+    again = pickle.loads(pickle.dumps(err))
+    assert str(again) == str(err) and again.failures == err.failures
 
 
 def test_every_failed_check_is_reported_at_once():
     stage = InputValidationStage(spatial_multiple=16, temporal_factor=4)
-    with pytest.raises(StageVerificationError) as info:
+    with pytest.raises(StageInvariantError) as info:
         stage(ForwardBatch(prompt=[""], height=65, width=0, num_frames=10, num_inference_steps=0,
                            guidance_scale=float("nan"), seed=-1))
     fields = [f for f, _, _ in info.value.failures]

@@ -47,12 +47,30 @@ def tokenizer_lock(tokenizer: Any) -> threading.RLock:
         return lock
 
 
+class StageInvariantError(AssertionError):
+    """A stage's input check failed: an invariant of the engine, not a user's error. A request reaches the stages
+    only after the one request check (composer.request_check.check_request), which refuses every bad value with
+    the user's words; the stages' input checks assert what it and the stages before established, naming the
+    stage and the field."""
+
+    def __init__(self, stage: str, failures: list[tuple[str, str, str]] = ()):
+        self.stage = stage
+        self.failures = list(failures)
+        lines = "; ".join(f"{field} = {value}: expected {rule}" for field, value, rule in self.failures)
+        super().__init__(stage, self.failures)
+        self.message = (f"{stage}: input invariant broken ({lines}); the request check at submit refuses such a "
+                        "request, so this one skipped it or an earlier stage wrote it wrong (a bug in composer)")
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class Stage:
     """`forward(batch) -> batch`, with optional `verify_input` / `verify_output` built from validators.
 
-    Subclasses implement `forward` and, where useful, the two checks; `__call__` runs
-    verify_input -> forward -> verify_output, times `forward` into `batch.timings[name]`, and names the stage
-    on any exception that escapes it. Streaming stages also implement `stream(batch, upstream)`.
+    Subclasses implement `forward` and, where useful, the two checks; `__call__` runs verify_input (assertions:
+    StageInvariantError) -> forward -> verify_output, times `forward` into `batch.timings[name]`, and names the
+    stage on any exception that escapes it. Streaming stages also implement `stream(batch, upstream)`.
     """
 
     # Whether checks may read tensor values (a device sync): off by default, on for debugging.
@@ -89,7 +107,9 @@ class Stage:
         return False
 
     def verify_input(self, batch: ForwardBatch, result: VerificationResult) -> None:
-        """Add checks on the fields this stage reads."""
+        """Add checks on the fields this stage reads: invariants (a failure is StageInvariantError, a bug). A user's
+        value is checked at submit (composer.request_check); what only this stage can know of it (a decoded
+        video's length against the request) it refuses in `forward`, as InvalidInputError."""
 
     def verify_output(self, batch: ForwardBatch, result: VerificationResult) -> None:
         """Add checks on the fields this stage wrote."""
@@ -111,14 +131,19 @@ class Stage:
         raise NotImplementedError(f"{self.name} does not stream")
 
     def check(self, batch: ForwardBatch, phase: str) -> None:
-        """Run the checks of `phase` ("input", "output", "stream_input", "stream_output"); raise
-        StageVerificationError listing every failure."""
+        """Run the checks of `phase` ("input", "output", "stream_input", "stream_output"); raise listing every
+        failure. An input check is an assertion (StageInvariantError): a user's request was checked once, at
+        submit (composer.request_check.check_request), and what a stage reads was written by that check and the
+        stages before it, so a failure here is a bug. An output check raises StageVerificationError."""
         result = VerificationResult(check_values=self.check_values)
         verify = {"input": self.verify_input, "output": self.verify_output,
                   "stream_input": self.verify_stream_input, "stream_output": self.verify_stream_output}
         verify[phase](batch, result)
-        if not result.ok:
-            raise StageVerificationError(self.name, phase.removeprefix("stream_"), result.failures)
+        if result.ok:
+            return
+        if phase in ("input", "stream_input"):
+            raise StageInvariantError(self.name, result.failures)
+        raise StageVerificationError(self.name, phase.removeprefix("stream_"), result.failures)
 
     def _note(self, exc: BaseException) -> None:
         # An upstream stage's error passes through the streaming stages after it: name only where it arose.

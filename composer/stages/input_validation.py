@@ -1,4 +1,8 @@
-"""InputValidationStage: reject a request the model cannot run, before any work, with the nearest valid value."""
+"""InputValidationStage: the model's numbers for the request check, and its invariants asserted before any work.
+
+A user's request is checked once, at submit (composer.request_check.check_request, with these numbers through
+ModelLimits.from_pipeline); this stage asserts what that check established (StageInvariantError, naming the stage
+and the field), so a request that skipped it cannot reach the weights."""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ def _nearest_multiple(value: object, n: int) -> str:
 
 
 class InputValidationStage(Stage):
-    """Checks prompt, size, frame count, steps, guidance and seed against the model's constraints.
+    """Holds the model's constraints (read by ModelLimits.from_pipeline for the request check) and asserts a
+    request's prompt, size, frame count, steps, guidance and seed meet them.
 
     `spatial_multiple`: VAE spatial factor x DiT patch size (16 for Wan); `temporal_factor`: the VAE's
     temporal compression (num_frames must be temporal_factor*k + 1). `uses_num_frames` False: the video's length is an
@@ -73,7 +78,7 @@ class InputValidationStage(Stage):
                 result.add_check("flow_shift", batch.flow_shift, V.positive_number)
             else:
                 result.add_failure("flow_shift", batch.flow_shift, "unset (the model folder fixes the schedule's shift)")
-        # every row's seed (seed + i) must be a valid generator seed
+        # every row's seed (seed + i) must be a valid generator seed (the request check counts the rows)
         result.add_check("seed", batch.seed, V.int_in_range(0, 2**63 - max(1, batch.batch_size)))
 
     def forward(self, batch: ForwardBatch) -> ForwardBatch:
