@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port, 1 to 65535 (default: 8000)")
     p.add_argument("--output-dir", default="outputs/serve", help="where videos and job records are kept and "
                    "reloaded from on restart (default: outputs/serve)")
-    p.add_argument("--max-queue", type=int, default=16, help="jobs that may wait; more get 429 (default: 16)")
+    p.add_argument("--max-queue", type=int, default=16, help="jobs (a text model: requests) that may wait; more get "
+                   "429 (default: 16)")
     p.add_argument("--max-upload-mb", type=float, default=64.0, help="most megabytes (MiB) of one uploaded image or "
                    "video (default: 64); bodies may be a third larger, for base64")
     p.add_argument("--max-upload-frames", type=int, default=241, help="most frames of an uploaded video "
@@ -43,7 +44,8 @@ def add_parser(sub) -> None:
                    "(default: 100)")
     p.add_argument("--max-concurrent", type=int, default=None, help="jobs (and live streams) that run at once, "
                    "their denoising steps batched (default: 4, or 1 when the model's requests run serially: a step "
-                   "cache, parallel layouts, model offload; always 1 on several ranks)")
+                   "cache, parallel layouts, model offload; always 1 on several ranks); a text model: requests that "
+                   "run at once, their forwards shared (default: 4), the others wait by priority")
     p.add_argument("--max-sessions", type=int, default=16, help="causal models: sessions (/v1/sessions) open at "
                    "once")
     p.add_argument("--session-ttl", type=float, default=600.0, help="causal models: seconds an idle session stays "
@@ -51,8 +53,8 @@ def add_parser(sub) -> None:
     p.add_argument("--replica", default=None, help="this replica's name behind a proxy (1 to 16 lowercase letters "
                    "or digits): job and session ids begin with it, so the proxy sends each job's requests to the "
                    "replica that holds it (docs/deploy.md)")
-    p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds a job may run before it is "
-                   "cancelled and failed; 0: no limit (default: 1800)")
+    p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds a job (or a text request) may "
+                   "run before it is cancelled and failed; 0: no limit (default: 1800)")
     p.add_argument("--rtmp-allow", action="append", default=None, metavar="PREFIX", help="causal models: a live "
                    "stream may push to an RTMP URL under this prefix (its `rtmp_url` field), e.g. "
                    "rtmp://127.0.0.1:1935/live (repeatable; compared by scheme, host, port and path). Without it, "
@@ -145,15 +147,17 @@ def run(args: argparse.Namespace) -> int:
                                   "launch `composer serve` without torchrun")
             from composer.text import TextGenerator
 
-            return _serve_text(args, functools.partial(TextGenerator.from_pretrained, args.model_path, **runtime),
-                               listening)
+            load = functools.partial(TextGenerator.from_pretrained, args.model_path, **runtime)
+            return _serve(args, load, runtime_args, listening, False, modality="text")
         return _serve(args, load, runtime_args, listening, under_torchrun)
     finally:
         listening.close()
 
 
 def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening: socket.socket,
-           under_torchrun: bool) -> int:
+           under_torchrun: bool, modality: str = "video") -> int:
+    """One app (composer/serve/app.py) with the routes of the model's modality: video jobs (and streams and
+    sessions of a causal model), or a text model's completions and chat completions (composer/serve/text.py)."""
     import uvicorn
 
     from composer.serve.app import ServeConfig, create_app
@@ -164,7 +168,7 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
         output_dir=Path(args.output_dir), max_queue=args.max_queue,
         limits=ServerLimits(args.max_frames, args.max_size, args.max_steps),
         request_timeout=args.request_timeout or None,
-        loras=lora_options(runtime_args.lora_path or [], runtime_args.lora_scale),
+        loras=lora_options(runtime_args.lora_path or [], runtime_args.lora_scale) if modality == "video" else [],
         max_concurrent=args.max_concurrent, max_sessions=args.max_sessions, session_ttl=args.session_ttl,
         replica=args.replica, keys=args._api_keys,
         rtmp_allow=list(args.rtmp_allow or []),
@@ -172,7 +176,7 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
         max_body_bytes=int(args.max_upload_mb * 2**20 * 4 / 3) + 2**20,  # base64 in JSON, and the other fields
     )
     leader = _Leader(load, runtime_args.dist_timeout, _call_slots(args)) if under_torchrun else None
-    app = create_app(leader.load if leader else load, config)
+    app = create_app(leader.load if leader else load, config, modality)
     if leader is not None:
         leader.stop_after(app)
         # uvicorn raises a caught SIGINT/SIGTERM again once it has shut down; rank 0 has stopped every rank by
@@ -180,28 +184,13 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
     ranks = f" on {os.environ['WORLD_SIZE']} ranks" if leader else ""
-    _check_websockets()
-    print(f"composer serve: http://{args.host}:{args.port}{ranks} (the web page at /, API docs at /docs; jobs in "
-          f"{config.output_dir})")
-    _say_who_may_use_it(args)
-    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run(sockets=[listening])
-    return 0
-
-
-def _serve_text(args: argparse.Namespace, load, listening: socket.socket) -> int:
-    """A diffusion language model: OpenAI's completions and chat completions APIs (composer/serve/text.py)."""
-    import uvicorn
-
-    from composer.serve.app import ServeConfig
-    from composer.serve.text import create_text_app
-
-    app = create_text_app(load, ServeConfig(output_dir=Path(args.output_dir)))
-    if args._api_keys is not None:
-        from composer.serve.auth import install_auth
-
-        install_auth(app, app.state.composer, args._api_keys)
-    print(f"composer serve: http://{args.host}:{args.port} (a text model: /v1/completions, /v1/chat/completions; "
-          "API docs at /docs)")
+    if modality == "text":
+        print(f"composer serve: http://{args.host}:{args.port} (a text model: /v1/completions, /v1/chat/completions; "
+              "API docs at /docs)")
+    else:
+        _check_websockets()
+        print(f"composer serve: http://{args.host}:{args.port}{ranks} (the web page at /, API docs at /docs; jobs in "
+              f"{config.output_dir})")
     _say_who_may_use_it(args)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run(sockets=[listening])
     return 0

@@ -1,7 +1,12 @@
-"""The FastAPI app of `composer serve`: the jobs API, /health and /metrics over one generator.
+"""The FastAPI app of `composer serve`: one app over one loaded model, whatever its modality.
 
-Everything mutable lives on the `ServerState` held by the app (`app.state.composer`): the generator (loaded in
-a background thread, so /health answers 503 until it is ready), the job store and the worker.
+`create_app` installs what every server has once (API keys, OpenAI-style errors, /health, /ready, /metrics,
+/v1/models), then mounts the routes of the model's modality, each group an APIRouter over the same state:
+    video   /v1/videos (jobs), the web page and /v1/model (page.py), and for a causal model /v1/streams
+            (stream.py) and /v1/sessions (sessions.py)
+    text    /v1/completions and /v1/chat/completions (text.py), their requests admitted by `Slots` (slots.py)
+Everything mutable lives on the one `ServerState` held by the app (`app.state.composer`): the model (loaded in a
+background thread, so /health answers 503 until it is ready) and what each modality's routes keep.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request  # the serve extra: `composer serve` checks it is installed first
+from fastapi import APIRouter, FastAPI, Request  # the serve extra: `composer serve` checks it first
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -25,6 +30,7 @@ from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, JobStore, new_
 from composer.serve.page import add_page_routes
 from composer.serve.requests import LoraOption, RequestProblem, ServerLimits, check_body, derive_body
 from composer.serve.sessions import SessionStore, add_session_routes
+from composer.serve.slots import Slots
 from composer.serve.stream import add_stream_routes
 from composer.serve.uploads import UploadLimits, read_body
 from composer.serve.worker import QueueFull, Worker
@@ -32,6 +38,10 @@ from composer.serve.worker import QueueFull, Worker
 logger = get_logger(__name__)
 
 MAX_BODY_BYTES = 96 * 2**20  # room for a 64 MiB video upload as base64 JSON
+TEXT_CONCURRENT_DEFAULT = 4  # text requests running at once without --max-concurrent (their forwards are shared)
+MODALITIES = ("video", "text")
+DESCRIPTIONS = {"video": "Video generation jobs (OpenAI video API shaped).",
+                "text": "Diffusion language models (OpenAI completions API shaped)."}
 
 
 @dataclass
@@ -39,12 +49,13 @@ class ServeConfig:
     """How a server runs: where jobs go, how many may wait, the per-request limits and timeout."""
 
     output_dir: Path = Path("outputs/serve")
-    max_queue: int = 16
+    max_queue: int = 16  # jobs (text: requests) that may wait for a slot; one more is a 429
     limits: ServerLimits = field(default_factory=ServerLimits)
-    request_timeout: float | None = 1800.0
+    request_timeout: float | None = 1800.0  # seconds a job or text request may run (None: no limit)
     max_body_bytes: int = MAX_BODY_BYTES
     loras: list[LoraOption] = field(default_factory=list)  # the adapters loaded at start (--lora-path)
-    max_concurrent: int | None = None  # jobs running at once (None: 4 if the model's requests can share it, else 1)
+    max_concurrent: int | None = None  # jobs (text: requests) running at once (None: 4 if the model's requests
+    # can share it, else 1; text: 4)
     max_sessions: int = 16  # sessions open at once (/v1/sessions)
     session_ttl: float = 600.0  # seconds an idle session stays open
     uploads: UploadLimits = field(default_factory=UploadLimits)  # what an uploaded image or video may be
@@ -53,16 +64,45 @@ class ServeConfig:
     rtmp_allow: list[str] = field(default_factory=list)  # URL prefixes a live stream may push to (--rtmp-allow)
 
 
-class ServerState:
-    """The app's one piece of mutable state: the generator once loaded, the store, the worker."""
+class Counters:
+    """What the text routes count (on the event loop, where their requests end): requests, failures, tokens made,
+    model forwards and seconds."""
 
-    def __init__(self, load: Callable[[], Any], config: ServeConfig):
+    def __init__(self):
+        self.requests = self.failures = self.tokens = self.forwards = 0
+        self.seconds = 0.0
+
+    def count(self, results: list[Any], seconds: float, failed: bool = False) -> None:
+        self.requests += 1
+        self.failures += failed
+        self.seconds += seconds
+        if results:
+            self.tokens += sum(len(r.token_ids) for r in results)
+            self.forwards += results[0].stats.forwards
+
+
+class ServerState:
+    """The app's one piece of mutable state (`app.state.composer`): the model once loaded (or why it failed), and
+    what the routes of its modality keep. A video model: the job store, the worker, the sessions of a causal
+    model and the live streams' shared state. A text model: the slots its requests wait for, and its counters."""
+
+    def __init__(self, load: Callable[[], Any], config: ServeConfig, modality: str = "video"):
+        if modality not in MODALITIES:
+            raise ValueError(f"modality = {modality!r}: expected one of {', '.join(MODALITIES)}")
         self.config = config
-        self.store = JobStore(config.output_dir)
+        self.modality = modality
         self.generator: Any = None
+        self.load_error: str | None = None
+        self.auth: Any = None  # the API keys' Guard (auth.py), when the server has keys
+        # a video model
+        self.store = JobStore(config.output_dir) if modality == "video" else None
         self.worker: Worker | None = None
         self.sessions: SessionStore | None = None  # /v1/sessions, for a causal model
-        self.load_error: str | None = None
+        self.streams: Any = None  # stream.StreamRoutes: /v1/streams' open streams and metrics
+        # a text model
+        self.slots = Slots(config.max_concurrent or TEXT_CONCURRENT_DEFAULT, config.max_queue) \
+            if modality == "text" else None
+        self.counters = Counters()
         self._load = load
         self._thread = threading.Thread(target=self._load_model, name="composer-serve-load", daemon=True)
 
@@ -76,6 +116,11 @@ class ServerState:
             logger.error("loading the model failed: %s", exc)
             self.load_error = f"{type(exc).__name__}: {exc}"
             return
+        if self.modality == "video":
+            self._start_video(generator)
+        self.generator = generator
+
+    def _start_video(self, generator: Any) -> None:
         self.worker = Worker(generator, self.store, self.config.max_queue, self.config.request_timeout,
                              self.config.loras, self.config.max_concurrent)
         runtime = getattr(getattr(generator, "pipeline", None), "runtime", None)
@@ -93,7 +138,17 @@ class ServerState:
             self.sessions = SessionStore(generator, self.config.output_dir, self.config.max_sessions,
                                          self.config.session_ttl, replica=self.config.replica,
                                          owned=keys is not None, limit_of=limits.get)
-        self.generator = generator
+
+    def unready(self) -> JSONResponse | None:
+        """None once the model serves; else the 503 to answer (loading, failed to load, or the ranks of a multi-rank
+        server lost contact)."""
+        if self.generator is None:
+            why = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            return error(503, why, headers={"Retry-After": "5"})
+        unhealthy = getattr(self.generator, "unhealthy", None)  # set by a multi-rank generator (parallel/ranks.py)
+        if isinstance(unhealthy, str):
+            return error(503, unhealthy)
+        return None
 
     def stop(self) -> None:
         if self.worker is not None:
@@ -127,9 +182,12 @@ def add_error_handlers(app: FastAPI) -> None:
         return error(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
-    """The app serving the generator `load()` returns (called once, in a background thread at startup)."""
-    state = ServerState(load, config)
+def create_app(load: Callable[[], Any], config: ServeConfig, modality: str = "video") -> FastAPI:
+    """The app serving the model `load()` returns (called once, in a background thread at startup): what every
+    server has installed once (API keys, OpenAI-style errors, /health, /ready, /metrics, /v1/models), then the
+    routes of the model's `modality`: "video" (jobs, the web page, and for a causal model live streams and
+    sessions) or "text" (completions and chat completions, composer/serve/text.py)."""
+    state = ServerState(load, config, modality)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -137,27 +195,105 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
         yield
         state.stop()
 
-    app = FastAPI(title="composer serve", description="Video generation jobs (OpenAI video API shaped).",
-                  lifespan=lifespan)
+    app = FastAPI(title="composer serve", description=DESCRIPTIONS[modality], lifespan=lifespan)
     app.state.composer = state
-    if config.keys is not None:  # Authorization: Bearer on every route but /health (auth.py)
+    if config.keys is not None:  # Authorization: Bearer on every route but the open ones (auth.py)
         from composer.serve.auth import install_auth
 
         install_auth(app, state, config.keys)
-    add_page_routes(app, state)  # the web page at / and GET /v1/model (page.py)
-    streams = add_stream_routes(app, state)  # WebSocket /v1/streams (live streams of causal models)
-    add_session_routes(app, state, lambda: state.sessions)  # /v1/sessions (sessions.py)
-
     add_error_handlers(app)
+    app.include_router(common_routes(state))
+    if modality == "text":
+        from composer.serve.text import text_routes
 
-    def ready():
-        if state.generator is None:
-            why = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"
-            return error(503, why, headers={"Retry-After": "5"})
-        unhealthy = getattr(state.generator, "unhealthy", None)  # set by a multi-rank generator (parallel/ranks.py)
-        if isinstance(unhealthy, str):
-            return error(503, unhealthy)
-        return None
+        app.include_router(text_routes(state))
+    else:
+        add_page_routes(app, state)  # the web page at / and GET /v1/model (page.py)
+        app.include_router(video_routes(state))
+        app.state.streams = state.streams
+    return app
+
+
+def common_routes(state: ServerState) -> APIRouter:
+    """/health, /ready, /metrics and /v1/models: the same on every server."""
+    router = APIRouter()
+    config = state.config
+
+    @router.get("/health")
+    async def health():
+        """200 once the model is loaded, 503 while loading (or when loading failed, or the ranks of a multi-rank
+        server lost contact). Open without an API key."""
+        return state.unready() or {"status": "ok", "model": state.generator.model_path,
+                                   "family": state.generator.family, "modality": state.modality,
+                                   "replica": config.replica}
+
+    @router.get("/ready")
+    async def ready():
+        """A readiness probe: 200 once requests are served, else 503 (as /health; open without an API key)."""
+        return state.unready() or {"status": "ready"}
+
+    @router.get("/v1/models")
+    async def models():
+        """The served model, as OpenAI lists models (`client.models.list()`)."""
+        return state.unready() or {"object": "list", "data": [_model_card(state)]}
+
+    @router.get("/v1/models/{name:path}")
+    async def model(name: str):
+        """The served model under any of the names a request may give it (`client.models.retrieve`), else 404
+        (`model_not_found`, as OpenAI answers)."""
+        if (not_ready := state.unready()) is not None:
+            return not_ready
+        from composer.serve.text_requests import check_model
+
+        try:
+            check_model(name, state.generator)
+        except RequestProblem as exc:
+            return refused(exc)
+        return _model_card(state)
+
+    @router.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        """Prometheus text format: whether the model is loaded, the lines of its modality's routes (video: jobs,
+        queue, steps, batches, KV pool, memory, streams; text: requests, tokens, forwards, queue), and with API
+        keys the per-key lines."""
+        lines = ["# HELP composer_ready 1 once the model is loaded", "# TYPE composer_ready gauge",
+                 f"composer_ready {int(state.generator is not None)}"]
+        if state.modality == "text":
+            from composer.serve.text import text_metric_lines
+
+            lines += text_metric_lines(state)
+        else:
+            lines += _video_metric_lines(state)
+        if state.auth is not None:  # API keys: requests, 401s, 429s, jobs and streams per key
+            lines += state.auth.metric_lines()
+        return "\n".join(lines) + "\n"
+
+    return router
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": str(state.generator.model_path), "object": "model", "created": 0, "owned_by": "composer"}
+
+
+def refused(exc: RequestProblem) -> JSONResponse:
+    """A refused request as OpenAI answers it (another model's name: 404 `model_not_found`)."""
+    if exc.status == 404:
+        return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.field,
+                                       "code": "model_not_found"}}, 404)
+    return error(exc.status, str(exc), exc.field)
+
+
+def queue_full(max_queue: int, what: str = "jobs") -> JSONResponse:
+    """The 429 of a full queue (Retry-After: 10): nothing of the request was kept."""
+    return error(429, f"the queue is full ({max_queue} {what} waiting); retry later", None,
+                 headers={"Retry-After": "10"})
+
+
+def video_routes(state: ServerState) -> APIRouter:
+    """The routes of a video model: /v1/videos (jobs: create, remix, edit, extend, list, get, content, cancel,
+    delete), and for a causal model /v1/streams (stream.py) and /v1/sessions (sessions.py)."""
+    router = APIRouter()
+    config = state.config
 
     def owner_of(request: Request) -> str | None:
         """The name of the API key a request came with (auth.py sets it; None without keys)."""
@@ -177,8 +313,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             state.worker.submit(job)
         except QueueFull:
             state.store.remove(job.id)
-            return error(429, f"the queue is full ({config.max_queue} jobs waiting); retry later", None,
-                         headers={"Retry-After": "10"})
+            return queue_full(config.max_queue)
         return job.to_json()
 
     def new_job(checked: Any, request: Request, remixed_from: str | None = None) -> Job:
@@ -186,20 +321,13 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
                    inputs=checked.inputs, lora=checked.lora, priority=checked.priority, owner=owner_of(request),
                    remixed_from=remixed_from, warnings=checked.warnings)
 
-    @app.get("/health")
-    async def health():
-        """200 once the model is loaded, 503 while loading (or when loading failed, or the ranks of a multi-rank
-        server lost contact)."""
-        return ready() or {"status": "ok", "model": state.generator.model_path, "family": state.generator.family,
-                           "replica": config.replica}
-
-    @app.post("/v1/videos", status_code=200)
+    @router.post("/v1/videos", status_code=200)
     async def create_video(request: Request):
         """Queue a video. The body is JSON or multipart/form-data (what the `openai` SDK sends): generate_video's
         fields (prompt, height, width, num_frames, ...), OpenAI's `size` ("WIDTHxHEIGHT"), `seconds` and `model`,
         and image / video inputs as files or base64 (`image`, `last_image`, `start_image`, `start_video`, `video`,
         or OpenAI's `input_reference`: the model's first frame or input video)."""
-        if (not_ready := ready()) is not None:
+        if (not_ready := state.unready()) is not None:
             return not_ready
         try:
             body = await read_body(request, config.max_body_bytes)
@@ -210,26 +338,26 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             return error(exc.status, str(exc), exc.field)
         return queue(new_job(checked, request))
 
-    @app.post("/v1/videos/{job_id}/remix", status_code=200)
+    @router.post("/v1/videos/{job_id}/remix", status_code=200)
     async def remix_video(job_id: str, request: Request):
         """A new video from a completed one and a new prompt (other fields as in POST /v1/videos; the rest are the
         source's): a causal model continues it (starting from its last frames), a video-to-video model redraws it
         (`strength`); other models answer 422."""
         return await derived(request, job_id, None)
 
-    @app.post("/v1/videos/edits", status_code=200)
+    @router.post("/v1/videos/edits", status_code=200)
     async def edit_video(request: Request):
         """OpenAI's edit: video-to-video of `video` (an uploaded video, or {"id": a completed video's id})."""
         return await derived(request, None, "edit")
 
-    @app.post("/v1/videos/extensions", status_code=200)
+    @router.post("/v1/videos/extensions", status_code=200)
     async def extend_video(request: Request):
         """OpenAI's extension: a causal model continues `video` (an uploaded video, or {"id": a completed video's id})
         for `seconds` more."""
         return await derived(request, None, "extend")
 
     async def derived(request: Request, source_id: str | None, mode: str | None):
-        if (not_ready := ready()) is not None:
+        if (not_ready := state.unready()) is not None:
             return not_ready
         try:
             body = await read_body(request, config.max_body_bytes)
@@ -266,7 +394,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             return error(exc.status, str(exc), exc.field)
         return queue(new_job(checked, request, source.id if source is not None else None))
 
-    @app.get("/v1/videos")
+    @router.get("/v1/videos")
     async def list_videos(request: Request, after: str | None = None, limit: str = "20", order: str = "desc"):
         """The videos, OpenAI's page: `data`, `first_id`, `last_id`, `has_more`; `order` asc or desc (by creation,
         default desc), `limit` 1..100 (default 20), `after` a video id (the page after it)."""
@@ -291,13 +419,13 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
                 "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
                 "has_more": len(jobs) > count}
 
-    @app.get("/v1/videos/{job_id}")
+    @router.get("/v1/videos/{job_id}")
     async def get_video(job_id: str, request: Request):
         """A video's status: queued, in_progress (progress 0..100), completed, failed (with the error), cancelled."""
         job = find(job_id, request)
         return job.to_json() if isinstance(job, Job) else job
 
-    @app.get("/v1/videos/{job_id}/content")
+    @router.get("/v1/videos/{job_id}/content")
     async def get_content(job_id: str, request: Request, variant: str = "video"):
         """The finished video (mp4), or `variant=thumbnail` (its first frame, JPEG); 409 while not completed."""
         job = find(job_id, request)
@@ -316,7 +444,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             return Response(data, media_type="image/jpeg")
         return FileResponse(path, media_type="video/mp4", filename=f"{job_id}.mp4")
 
-    @app.post("/v1/videos/{job_id}/cancel")
+    @router.post("/v1/videos/{job_id}/cancel")
     async def cancel_video(job_id: str, request: Request):
         """Cancel a queued or running video and keep its record (409 once it is finished: nothing is deleted)."""
         job = find(job_id, request)
@@ -326,7 +454,7 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             return error(409, f"video {job_id} is already {job.status}", "id")
         return job.to_json()
 
-    @app.delete("/v1/videos/{job_id}")
+    @router.delete("/v1/videos/{job_id}")
     async def delete_video(job_id: str, request: Request):
         """Cancel a queued or running video (a running one stops at its next transformer block; the answer is the
         video object with `deleted: false`), or delete a finished one, record and file ({"id", "object":
@@ -341,78 +469,76 @@ def create_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
         state.store.delete(job_id)
         return {"id": job_id, "object": "video.deleted", "deleted": True}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        """Prometheus text format: queue length and queue wait, jobs by state, jobs running and the most at once,
-        seconds per denoising step, the step schedulers' transformer calls and batch sizes, the KV page pool of a
-        causal model, live streams (each running stream's frame rate)."""
-        worker = state.worker
-        lines = ["# HELP composer_ready 1 once the model is loaded", "# TYPE composer_ready gauge",
-                 f"composer_ready {int(state.generator is not None)}",
-                 "# HELP composer_queue_length jobs waiting for a worker", "# TYPE composer_queue_length gauge",
-                 f"composer_queue_length {worker.queue_length if worker else 0}",
-                 "# HELP composer_queue_wait_seconds seconds each started job (or stream) waited in the queue",
-                 "# TYPE composer_queue_wait_seconds summary",
-                 f"composer_queue_wait_seconds_sum {worker.queue_wait_sum if worker else 0.0:.6f}",
-                 f"composer_queue_wait_seconds_count {worker.queue_waits if worker else 0}",
-                 "# HELP composer_jobs jobs by state", "# TYPE composer_jobs gauge"]
-        counts = state.store.counts()
-        lines += [f'composer_jobs{{state="{s}"}} {counts[s]}' for s in STATES]
-        lines += ["# HELP composer_jobs_running jobs running now", "# TYPE composer_jobs_running gauge",
-                  f"composer_jobs_running {worker.running if worker else 0}",
-                  "# HELP composer_tasks_running requests running as tasks on the request loop now (jobs, stream "
-                  "chunks, session extends): no thread waits for them between their steps",
-                  "# TYPE composer_tasks_running gauge",
-                  f"composer_tasks_running {worker.tasks_running() if worker else 0}",
-                  "# HELP composer_max_concurrent jobs that may run at once (--max-concurrent)",
-                  "# TYPE composer_max_concurrent gauge",
-                  f"composer_max_concurrent {worker.max_concurrent if worker else 0}"]
-        lines += ["# HELP composer_step_seconds denoising step time, per job (a step shared by several jobs counts "
-                  "for each)", "# TYPE composer_step_seconds summary",
-                  f"composer_step_seconds_sum {worker.step_seconds_sum if worker else 0.0:.6f}",
-                  f"composer_step_seconds_count {worker.steps if worker else 0}"]
-        calls, units, batched, largest = worker.scheduler_stats() if worker else (0, 0, 0, 0)
-        lines += ["# HELP composer_transformer_calls_total transformer calls the step schedulers ran",
-                  "# TYPE composer_transformer_calls_total counter", f"composer_transformer_calls_total {calls}",
-                  "# HELP composer_scheduled_units_total requests' steps (units) the step schedulers ran",
-                  "# TYPE composer_scheduled_units_total counter", f"composer_scheduled_units_total {units}",
-                  "# HELP composer_batched_units_total units that shared a transformer call with another request's",
-                  "# TYPE composer_batched_units_total counter", f"composer_batched_units_total {batched}",
-                  "# HELP composer_batch_size units (requests' steps) per transformer call: _sum / _count is the "
-                  "mean batch", "# TYPE composer_batch_size summary", f"composer_batch_size_sum {units}",
-                  f"composer_batch_size_count {calls}",
-                  "# HELP composer_batch_size_max the most units one transformer call ran",
-                  "# TYPE composer_batch_size_max gauge", f"composer_batch_size_max {largest}"]
-        pool = worker.kv_pool_stats() if worker else None
-        if pool is not None:  # a causal model: its streams' KV pages
-            budget = "+Inf" if pool.budget_bytes is None else str(pool.budget_bytes)
-            lines += _gauges("composer_kv_pool", [
-                ("budget_bytes", "the KV page pool's budget (--kv-cache-memory; +Inf: no limit)", budget),
-                ("used_bytes", "KV cache bytes in use by streams now", pool.used_bytes),
-                ("allocated_bytes", "KV page arenas allocated, used or free", pool.allocated_bytes),
-                ("peak_used_bytes", "the most KV cache bytes in use at once", pool.peak_used_bytes),
-                ("sessions", "KV caches holding pages now", pool.sessions),
-                ("waiting", "KV caches waiting for pages now (the budget is full)", pool.waiting),
-                ("shared_pages", "KV pages shared by more than one cache (forks)", pool.shared_pages)])
-            lines += ["# HELP composer_kv_pool_waits_total KV caches that had to wait for pages",
-                      "# TYPE composer_kv_pool_waits_total counter", f"composer_kv_pool_waits_total {pool.waits}"]
-        admission = getattr(getattr(state.generator, "memory_guard", None), "admission", None)
-        if admission is not None:  # --memory-budget: jobs admitted against one budget (docs/memory.md)
-            memory = admission.stats()
-            lines += _gauges("composer_memory", [
-                ("room_bytes", "the memory budget after headroom, less the weights", memory.room),
-                ("weights_bytes", "the weights on the device, counted once", memory.weights),
-                ("reserved_bytes", "memory the running requests reserved (their predicted activations)",
-                 memory.reserved),
-                ("waiting", "requests waiting for memory now", memory.waiting)])
-            lines += ["# HELP composer_memory_waits_total requests that had to wait for memory",
-                      "# TYPE composer_memory_waits_total counter", f"composer_memory_waits_total {memory.waits}"]
-        lines += streams.metric_lines()
-        if getattr(state, "auth", None) is not None:  # API keys: requests, 401s, 429s, jobs and streams per key
-            lines += state.auth.metric_lines()
-        return "\n".join(lines) + "\n"
+    state.streams = add_stream_routes(router, state)  # WebSocket /v1/streams (live streams of causal models)
+    add_session_routes(router, state, lambda: state.sessions)  # /v1/sessions (sessions.py)
+    return router
 
-    return app
+
+def _video_metric_lines(state: ServerState) -> list[str]:
+    """A video server's lines: queue length and queue wait, jobs by state, jobs running and the most at once,
+    seconds per denoising step, the step schedulers' transformer calls and batch sizes, the KV page pool of a
+    causal model, the memory budget, live streams (each running stream's frame rate)."""
+    worker = state.worker
+    lines = ["# HELP composer_queue_length jobs waiting for a worker", "# TYPE composer_queue_length gauge",
+             f"composer_queue_length {worker.queue_length if worker else 0}",
+             "# HELP composer_queue_wait_seconds seconds each started job (or stream) waited in the queue",
+             "# TYPE composer_queue_wait_seconds summary",
+             f"composer_queue_wait_seconds_sum {worker.queue_wait_sum if worker else 0.0:.6f}",
+             f"composer_queue_wait_seconds_count {worker.queue_waits if worker else 0}",
+             "# HELP composer_jobs jobs by state", "# TYPE composer_jobs gauge"]
+    counts = state.store.counts()
+    lines += [f'composer_jobs{{state="{s}"}} {counts[s]}' for s in STATES]
+    lines += ["# HELP composer_jobs_running jobs running now", "# TYPE composer_jobs_running gauge",
+              f"composer_jobs_running {worker.running if worker else 0}",
+              "# HELP composer_tasks_running requests running as tasks on the request loop now (jobs, stream "
+              "chunks, session extends): no thread waits for them between their steps",
+              "# TYPE composer_tasks_running gauge",
+              f"composer_tasks_running {worker.tasks_running() if worker else 0}",
+              "# HELP composer_max_concurrent jobs that may run at once (--max-concurrent)",
+              "# TYPE composer_max_concurrent gauge",
+              f"composer_max_concurrent {worker.max_concurrent if worker else 0}"]
+    lines += ["# HELP composer_step_seconds denoising step time, per job (a step shared by several jobs counts "
+              "for each)", "# TYPE composer_step_seconds summary",
+              f"composer_step_seconds_sum {worker.step_seconds_sum if worker else 0.0:.6f}",
+              f"composer_step_seconds_count {worker.steps if worker else 0}"]
+    calls, units, batched, largest = worker.scheduler_stats() if worker else (0, 0, 0, 0)
+    lines += ["# HELP composer_transformer_calls_total transformer calls the step schedulers ran",
+              "# TYPE composer_transformer_calls_total counter", f"composer_transformer_calls_total {calls}",
+              "# HELP composer_scheduled_units_total requests' steps (units) the step schedulers ran",
+              "# TYPE composer_scheduled_units_total counter", f"composer_scheduled_units_total {units}",
+              "# HELP composer_batched_units_total units that shared a transformer call with another request's",
+              "# TYPE composer_batched_units_total counter", f"composer_batched_units_total {batched}",
+              "# HELP composer_batch_size units (requests' steps) per transformer call: _sum / _count is the "
+              "mean batch", "# TYPE composer_batch_size summary", f"composer_batch_size_sum {units}",
+              f"composer_batch_size_count {calls}",
+              "# HELP composer_batch_size_max the most units one transformer call ran",
+              "# TYPE composer_batch_size_max gauge", f"composer_batch_size_max {largest}"]
+    pool = worker.kv_pool_stats() if worker else None
+    if pool is not None:  # a causal model: its streams' KV pages
+        budget = "+Inf" if pool.budget_bytes is None else str(pool.budget_bytes)
+        lines += _gauges("composer_kv_pool", [
+            ("budget_bytes", "the KV page pool's budget (--kv-cache-memory; +Inf: no limit)", budget),
+            ("used_bytes", "KV cache bytes in use by streams now", pool.used_bytes),
+            ("allocated_bytes", "KV page arenas allocated, used or free", pool.allocated_bytes),
+            ("peak_used_bytes", "the most KV cache bytes in use at once", pool.peak_used_bytes),
+            ("sessions", "KV caches holding pages now", pool.sessions),
+            ("waiting", "KV caches waiting for pages now (the budget is full)", pool.waiting),
+            ("shared_pages", "KV pages shared by more than one cache (forks)", pool.shared_pages)])
+        lines += ["# HELP composer_kv_pool_waits_total KV caches that had to wait for pages",
+                  "# TYPE composer_kv_pool_waits_total counter", f"composer_kv_pool_waits_total {pool.waits}"]
+    admission = getattr(getattr(state.generator, "memory_guard", None), "admission", None)
+    if admission is not None:  # --memory-budget: jobs admitted against one budget (docs/memory.md)
+        memory = admission.stats()
+        lines += _gauges("composer_memory", [
+            ("room_bytes", "the memory budget after headroom, less the weights", memory.room),
+            ("weights_bytes", "the weights on the device, counted once", memory.weights),
+            ("reserved_bytes", "memory the running requests reserved (their predicted activations)",
+             memory.reserved),
+            ("waiting", "requests waiting for memory now", memory.waiting)])
+        lines += ["# HELP composer_memory_waits_total requests that had to wait for memory",
+                  "# TYPE composer_memory_waits_total counter", f"composer_memory_waits_total {memory.waits}"]
+    lines += state.streams.metric_lines()
+    return lines
 
 
 def _gauges(prefix: str, rows: list[tuple[str, str, Any]]) -> list[str]:

@@ -1,8 +1,8 @@
 """API keys for `composer serve` (`--api-key`, `--api-keys FILE`): who may use the server, and how much.
 
 keys.py reads the keys into a `KeyRing` (each an `ApiKey`: its secret, its name, its limits). `install_auth` puts
-`AuthMiddleware` in front of the app: every HTTP request and WebSocket but the open paths (/health, the web page's
-files, the API docs) needs a key, as `Authorization: Bearer KEY`, a WebSocket subprotocol `bearer.KEY` or an
+`AuthMiddleware` in front of the app: every HTTP request and WebSocket but the open paths (/health, /ready, the web
+page's files, the API docs) needs a key, as `Authorization: Bearer KEY`, a WebSocket subprotocol `bearer.KEY` or an
 `api_key` query parameter; the middleware takes the key out of the request before the app (and uvicorn's access
 log) sees it. `Guard` keeps each key's limits (jobs queued or running,
 live streams open, requests per minute) and its counters for /metrics. The key file format and the behaviour
@@ -26,9 +26,9 @@ from typing import Any
 from composer.serve.jobs import IN_PROGRESS, QUEUED
 from composer.serve.keys import LIMITS, ApiKey, KeyRing
 
-# Paths anyone may read: the health check, the web page's static files (its API calls need the key) and the API
-# description (/docs shows how to authenticate; it holds no data).
-OPEN_PATHS = ("/health", "/", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc")
+# Paths anyone may read: the health and readiness checks, the web page's static files (its API calls need the key)
+# and the API description (/docs shows how to authenticate; it holds no data).
+OPEN_PATHS = ("/health", "/ready", "/", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc")
 OPEN_PREFIXES = ("/static/",)
 STREAMS_PATH = "/v1/streams"
 # POSTs that create a job: they count against the key's `queued` limit

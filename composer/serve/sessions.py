@@ -403,7 +403,7 @@ class SessionStore:
             raise SessionProblem(400, f"snapshot {name!r}: {exc}", "snapshot") from None
 
 
-def add_session_routes(app: Any, state: Any, store_of) -> None:
+def add_session_routes(router: Any, state: Any, store_of) -> None:
     """Register `/v1/sessions` on `app`; `store_of()` gives the SessionStore (None until the model is loaded)."""
     from composer.serve.requests import RequestProblem, ServerLimits, check_body
 
@@ -455,7 +455,7 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
             result = result.to_json()
         return JSONResponse(result, status_code=status)
 
-    @app.post("/v1/sessions")
+    @router.post("/v1/sessions")
     async def open_session(request: Request):
         store, body, refused = await with_body(request)
         if refused:
@@ -473,17 +473,17 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
             sampling["priority"] = checked.priority
         return await run(store.open, sampling, checked.inputs, owner_of(request), status=201)
 
-    @app.get("/v1/sessions")
+    @router.get("/v1/sessions")
     async def list_sessions(request: Request):
         store, refused = ready()
         return refused or await run(store.list, owner_of(request))
 
-    @app.get("/v1/sessions/{session_id}")
+    @router.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str, request: Request):
         store, refused = ready()
         return refused or await run(store.get, session_id, owner_of(request))
 
-    @app.post("/v1/sessions/{session_id}/extend")
+    @router.post("/v1/sessions/{session_id}/extend")
     async def extend(session_id: str, request: Request):
         store, body, refused = await with_body(request)
         if refused:
@@ -509,7 +509,7 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
             raise
         return await run(store.finish_extend, held, chunks, start)
 
-    @app.get("/v1/sessions/{session_id}/segments/{number}")
+    @router.get("/v1/sessions/{session_id}/segments/{number}")
     async def segment(session_id: str, number: str, request: Request):
         store, refused = ready()
         if refused:
@@ -520,7 +520,7 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
             return problem(exc.status, str(exc), exc.param)
         return FileResponse(path, media_type="video/mp4")
 
-    @app.get("/v1/sessions/{session_id}/video")
+    @router.get("/v1/sessions/{session_id}/video")
     async def video(session_id: str, request: Request):
         store, refused = ready()
         if refused:
@@ -531,26 +531,26 @@ def add_session_routes(app: Any, state: Any, store_of) -> None:
             return problem(exc.status, str(exc), exc.param)
         return FileResponse(path, media_type="video/mp4")
 
-    @app.post("/v1/sessions/{session_id}/fork")
+    @router.post("/v1/sessions/{session_id}/fork")
     async def fork(session_id: str, request: Request):
         store, refused = ready()
         return refused or await run(store.fork, session_id, owner_of(request), status=201)
 
-    @app.post("/v1/sessions/{session_id}/snapshot")
+    @router.post("/v1/sessions/{session_id}/snapshot")
     async def snapshot(session_id: str, request: Request):
         store, body, refused = await with_body(request, optional=True)
         if refused:
             return refused
         return await run(store.snapshot, session_id, body.get("name"), owner_of(request))
 
-    @app.post("/v1/sessions/resume")
+    @router.post("/v1/sessions/resume")
     async def resume(request: Request):
         store, body, refused = await with_body(request)
         if refused:
             return refused
         return await run(store.resume, body.get("snapshot"), owner_of(request), status=201)
 
-    @app.delete("/v1/sessions/{session_id}")
+    @router.delete("/v1/sessions/{session_id}")
     async def close(session_id: str, request: Request):
         store, refused = ready()
         if refused:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from starlette.concurrency import run_in_threadpool
 
 from composer.cancel import CancelToken
@@ -357,9 +357,9 @@ class StreamSession:
 
 
 class StreamRoutes:
-    """The `/v1/streams` route's shared state (`app.state.streams`): the open streams, how long a stream waits for
-    a client that reads nothing, how far behind a client may be before its stream waits, and the metrics /metrics
-    shows."""
+    """The `/v1/streams` route's shared state (`app.state.streams`, `ServerState.streams`): the open streams, how
+    long a stream waits for a client that reads nothing, how far behind a client may be before its stream waits,
+    and the metrics /metrics shows."""
 
     def __init__(self, state: Any):
         self.state = state
@@ -411,12 +411,12 @@ class StreamRoutes:
         return lines
 
 
-def add_stream_routes(app: FastAPI, state: Any) -> StreamRoutes:
-    """Register `/v1/streams` on `app` (its ServerState is `state`); returns the routes' metrics holder."""
+def add_stream_routes(router: APIRouter, state: Any) -> StreamRoutes:
+    """Register `/v1/streams` on `router` (the video routes; its ServerState is `state`); returns the routes'
+    shared state (the app keeps it as `app.state.streams`, its metrics go to /metrics)."""
     routes = StreamRoutes(state)
-    app.state.streams = routes
 
-    @app.websocket("/v1/streams")
+    @router.websocket("/v1/streams")
     async def stream(ws: WebSocket):
         """A live stream of a causal model's blocks (docs/serving.md, "Live streams")."""
         await ws.accept()

@@ -1,10 +1,12 @@
 """`composer serve` on a diffusion language model: OpenAI's completions and chat completions APIs.
 
     POST /v1/completions        {"model", "prompt": str | [str] | [int] | [[int]], "max_tokens", "temperature",
-                                 "top_p", "seed", "n", "stop", "stream"}
+                                 "top_p", "seed", "n", "stop", "stream", "priority"}
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens" |
-                                 "max_completion_tokens", "temperature", "top_p", "seed", "n", "stop", "stream"}
-    GET  /v1/models, /v1/models/{model}, /health, /metrics
+                                 "max_completion_tokens", "temperature", "top_p", "seed", "n", "stop", "stream",
+                                 "priority"}
+    (and what every server has, composer/serve/app.py: GET /v1/models, /v1/models/{model}, /health, /ready,
+    /metrics, API keys)
 
 The official `openai` SDK works against it unchanged (`client.chat.completions.create(...)`, `stream=True` as
 server-sent events of the text each block makes final). composer's own settings (block_length,
@@ -13,73 +15,43 @@ num_inference_steps or steps, threshold, decoding, top_k, editing_threshold, ...
 
 A request is checked whole before anything runs, a stream's included (its first block is made before the 200, so
 an error the library finds before generating has its real status): the fields on the event loop, the tokens on a
-worker thread. Requests then run on a thread each; their refinement steps share model forwards
-(composer/text/batching.py), and no forward is longer than the model's context allows.
+worker thread. It then waits for one of --max-concurrent slots (composer/serve/slots.py: an asyncio future, higher
+`priority` first, then by arrival; more than --max-queue waiting: 429, as a full video queue) and runs, for at most
+--request-timeout seconds (then it is cancelled: a 504, or a stream's error event). Running requests' refinement
+steps share model forwards (composer/text/batching.py), and no forward is longer than the model's context allows.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from composer.cancel import CancelToken
 from composer.errors import Cancelled, ComposerError
 from composer.logging import get_logger
-from composer.serve.app import ServeConfig, _read_json, add_error_handlers, error
+from composer.serve.app import ServeConfig, ServerState, _read_json, create_app, error, queue_full, refused
 from composer.serve.requests import RequestProblem as _Problem
-from composer.serve.text_requests import TextRequest, body_limit, check_model, fit, parse
+from composer.serve.slots import ClientGone, QueueFull
+from composer.serve.text_requests import TextRequest, body_limit, fit, parse
 
 logger = get_logger(__name__)
 
-DISCONNECT_POLL_S = 0.25  # how often a running request looks for its client
+DISCONNECT_POLL_S = 0.25  # how often a request looks for its client (waiting for a slot, or running)
+TIMEOUT = "timeout"  # the reason a request's CancelToken is cancelled with when it runs past --request-timeout
+CLIENT_GONE = 499  # the status logged for a request whose client left while it waited (nginx's "client closed")
 
 
-class TextServerState:
-    def __init__(self, load: Callable[[], Any], config: ServeConfig):
-        self.config = config
-        self.generator: Any = None
-        self.load_error: str | None = None
-        self.requests = self.failures = self.tokens = self.forwards = 0
-        self.seconds = 0.0
-        self.running = 0
-        self._lock = threading.Lock()
-        self._load = load
-        self._thread = threading.Thread(target=self._load_model, name="composer-serve-load", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _load_model(self) -> None:
-        try:
-            self.generator = self._load()
-        except Exception as exc:  # noqa: BLE001 - reported by /health
-            logger.error("loading the model failed: %s", exc)
-            self.load_error = f"{type(exc).__name__}: {exc}"
-
-    def began(self, delta: int = 1) -> None:
-        """A request started (1) or ended (-1): the running gauge, counted from the requests' threads."""
-        with self._lock:
-            self.running += delta
-
-    def count(self, results: list[Any], seconds: float, failed: bool = False) -> None:
-        with self._lock:
-            self.requests += 1
-            self.failures += failed
-            self.seconds += seconds
-            if results:
-                self.tokens += sum(len(r.token_ids) for r in results)
-                self.forwards += results[0].stats.forwards
+def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
+    """The app of a text model: `create_app(load, config, modality="text")`."""
+    return create_app(load, config, modality="text")
 
 
 def _cut(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -88,67 +60,72 @@ def _cut(text: str, stop: list[str]) -> tuple[str, bool]:
     return (text[: min(ends)], True) if ends else (text, False)
 
 
-def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
-    state = TextServerState(load, config)
+def text_metric_lines(state: ServerState) -> list[str]:
+    """A text server's /metrics lines: requests, failures, tokens, forwards and seconds counted; requests running,
+    waiting, the slots, and how long the started ones waited."""
+    counted, slots = state.counters, state.slots
+    return [
+        "# HELP composer_text_requests_total text requests answered (failed ones too)",
+        "# TYPE composer_text_requests_total counter", f"composer_text_requests_total {counted.requests}",
+        "# HELP composer_text_failures_total text requests that failed (errors, timeouts, cancelled)",
+        "# TYPE composer_text_failures_total counter", f"composer_text_failures_total {counted.failures}",
+        "# HELP composer_text_tokens_total tokens made", "# TYPE composer_text_tokens_total counter",
+        f"composer_text_tokens_total {counted.tokens}",
+        "# HELP composer_text_forwards_total model forwards the requests ran (a shared one counts for each)",
+        "# TYPE composer_text_forwards_total counter", f"composer_text_forwards_total {counted.forwards}",
+        "# HELP composer_text_seconds_total seconds the requests ran", "# TYPE composer_text_seconds_total counter",
+        f"composer_text_seconds_total {counted.seconds:.3f}",
+        "# HELP composer_text_requests_running text requests running now (a stream until its last event)",
+        "# TYPE composer_text_requests_running gauge", f"composer_text_requests_running {slots.running}",
+        "# HELP composer_queue_length requests waiting for a slot", "# TYPE composer_queue_length gauge",
+        f"composer_queue_length {slots.waiting}",
+        "# HELP composer_queue_wait_seconds seconds each started request waited for its slot",
+        "# TYPE composer_queue_wait_seconds summary", f"composer_queue_wait_seconds_sum {slots.wait_seconds:.6f}",
+        f"composer_queue_wait_seconds_count {slots.waits}",
+        "# HELP composer_max_concurrent requests that may run at once (--max-concurrent)",
+        "# TYPE composer_max_concurrent gauge", f"composer_max_concurrent {slots.max_concurrent}"]
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        state.start()
-        yield
 
-    app = FastAPI(title="composer serve (text)", description="Diffusion language models (OpenAI completions API "
-                  "shaped).", lifespan=lifespan)
-    app.state.composer = state
-
-    add_error_handlers(app)
-
-    def ready():
-        if state.generator is None:
-            why = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"
-            return error(503, why, headers={"Retry-After": "5"})
-        return None
+def text_routes(state: ServerState) -> APIRouter:
+    """POST /v1/completions and /v1/chat/completions over the state's text generator."""
+    router = APIRouter()
+    config = state.config
 
     def model_name() -> str:
         return str(state.generator.model_path)
 
-    @app.get("/health")
-    async def health():
-        return ready() or {"status": "ok", "model": model_name(), "family": state.generator.family,
-                           "modality": "text"}
+    def timed_out(cancel: CancelToken) -> str | None:
+        """The message of a request stopped by the request timeout (None: it was not)."""
+        if cancel.cancelled and cancel.reason == TIMEOUT:
+            return f"the request ran past the request timeout ({config.request_timeout:g} s) and was cancelled"
+        return None
 
-    @app.get("/v1/models")
-    async def models():
-        if (not_ready := ready()) is not None:
-            return not_ready
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str):
-        """The served model under any of the names a request may give it (`client.models.retrieve`), else 404."""
-        if (not_ready := ready()) is not None:
-            return not_ready
+    async def admit(checked: TextRequest, cancel: CancelToken, gone: asyncio.Task) -> Callable[[], None] | Response:
+        """Wait for a slot (no thread waits: the request awaits a future); the release to call once the request
+        ends (it stops the timeout's timer too), or the answer of one that never ran (the queue is full, or the
+        client left)."""
         try:
-            check_model(name, state.generator)
-        except _Problem as exc:
-            return _refused(exc)
-        return model_card()
+            await state.slots.acquire(checked.priority, gone)
+        except QueueFull:
+            return queue_full(config.max_queue, "requests")
+        except ClientGone:
+            return error(CLIENT_GONE, "the client left while its request waited for a slot")
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(config.request_timeout, cancel.cancel, TIMEOUT) if config.request_timeout else None
+        released = False
 
-    def model_card() -> dict[str, Any]:
-        return {"id": model_name(), "object": "model", "created": 0, "owned_by": "composer"}
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                if timer is not None:
+                    timer.cancel()
+                state.slots.release()
 
-    @app.get("/metrics")
-    async def metrics():
-        lines = ["# TYPE composer_ready gauge", f"composer_ready {int(state.generator is not None)}",
-                 "# TYPE composer_text_requests_total counter", f"composer_text_requests_total {state.requests}",
-                 "# TYPE composer_text_failures_total counter", f"composer_text_failures_total {state.failures}",
-                 "# TYPE composer_text_tokens_total counter", f"composer_text_tokens_total {state.tokens}",
-                 "# TYPE composer_text_forwards_total counter", f"composer_text_forwards_total {state.forwards}",
-                 "# TYPE composer_text_seconds_total counter", f"composer_text_seconds_total {state.seconds:.3f}",
-                 "# TYPE composer_text_requests_running gauge", f"composer_text_requests_running {state.running}"]
-        return PlainTextResponse("\n".join(lines) + "\n")
+        return release
 
     async def handle(request: Request, chat: bool):
-        if (not_ready := ready()) is not None:
+        if (not_ready := state.unready()) is not None:
             return not_ready
         generator = state.generator
         try:
@@ -156,33 +133,44 @@ def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
             checked = parse(body, chat, generator)
             await run_in_threadpool(fit, generator, checked)  # tokenizing: on a worker thread, holding no one
         except _Problem as exc:
-            return _refused(exc)
+            return refused(exc)
         except ComposerError as exc:
             return error(400, str(exc))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        if checked.stream:
-            return await stream(checked, ident, created)
-        start = time.perf_counter()
-        state.began()
         cancel = CancelToken()  # a client that leaves stops its request: it would take a share of every forward
-        watcher = asyncio.create_task(_cancel_when_gone(request, cancel))
+        gone = asyncio.create_task(_cancel_when_gone(request, cancel))
+        try:
+            release = await admit(checked, cancel, gone)
+            if isinstance(release, Response):  # it never ran
+                return release
+            if checked.stream:
+                return await stream(checked, ident, created, cancel, release, gone)
+            try:
+                return await complete(checked, chat, ident, created, cancel)
+            finally:
+                release()
+        finally:
+            gone.cancel()
+
+    async def complete(checked: TextRequest, chat: bool, ident: str, created: int, cancel: CancelToken):
+        generator = state.generator
+        start = time.perf_counter()
         try:
             results = await run_in_threadpool(lambda: generator.generate_text(**checked.inputs(), **checked.settings,
                                                                               cancel=cancel))
         except ComposerError as exc:
-            state.count([], time.perf_counter() - start, failed=True)
+            state.counters.count([], time.perf_counter() - start, failed=True)
+            if (late := timed_out(cancel)) is not None:
+                return error(504, late)
             if isinstance(exc, Cancelled):
                 logger.info("%s stopped: %s", ident, cancel.reason)
             return error(_status(exc), str(exc))
         except BaseException:
-            state.count([], time.perf_counter() - start, failed=True)
+            state.counters.count([], time.perf_counter() - start, failed=True)
             raise
-        finally:
-            watcher.cancel()
-            state.began(-1)
         results = results if isinstance(results, list) else [results]
-        state.count(results, time.perf_counter() - start)
+        state.counters.count(results, time.perf_counter() - start)
         choices = []
         for index, result in enumerate(results):
             text, stopped = _cut(result.text, checked.stop)
@@ -200,37 +188,60 @@ def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
                           "total_tokens": prompt_tokens + completion},
                 "composer": {"forwards": results[0].stats.forwards, "seed": results[0].seed}}
 
-    async def stream(checked: TextRequest, ident: str, created: int):
+    async def stream(checked: TextRequest, ident: str, created: int, cancel: CancelToken,
+                     release: Callable[[], None], gone: asyncio.Task):
         """Server-sent events, once the first piece is made: what fails before it (the library's checks, the
-        tokenizer's) is an error with its status, as the SDK expects, not a 200 with an error event."""
+        tokenizer's) is an error with its status, as the SDK expects, not a 200 with an error event. The slot is
+        held until the last event (or the client leaves)."""
         def begin() -> tuple[Iterator[Any], Any]:
-            pieces = state.generator.stream_text(**checked.inputs(), **checked.settings)
+            pieces = state.generator.stream_text(**checked.inputs(), **checked.settings, cancel=cancel)
             return pieces, next(pieces, None)
 
         start = time.perf_counter()
-        state.began()
         try:
             pieces, first = await run_in_threadpool(begin)
-        except ComposerError as exc:
-            state.count([], time.perf_counter() - start, failed=True)
-            return error(_status(exc), str(exc))
-        except BaseException:
-            state.count([], time.perf_counter() - start, failed=True)
-            raise
-        finally:
-            state.began(-1)
-        return StreamingResponse(_events(state, pieces, first, checked, ident, created, start),
-                                 media_type="text/event-stream")
+        except BaseException as exc:
+            release()
+            state.counters.count([], time.perf_counter() - start, failed=True)
+            if not isinstance(exc, ComposerError):
+                raise
+            late = timed_out(cancel)
+            return error(504, late) if late is not None else error(_status(exc), str(exc))
+        gone.cancel()  # from here the response watches its client (StreamingResponse reads the disconnect)
 
-    @app.post("/v1/completions")
+        def end() -> None:
+            release()
+            close = getattr(pieces, "close", None)
+            if close is not None:  # a client gone mid-stream: the request leaves the pipeline now, not when collected
+                close()
+
+        events = _events(state, pieces, first, checked, ident, created, start, lambda: timed_out(cancel), end)
+        return _HeldStream(events, end, media_type="text/event-stream")
+
+    @router.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 
-    return app
+    return router
+
+
+class _HeldStream(StreamingResponse):
+    """A stream whose slot is released however its response ends: after its last event, or when the client left
+    (the events may never have started)."""
+
+    def __init__(self, content: AsyncIterator[bytes], end: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._end = end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._end()  # (on the event loop, no piece being made: a thread's next() is awaited before cancelling)
 
 
 async def _cancel_when_gone(request: Request, cancel: CancelToken) -> None:
@@ -245,18 +256,12 @@ def _status(exc: ComposerError) -> int:
     return 400 if isinstance(exc, (ValueError, NotImplementedError)) else 500
 
 
-def _refused(exc: _Problem) -> JSONResponse:
-    """A refused request as OpenAI answers it (another model's name: 404 `model_not_found`)."""
-    if exc.status == 404:
-        return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.field,
-                                       "code": "model_not_found"}}, 404)
-    return error(exc.status, str(exc), exc.field)
-
-
-def _events(state: TextServerState, pieces: Iterator[Any], first: Any, checked: TextRequest, ident: str,
-            created: int, start: float) -> Iterator[bytes]:
+async def _events(state: ServerState, pieces: Iterator[Any], first: Any, checked: TextRequest, ident: str,
+                  created: int, start: float, timed_out: Callable[[], str | None],
+                  end: Callable[[], None]) -> AsyncIterator[bytes]:
     """Server-sent events: the text each block makes final, per choice (from the first piece, already made), then a
-    last chunk with each choice's finish reason, then [DONE]. Run by Starlette on a thread (a sync iterator)."""
+    last chunk with each choice's finish reason, then [DONE]. Each next piece is made on a worker thread; `end`
+    (the slot released, the pieces closed) runs before [DONE], or when the client leaves."""
     chat, stop = checked.chat, checked.stop
     kind = "chat.completion.chunk" if chat else "text_completion"
     model = str(state.generator.model_path)
@@ -272,7 +277,6 @@ def _events(state: TextServerState, pieces: Iterator[Any], first: Any, checked: 
         payload = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
         return f"data: {json.dumps(payload)}\n\n".encode()
 
-    state.began()
     sent: dict[int, str] = {}
     stopped: set[int] = set()
     results = []
@@ -280,31 +284,30 @@ def _events(state: TextServerState, pieces: Iterator[Any], first: Any, checked: 
         if chat:
             for index in range(checked.rows):
                 yield event(index, None, None, first=True)
-        for piece in itertools.chain([first] if first is not None else [], pieces):
+        piece = first
+        while piece is not None:
             row = piece.row
-            if row in stopped:
-                continue
-            so_far, cut = _cut(piece.so_far, stop)
-            new = so_far[len(sent.get(row, "")):] if so_far.startswith(sent.get(row, "")) else ""
-            if new:
-                yield event(row, new, None)
-                sent[row] = so_far
-            if cut:
-                stopped.add(row)
-            if piece.done:
-                results.append(piece)
-                finished = cut or (piece.token_ids and piece.token_ids[-1] == state.generator.pipeline.stages[-1]
-                                   .eos_id)
-                yield event(row, None, "stop" if finished else "length")
-        state.count([_Counted(p.token_ids, p.stats) for p in results], time.perf_counter() - start)
+            if row not in stopped:
+                so_far, cut = _cut(piece.so_far, stop)
+                new = so_far[len(sent.get(row, "")):] if so_far.startswith(sent.get(row, "")) else ""
+                if new:
+                    yield event(row, new, None)
+                    sent[row] = so_far
+                if cut:
+                    stopped.add(row)
+                if piece.done:
+                    results.append(piece)
+                    finished = cut or (piece.token_ids and piece.token_ids[-1] == state.generator.pipeline.stages[-1]
+                                       .eos_id)
+                    yield event(row, None, "stop" if finished else "length")
+            piece = await run_in_threadpool(next, pieces, None)
+        state.counters.count([_Counted(p.token_ids, p.stats) for p in results], time.perf_counter() - start)
     except Exception as exc:  # noqa: BLE001 - the stream is already open: said in an error event
-        state.count([], time.perf_counter() - start, failed=True)
-        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n".encode()
+        state.counters.count([], time.perf_counter() - start, failed=True)
+        message = timed_out() or str(exc)
+        yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n".encode()
     finally:
-        state.began(-1)
-        close = getattr(pieces, "close", None)
-        if close is not None:  # a client gone mid-stream: the request leaves the pipeline now, not when collected
-            close()
+        end()
     yield b"data: [DONE]\n\n"
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from composer.errors import ComposerError
 from composer.serve.requests import RequestProblem as _Problem
+from composer.serve.requests import _priority  # `priority`: the rule a video job's follows
 
 MAX_CHOICES = 16  # n
 MAX_ROWS = 64  # prompts x n of one request: the rows of one batch (each row's forwards are shared with the others')
@@ -43,9 +44,9 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "presenc
 IGNORED = {"user", "metadata", "store", "stream_options", "parallel_tool_calls", "service_tier",
            "reasoning_effort", "prompt_cache_key", "safety_identifier"}
 ALIASES = {"steps": "num_inference_steps"}
-OWN = {False: {"model", "prompt", "stream", "n", "stop", "max_tokens", "temperature", "top_p", "seed"},
+OWN = {False: {"model", "prompt", "stream", "n", "stop", "max_tokens", "temperature", "top_p", "seed", "priority"},
        True: {"model", "messages", "stream", "n", "stop", "max_tokens", "max_completion_tokens", "temperature",
-              "top_p", "seed"}}
+              "top_p", "seed", "priority"}}
 
 
 def RequestProblem(message: str, field: str | None = None, status: int = 400) -> _Problem:  # noqa: N802
@@ -67,6 +68,7 @@ class TextRequest:
     single: bool = False  # one string prompt (or one list of ids): generate_text's one result, not a list
     messages: list[dict[str, str]] | None = None  # chat: the conversation
     max_tokens_given: bool = False
+    priority: int = 0  # the server's queue: higher first, then by arrival (as a video job's)
 
     @property
     def input_field(self) -> str:
@@ -126,7 +128,7 @@ def parse(body: Any, chat: bool, generator: Any) -> TextRequest:
     if seed is not None:
         settings["seed"] = seed
     request = TextRequest(chat, settings, n, _stop(body.get("stop")), _flag(body, "stream"),
-                          max_tokens_given=limit is not None)
+                          max_tokens_given=limit is not None, priority=_priority_of(body))
     if chat:
         request.messages = _messages(body.get("messages"))
     else:
@@ -262,6 +264,14 @@ def _number(body: dict, key: str, low: float, high: float, open_low: bool = Fals
         rule = f"{'above' if open_low else 'from'} {low:g} {'and at most' if open_low else 'to'} {high:g}"
         raise RequestProblem(f"{key} = {value!r}: a number {rule}", key)
     return float(value)
+
+
+def _priority_of(body: dict) -> int:
+    """`priority` as a video job takes it (an integer, higher first; default 0), refused as this API refuses: 400."""
+    try:
+        return _priority(body)
+    except _Problem as exc:
+        raise RequestProblem(str(exc), "priority") from None
 
 
 def _flag(body: dict, key: str) -> bool:
