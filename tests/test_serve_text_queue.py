@@ -222,3 +222,21 @@ def test_one_app_installs_ready_and_models_for_a_text_model(gen, tmp_path):
         assert srv.request("GET", "/v1/model").status == 404  # the video page's route: not a text server's
     finally:
         srv.stop()
+
+
+def test_a_text_servers_keys_come_from_its_config_as_a_video_servers(gen, tmp_path):
+    from composer.serve.keys import ApiKey, KeyRing
+
+    secret = "text-server-test-key-0123456789abcdef"
+    srv = served(gen, tmp_path, keys=KeyRing([ApiKey("alice", secret)]))
+    try:
+        assert srv.request("GET", "/ready").status == 200 and srv.request("GET", "/health").status == 200  # open
+        assert srv.request("POST", "/v1/completions", {"prompt": "1 =", "max_tokens": 4}).status == 401
+        assert srv.request("GET", "/metrics").status == 401
+        key = {"Authorization": f"Bearer {secret}"}
+        assert srv.request("POST", "/v1/completions", {"prompt": "1 =", "max_tokens": 4}, headers=key).status == 200
+        metrics = srv.request("GET", "/metrics", headers=key).body.decode()
+        assert 'composer_api_requests_total{key="alice"} 2' in metrics  # the completion and this scrape
+        assert "composer_text_requests_total 1" in metrics
+    finally:
+        srv.stop()
