@@ -240,3 +240,24 @@ def test_a_text_servers_keys_come_from_its_config_as_a_video_servers(gen, tmp_pa
         assert "composer_text_requests_total 1" in metrics
     finally:
         srv.stop()
+
+
+def test_composer_serve_gives_a_text_model_its_flags(monkeypatch, capsys):
+    """`composer serve` on a text model builds the one app with the queue flags (they were ignored before)."""
+    import socket
+
+    import uvicorn
+
+    from composer.cli.main import main
+
+    served = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: served.append(self.config.app))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", "--model-path", "tiny-dllm", "--port", str(port), "--no-progress", "--max-concurrent", "2",
+                 "--max-queue", "3", "--request-timeout", "7"]) == 0
+    state = served[0].state.composer
+    assert state.modality == "text" and state.store is None
+    assert (state.slots.max_concurrent, state.slots.max_queue, state.config.request_timeout) == (2, 3, 7.0)
+    assert "a text model: /v1/completions" in capsys.readouterr().out
