@@ -185,8 +185,8 @@ def add_error_handlers(app: FastAPI) -> None:
 def create_app(load: Callable[[], Any], config: ServeConfig, modality: str = "video") -> FastAPI:
     """The app serving the model `load()` returns (called once, in a background thread at startup): what every
     server has installed once (API keys, OpenAI-style errors, /health, /ready, /metrics, /v1/models), then the
-    routes of the model's `modality`: "video" (jobs, the web page, and for a causal model live streams and
-    sessions) or "text" (completions and chat completions, composer/serve/text.py)."""
+    routes of the model's `modality`, a router per group: "video" (jobs, live streams and sessions of a causal
+    model, the web page) or "text" (completions and chat completions, composer/serve/text.py)."""
     state = ServerState(load, config, modality)
 
     @asynccontextmanager
@@ -209,8 +209,12 @@ def create_app(load: Callable[[], Any], config: ServeConfig, modality: str = "vi
         app.include_router(text_routes(state))
     else:
         add_page_routes(app, state)  # the web page at / and GET /v1/model (page.py)
-        app.include_router(video_routes(state))
-        app.state.streams = state.streams
+        app.include_router(video_routes(state))  # /v1/videos: jobs
+        streams, sessions = APIRouter(), APIRouter()
+        state.streams = app.state.streams = add_stream_routes(streams, state)  # WebSocket /v1/streams (stream.py)
+        add_session_routes(sessions, state, lambda: state.sessions)  # /v1/sessions (sessions.py)
+        app.include_router(streams)  # (both answer a clear error on a model that is not causal)
+        app.include_router(sessions)
     return app
 
 
@@ -290,8 +294,7 @@ def queue_full(max_queue: int, what: str = "jobs") -> JSONResponse:
 
 
 def video_routes(state: ServerState) -> APIRouter:
-    """The routes of a video model: /v1/videos (jobs: create, remix, edit, extend, list, get, content, cancel,
-    delete), and for a causal model /v1/streams (stream.py) and /v1/sessions (sessions.py)."""
+    """A video model's jobs: /v1/videos (create, remix, edit, extend, list, get, content, cancel, delete)."""
     router = APIRouter()
     config = state.config
 
@@ -469,8 +472,6 @@ def video_routes(state: ServerState) -> APIRouter:
         state.store.delete(job_id)
         return {"id": job_id, "object": "video.deleted", "deleted": True}
 
-    state.streams = add_stream_routes(router, state)  # WebSocket /v1/streams (live streams of causal models)
-    add_session_routes(router, state, lambda: state.sessions)  # /v1/sessions (sessions.py)
     return router
 
 
