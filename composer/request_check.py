@@ -260,10 +260,15 @@ def check_request(
 
     `segments`: (prompt, num_blocks) pairs (a list is checked here; a lazy source is checked as it is read).
     `flags`: in the CLI, the spelling the user typed per field (problems name the flag as typed).
-    `videos`: the rows of a prompt list (composer.prompt_lists.VideoRequests: each is checked as a prompt).
+    `videos`: the rows of a prompt list (composer.prompt_lists.VideoRequests: each is checked as a prompt); for
+    one prompt (no segments, not a stream) they are made here, as generate_video makes them.
     """
     checked = sp if videos is None else dataclasses.replace(sp, prompt=videos.prompts)
     _check_fields(checked, limits, segments, cli=cli, stream=stream, flags=flags, rows=_rows(sp, videos))
+    if videos is None and segments is None and isinstance(sp.prompt, str) and not stream:
+        from composer.prompt_lists import video_requests
+
+        videos = video_requests(sp.prompt, sp.negative_prompt, sp.num_videos_per_prompt)  # as generate_video makes
     return CheckedRequest(sp, limits, segments, videos, stream, _SEAL)
 
 
@@ -331,13 +336,15 @@ def check_cli_request(
     interactive_blocks: int | None = None,
     flags: dict[str, str] | None = None,
     resolved: Any = None,
+    prompts: list[str] | None = None,
 ) -> CheckedRequest:
     """`composer generate`'s check before loading: the flags' types, then the whole request against the
     constraints the model folder's JSON configs state (no weights are read); the request as checked.
     `interactive_blocks`: with --interactive, the first prompt runs for that many blocks (num_frames does not
     apply). `flags`: the spelling
     the user typed for a field (gen_length: --max-new-tokens), as problems name it. `resolved`: the model as
-    `composer.generator.resolve_model` found it (the CLI resolves it once); None: resolved here."""
+    `composer.generator.resolve_model` found it (the CLI resolves it once); None: resolved here. `prompts`: the
+    prompts of a prompt list (--prompt-file, or copies of one prompt): every row is checked, as the batch."""
     if resolved is None:
         from composer.generator import resolve_model  # the generator imports this module
 
@@ -370,7 +377,13 @@ def check_cli_request(
         segments = [(sp.prompt, interactive_blocks)]
     checked = None
     try:
-        checked = check_request(sp, limits, segments, cli=True, stream=stream, flags=flags)
+        videos = None
+        if prompts is not None:  # (a prompt list's own problems are the prompt file's, found as it was read)
+            from composer.prompt_lists import video_requests
+
+            videos = video_requests(prompts, sp.negative_prompt, sp.num_videos_per_prompt) \
+                if V.positive_int(sp.num_videos_per_prompt) else None
+        checked = check_request(sp, limits, segments, cli=True, stream=stream, flags=flags, videos=videos)
     except RequestError as exc:
         failures += exc.failures
     if failures:

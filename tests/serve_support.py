@@ -94,18 +94,22 @@ class Scripted:
     def generate_video(self, prompt=None, *, cancel=None, **kwargs):
         from composer.errors import Cancelled
 
-        if prompt.startswith("boom"):
+        text = _prompt_text(prompt)
+        if text.startswith("boom"):
             raise RuntimeError("boom: the transformer exploded")
-        if prompt.startswith("gate"):
+        if text.startswith("gate"):
             while not self.gate.wait(0.01):
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled("request cancelled")
+            if not isinstance(prompt, str) and self.gated_overrides:  # a checked request: changed, checked again
+                return self._generator.generate_video(prompt.updated(**self.gated_overrides), cancel=cancel, **kwargs)
             return self._generator.generate_video(prompt, cancel=cancel, **{**kwargs, **self.gated_overrides})
         return self._generator.generate_video(prompt, cancel=cancel, **kwargs)
 
     def submit_video(self, prompt=None, *, cancel=None, **kwargs):
         """The real generator's tasks, except for the scripted prompts (run as `generate_video` on a thread)."""
-        if not (prompt.startswith("boom") or prompt.startswith("gate")):
+        text = _prompt_text(prompt)
+        if not (text.startswith("boom") or text.startswith("gate")):
             return self._generator.submit_video(prompt, cancel=cancel, **kwargs)
         from concurrent.futures import Future
 
@@ -119,3 +123,8 @@ class Scripted:
 
         threading.Thread(target=run, daemon=True).start()
         return future
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A job's prompt: given as text, or in the request the server checked before queueing it (a CheckedRequest)."""
+    return prompt if isinstance(prompt, str) else prompt.sampling.prompt

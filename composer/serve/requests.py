@@ -1,5 +1,6 @@
-"""A JSON body -> the keyword arguments of generate_video, checked as generate_video checks them, plus the
-server's limits. Every problem is a RequestProblem naming the field (an HTTP 4xx)."""
+"""A JSON body -> the request a job runs, checked once before it is queued (composer.request_check's check, under
+the server's limits): the CheckedRequest generate_video runs as it is, and its record. Every problem is a
+RequestProblem naming the field (an HTTP 4xx)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from composer._fields import field_types, json_value_problem
 from composer.errors import ComposerError, InvalidInputError
 from composer.images import refuse_image_knobs
 from composer.request_check import (
+    CheckedRequest,
     ModelLimits,
     RequestError,
     check_request,
@@ -75,19 +77,21 @@ class LoraOption:
 
 
 @dataclass
-class CheckedRequest:
+class CheckedBody:
     """What a job runs: JSON-safe SamplingParam fields (the record), decoded input images, and the LoRA adapters
-    to apply as [name, scale] pairs (empty: the base model)."""
+    to apply as [name, scale] pairs (empty: the base model); `request`: the whole request as checked (the one
+    check, composer.request_check), which `generate_video(request)` runs without checking it again."""
 
     params: dict[str, Any]
     inputs: dict[str, Any]
     lora: list[list] = field(default_factory=list)
     priority: int = 0
     warnings: list[str] = field(default_factory=list)  # what the job should know (a prompt the encoder cuts)
+    request: CheckedRequest | None = field(default=None, repr=False)
 
 
 def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[LoraOption] = (),
-               uploads: UploadLimits | None = None, given: dict[str, Any] | None = None) -> CheckedRequest:
+               uploads: UploadLimits | None = None, given: dict[str, Any] | None = None) -> CheckedBody:
     """Check a parsed body (JSON, or a multipart form's fields and files) for `generator`; RequestProblem on the
     first class of problem found. Uploaded images and videos are decoded here (call it off the event loop);
     `given`: inputs the server supplies itself, decoded already (a remix's source frames)."""
@@ -140,16 +144,16 @@ def check_body(body: Any, generator: Any, limits: ServerLimits, loras: Sequence[
     priority = _priority(body)
     try:
         sp = defaults.updated(**params, **inputs)
-        check_request(sp, server_limits(generator, limits))
+        if sp.seed is None:  # a fixed seed, so the record says how to make the video again
+            sp = sp.updated(seed=seeds.draw_seed())
+        request = check_request(sp, server_limits(generator, limits))  # the one check, before the job is queued
     except RequestError as exc:
         raise RequestProblem(str(exc), exc.failures[0][0].split("[")[0]) from None
     except ComposerError as exc:
         raise RequestProblem(str(exc)) from None
-    if sp.seed is None:  # a fixed seed, so the record says how to make the video again
-        sp = sp.updated(seed=seeds.draw_seed())
     record = {k: v for k, v in dataclasses.asdict(sp).items()
               if k not in SERVER_FIELDS and k not in INPUT_FIELDS and _json_safe(v)}
-    return CheckedRequest(record, inputs, lora, priority, prompt_warnings(generator.pipeline, sp))
+    return CheckedBody(record, inputs, lora, priority, prompt_warnings(generator.pipeline, sp), request)
 
 
 def prompt_warnings(pipeline: Any, sp: Any) -> list[str]:
@@ -166,7 +170,7 @@ def prompt_warnings(pipeline: Any, sp: Any) -> list[str]:
     return said
 
 
-def derive_body(body: dict, source: Any, store: Any, generator: Any, config: Any, mode: str | None) -> CheckedRequest:
+def derive_body(body: dict, source: Any, store: Any, generator: Any, config: Any, mode: str | None) -> CheckedBody:
     """A request made from a video: a remix of the completed job `source` (mode None), OpenAI's edit (video-to-video)
     or extension (a causal continuation) of `source` or of the body's uploaded `video`.
 
