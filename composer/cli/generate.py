@@ -10,6 +10,7 @@ prompts (`--segment "PROMPT::BLOCKS"`, repeated) and take the next prompt from s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import re
 import sys
@@ -115,7 +116,7 @@ def stdin_segments(default_blocks: int) -> Iterator[tuple[str, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from composer.generator import VideoGenerator
+    from composer.generator import VideoGenerator, resolve_model
     from composer.presets import Preset, load_preset
 
     if args.blocks_per_prompt < 1:  # named as given, before it becomes a segment's block count
@@ -127,26 +128,28 @@ def run(args: argparse.Namespace) -> int:
     runtime_args = RuntimeArgs.from_kwargs(**runtime)  # report bad runtime flags before loading anything
     if not runtime_args.progress:
         silence_library_progress_bars()  # --no-progress: downloads and loading too, not only composer's bars
-    if _is_text_model(args.model_path or preset.model_path, runtime_args.model_family):
-        return _run_text(args, args.model_path or preset.model_path, runtime, sampling_overrides)
+    model_path = args.model_path or preset.model_path
+    resolved = resolve_model(model_path, runtime_args.model_family)  # once: the checks and the loading use it
+    if getattr(resolved.pipeline_cls, "modality", "video") == "text":  # a diffusion language model
+        return _run_text(args, model_path, runtime, sampling_overrides)
     if args.rtmp_url is not None:
-        _check_rtmp(args, args.model_path or preset.model_path, runtime_args.model_family)
+        _check_rtmp(args, resolved)
         args.stream = True  # a live push is a stream
     segments = [parse_segment(s, args.blocks_per_prompt) for s in args.segment] if args.segment else None
     prompts = _prompt_file_prompts(args, sampling_overrides)  # before loading anything
     # and the whole request (types, values, output path) against what the folder's configs state
-    checked = {**sampling_overrides, "prompt": prompts[0]} if prompts else sampling_overrides
-    check_cli_request(args.model_path or preset.model_path, runtime_args.model_family, checked, segments,
-                      stream=args.stream or args.interactive,
-                      interactive_blocks=args.blocks_per_prompt if args.interactive else None,
-                      flags=getattr(args, "typed_flags", None))
+    # (the one check of the request: the run after loading takes it as checked, composer.request_check)
+    checked = check_cli_request(model_path, runtime_args.model_family, sampling_overrides, segments,
+                                stream=args.stream or args.interactive,
+                                interactive_blocks=args.blocks_per_prompt if args.interactive else None,
+                                flags=getattr(args, "typed_flags", None), resolved=resolved, prompts=prompts)
 
     from composer.parallel import state as parallel_state
 
     if args.interactive and (parallel_state.under_launcher() or (runtime_args.num_gpus or 1) > 1):
         raise ConfigError("--interactive reads prompts from one terminal and does not run on several ranks; use "
                           "--segment (every rank reads the same flags), or one process")
-    generator = VideoGenerator.from_pretrained(args.model_path or preset.model_path, **runtime)
+    generator = VideoGenerator.from_pretrained(resolved, **runtime)
     sp = generator.sampling_param(**sampling_overrides)  # the family's own fields and defaults
     if sp.seed is None:
         sp = sp.updated(seed=parallel_state.random_seed())  # under torchrun: rank 0's seed on every rank
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                                and not (segments or args.stream or args.interactive)):
         name = Path(args.prompt_file).stem if prompts is not None else sp.prompt
         with cancel_on_sigint(CancelToken()) as cancel:  # Ctrl-C: Cancelled within one block; main() exits 130
-            return _generate_prompt_list(generator, sp, prompts or [sp.prompt], name, cancel)
+            return _generate_prompt_list(generator, sp, prompts or [sp.prompt], name, cancel, checked)
     if sp.output_path is None and first_prompt:
         sp = sp.updated(output_path=str(default_output_path(first_prompt, sp.seed)))
 
@@ -168,10 +171,10 @@ def run(args: argparse.Namespace) -> int:
                 first = segments or ([(sp.prompt, args.blocks_per_prompt)] if sp.prompt else [])
                 source = itertools.chain(first, stdin_segments(args.blocks_per_prompt))
             else:
-                source = segments
+                source = _as_checked(checked, sp, segments)  # as checked before loading, when it was
             frames, path, stats = _stream(generator, sp, source, cancel, args.rtmp_url)
         else:
-            result = generator.generate_video(sampling_param=sp, segments=segments, cancel=cancel)
+            result = generator.generate_video(_as_checked(checked, sp, segments), cancel=cancel)
             frames, path, stats = result.frames.shape[0], result.output_path, result.stats
     elapsed = time.perf_counter() - start
     _say(
@@ -183,30 +186,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_rtmp(args: argparse.Namespace, model_path: str | None, family: str | None) -> None:
+def _as_checked(checked, sp, segments):
+    """The request checked before loading (`checked`), as the loaded model runs it (`sp`: a drawn seed, a default
+    output path; CheckedRequest.updated checks those alone, and anything else the loaded model states whole), or
+    `sp` itself where the check covered another request (interactive segments)."""
+    from composer.request_check import CheckedRequest
+
+    if not isinstance(checked, CheckedRequest) or checked.segments != segments:
+        return sp
+    changes = {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)
+               if not _same(getattr(sp, f.name), getattr(checked.sampling, f.name))}
+    return checked.updated(**changes) if changes else checked
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except (TypeError, ValueError):  # arrays: never a CLI value, but never taken as equal either
+        return False
+
+
+def _check_rtmp(args: argparse.Namespace, resolved) -> None:
     """--rtmp-url, before loading: a URL composer can push to, a model that streams, no --prompt-file."""
-    from composer.generator import resolve_model
     from composer.request_check import ModelLimits
     from composer.rtmp import check_rtmp_url
 
     check_rtmp_url(args.rtmp_url, "--rtmp-url")
     if args.prompt_file is not None:
         raise ConfigError("--rtmp-url pushes one live stream; it does not go with --prompt-file")
-    resolved = resolve_model(model_path, family)
     config = resolved.configs.pipeline_config().updated_from_folder(resolved.index.extra)
     if ModelLimits.from_folder(resolved.index.folder, config).frames_per_block is None:
         raise ConfigError(f"--rtmp-url: {resolved.configs.family.name} makes the whole video at once and cannot "
                           "stream it live; RTMP out needs a causal (block-autoregressive) model "
                           "(docs/causal-streaming.md)")
-
-
-def _is_text_model(model_path: str | None, family: str | None) -> bool:
-    """Whether the folder is a diffusion language model's (its pipeline makes text); nothing loaded."""
-    if model_path is None:
-        return False
-    from composer.generator import resolve_model
-
-    return getattr(resolve_model(model_path, family).pipeline_cls, "modality", "video") == "text"
 
 
 VIDEO_ONLY = ("negative_prompt", "height", "width", "num_frames", "guidance_scale", "output_path", "fps")
@@ -285,13 +297,19 @@ def _prompt_file_prompts(args: argparse.Namespace, sampling: dict) -> list[str] 
     return prompts
 
 
-def _generate_prompt_list(generator, sp, prompts: list[str], name: str, cancel=None) -> int:
+def _generate_prompt_list(generator, sp, prompts: list[str], name: str, cancel=None, checked=None) -> int:
     """One batch, one video per prompt (and copy), each written to its numbered file (by default
-    outputs/<name>-<seed>-<i>.mp4, `name` being the prompt file's stem or the one prompt)."""
+    outputs/<name>-<seed>-<i>.mp4, `name` being the prompt file's stem or the one prompt). `checked`: the request
+    as checked before loading (its rows these prompts), run as it is."""
     if sp.output_path is None:
         sp = sp.updated(output_path=str(default_output_path(name, sp.seed)))
     start = time.perf_counter()
-    results = generator.generate_video(prompts, sampling_param=sp, cancel=cancel)
+    request = _as_checked(checked, sp, None)
+    if isinstance(request, type(sp)) or request.videos is None or request.videos.prompts != [
+            p for p in prompts for _ in range(sp.num_videos_per_prompt)]:
+        request = None  # checked as another request: the generator checks this one
+    results = generator.generate_video(request, cancel=cancel) if request is not None else \
+        generator.generate_video(prompts, sampling_param=sp, cancel=cancel)
     elapsed = time.perf_counter() - start
     for result in results:
         _say(f"wrote {result.output_path} ({result.num_frames} frames, seed {result.seed}): {result.sampling.prompt}")
@@ -303,13 +321,18 @@ def _generate_prompt_list(generator, sp, prompts: list[str], name: str, cancel=N
 
 
 def _stream(generator, sp, segments, cancel=None, rtmp_url=None):
-    """Write chunks as they arrive (and push them to `rtmp_url`); print one line per block."""
+    """Write chunks as they arrive (and push them to `rtmp_url`); print one line per block. `segments`: the
+    prompts, or the whole request as checked before loading (a CheckedRequest: `sp` is its sampling)."""
+    from composer.request_check import CheckedRequest
     from composer.video import VideoWriter
 
-    stream = generator.stream_video(
-        segments if segments is not None else sp.prompt, sampling_param=sp, keep_video=False,  # frames go to disk
-        cancel=cancel, rtmp_url=rtmp_url,
-    )
+    if isinstance(segments, CheckedRequest):
+        stream = generator.stream_video(segments, keep_video=False, cancel=cancel, rtmp_url=rtmp_url)
+    else:
+        stream = generator.stream_video(
+            segments if segments is not None else sp.prompt, sampling_param=sp, keep_video=False,  # frames to disk
+            cancel=cancel, rtmp_url=rtmp_url,
+        )
     if rtmp_url is not None:
         from composer.rtmp import redact_url
 
