@@ -158,7 +158,15 @@ def _read_json(path: Path, types: dict[str, Any]) -> dict:
     return raw
 
 
-_SEAL = object()  # only check_request makes a CheckedRequest
+class _Seal:
+    """What only check_request passes to CheckedRequest; pickled by name, so a request checked on rank 0 stays
+    checked in a worker process."""
+
+    def __reduce__(self) -> str:
+        return "_SEAL"
+
+
+_SEAL = _Seal()
 
 
 @dataclass(frozen=True, eq=False)

@@ -173,3 +173,15 @@ def test_composer_generate_checks_a_prompt_file_once_every_row(checks, tmp_path)
                  "--no-progress"])
     assert code == 0 and (tmp_path / "c-0.mp4").is_file() and (tmp_path / "c-1.mp4").is_file()
     assert len(checks) == 1 and checks[0].prompt == ["a red circle", "a blue square"]  # every row, before loading
+
+
+def test_a_checked_request_stays_checked_across_processes():
+    """Pickled (to worker processes, num_gpus > 1), a checked request is still one: it can be updated and run."""
+    import pickle
+
+    from composer.configs.base import SamplingParam
+
+    sp = SamplingParam(prompt="a", height=32, width=32, num_frames=5, num_inference_steps=1, seed=1)
+    request = pickle.loads(pickle.dumps(check_request(sp, ModelLimits())))
+    assert isinstance(request, CheckedRequest) and request.sampling == sp
+    assert request.updated(seed=2).sampling.seed == 2
