@@ -687,6 +687,9 @@ def _check_input_images(result: VerificationResult, sp: Any, limits: ModelLimits
                            "first-last-frame model, Wan2.1 FLF2V, takes last_image)")
     elif last is not None and (problem := image_problem(last)):
         result.add_failure("last_image", _shown(last), problem)
+    elif last is not None and V.positive_int(getattr(sp, "num_frames", None)) and sp.num_frames < 2:
+        result.add_failure("num_frames", sp.num_frames, "at least 2 with last_image (its first and last frames are "
+                           "two frames)")
 
 
 def _shown(value: Any) -> Any:

@@ -185,3 +185,16 @@ def test_a_checked_request_stays_checked_across_processes():
     request = pickle.loads(pickle.dumps(check_request(sp, ModelLimits())))
     assert isinstance(request, CheckedRequest) and request.sampling == sp
     assert request.updated(seed=2).sampling.seed == 2
+
+
+def test_a_first_last_frame_request_of_one_frame_is_refused_at_submit():
+    """The last-frame stage asserted num_frames >= 2; the check at submit says so to the user."""
+    import numpy as np
+
+    from composer.configs.wan_i2v import WanI2V480PSamplingParam
+
+    frame = np.zeros((32, 32, 3), dtype=np.uint8)
+    sp = WanI2V480PSamplingParam(prompt="a", height=32, width=32, num_frames=1, num_inference_steps=1, image=frame,
+                                 last_image=frame)
+    with pytest.raises(RequestError, match=r"num_frames = 1: expected at least 2 with last_image"):
+        check_request(sp, ModelLimits(temporal_factor=4, takes_last_image=True))
