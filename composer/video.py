@@ -10,6 +10,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -179,3 +180,25 @@ def read_frames(path: str | Path) -> np.ndarray:
     if frames.ndim == 3:  # grayscale
         frames = np.repeat(frames[..., None], 3, axis=-1)
     return np.ascontiguousarray(frames[..., :3]).astype(np.uint8)
+
+
+def read_video_frames(value: Any, name: str = "video") -> list:
+    """The request's video as PIL RGB frames: a file path, uint8 frames [T, H, W, 3] (numpy or torch), or a list of
+    frames each given as an image is (PIL, array, tensor, file); InvalidInputError naming `name` otherwise."""
+    import torch
+
+    from composer.images import load_image
+
+    if isinstance(value, (str, os.PathLike)):
+        value = read_frames(Path(value))
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.ndim != 4 or value.shape[-1] not in (3, 4):
+            raise InvalidInputError(f"{name}: frames of shape {list(value.shape)}: expected uint8 frames "
+                                    "[T, H, W, 3]")
+        value = list(value)
+    if not isinstance(value, (list, tuple)) or not value:
+        raise InvalidInputError(f"{name} = {type(value).__name__}: expected a video file, uint8 frames [T, H, W, 3] "
+                                "or a non-empty list of frames")
+    return [load_image(frame, f"{name}[{i}]") for i, frame in enumerate(value)]

@@ -21,13 +21,14 @@ int8 weights would re-quantize them (a different model). A folder written by `co
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from composer.accel.hooks import repeated_blocks
-from composer.errors import ConfigError
+from composer.errors import ConfigError, ModelFormatError
 from composer.logging import get_logger
 
 logger = get_logger(__name__)
@@ -134,8 +135,6 @@ class QuantizeHook:
         entry = read_folder_settings(pipeline.folder).quantization
         if not entry or not name.startswith("transformer") or name not in entry.get("components", [name]):
             return None
-        from composer.convert.quantize import load_quantized
-
         return load_quantized(folder, spec, entry["file"], pipeline.load_device(name), dtype or torch.float32)
 
     def apply(self, pipeline: Any) -> str:
@@ -156,3 +155,34 @@ def _version() -> str:
     import torchao
 
     return torchao.__version__
+
+
+def load_quantized(folder: Path, spec: Any, file: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A denoiser built from `folder`'s config.json on meta and filled with the quantized state dict in `file`
+    (quantized weights as saved; every other floating tensor in `dtype`, or fp32 where the model keeps it so)."""
+    import re
+
+    from composer.loader.components import ComposerModelLoader
+
+    path = folder / file
+    if not path.is_file():
+        raise ModelFormatError(f"{folder.parent} says its {folder.name} is quantized (composer.json) but {path} "
+                               "is missing: write the folder again with `composer convert quantize`")
+    model = ComposerModelLoader().build(folder, spec)
+    state = torch.load(path, map_location=device, weights_only=True)
+    keep = getattr(type(model), "keep_in_fp32", ())
+
+    def cast(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if is_quantized(tensor) or not tensor.is_floating_point():
+            return tensor
+        return tensor.to(torch.float32 if any(re.search(p, name) for p in keep) else dtype)
+
+    state = {k: cast(k, v) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ModelFormatError(f"{path} does not match {folder / 'config.json'}: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
+    leftovers = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    if leftovers:
+        raise ModelFormatError(f"{path} left tensors unloaded: {leftovers[:5]}")
+    return model.eval().requires_grad_(False)

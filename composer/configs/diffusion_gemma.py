@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from composer.configs.base import PipelineConfig
+from composer.configs.text import TextSamplingParam
 from composer.registry.configs import register_configs
-from composer.text.sampling import TextSamplingParam
 
 
 @dataclass

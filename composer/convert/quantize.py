@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from composer.accel.quantize import load_quantized  # noqa: F401  (moved to the hook that loads it; kept importable here)
 from composer.errors import ConfigError, ModelFormatError
 from composer.logging import get_logger
 
@@ -35,8 +36,8 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.
 def quantize_folder(model_path: str | Path | None, out: str | Path, mode: str, dtype: str = "fp32",
                     overwrite: bool = False) -> Path:
     """Load `model_path` with `quantize = mode` on the CPU and write the quantized copy to `out`."""
-    from composer import VideoGenerator
     from composer.accel.quantize import _version
+    from composer.generator import VideoGenerator
     from composer.loader.folder_settings import FILE_NAME as SETTINGS_FILE
 
     if mode == "none":
@@ -70,35 +71,3 @@ def quantize_folder(model_path: str | Path | None, out: str | Path, mode: str, d
     settings_path.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     logger.info("wrote %s: %s quantized %s", out, mode, ", ".join(sorted(names)))
     return out
-
-
-def load_quantized(folder: Path, spec: Any, file: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A denoiser built from `folder`'s config.json on meta and filled with the quantized state dict in `file`
-    (quantized weights as saved; every other floating tensor in `dtype`, or fp32 where the model keeps it so)."""
-    import re
-
-    from composer.accel.quantize import is_quantized
-    from composer.loader.components import ComposerModelLoader
-
-    path = folder / file
-    if not path.is_file():
-        raise ModelFormatError(f"{folder.parent} says its {folder.name} is quantized (composer.json) but {path} "
-                               "is missing: write the folder again with `composer convert quantize`")
-    model = ComposerModelLoader().build(folder, spec)
-    state = torch.load(path, map_location=device, weights_only=True)
-    keep = getattr(type(model), "keep_in_fp32", ())
-
-    def cast(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if is_quantized(tensor) or not tensor.is_floating_point():
-            return tensor
-        return tensor.to(torch.float32 if any(re.search(p, name) for p in keep) else dtype)
-
-    state = {k: cast(k, v) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
-        raise ModelFormatError(f"{path} does not match {folder / 'config.json'}: missing {missing[:5]}, "
-                               f"unexpected {unexpected[:5]}")
-    leftovers = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
-    if leftovers:
-        raise ModelFormatError(f"{path} left tensors unloaded: {leftovers[:5]}")
-    return model.eval().requires_grad_(False)

@@ -24,6 +24,8 @@ from composer.errors import ConfigError, problems_message
 
 FILE_NAME = "composer.json"
 KEYS = ("family", "sampling", "quantization")
+# the `quantize` knob's modes (RuntimeArgs.quantize; "none" first): a quantized folder states one of the others
+QUANTIZE_MODES = ("none", "int8", "fp8")
 # A request's own fields: a model has no default prompt, seed or output file.
 REQUEST_ONLY = ("prompt", "seed", "output_path", "num_videos_per_prompt")
 
@@ -75,8 +77,6 @@ def read_folder_settings(folder: Path) -> FolderSettings:
 
 
 def _quantization_errors(entry: Any) -> list[str]:
-    from composer.runtime import QUANTIZE_MODES
-
     if not isinstance(entry, dict):
         return [f"quantization = {entry!r}: expected the object `composer convert quantize` writes"]
     errors = []

@@ -47,8 +47,8 @@ from composer.stages.image_encoding import ImageCondition
 from composer.stages.image_latents import image_to_pixels
 from composer.stages.start_frames import normalize_latents
 from composer.stages.vae_tiling import encode_mode
-from composer.stages.validators import V, VerificationResult, describe
-from composer.stages.video_latents import read_video_frames
+from composer.stages.validators import V, VerificationResult, check_input_length, describe
+from composer.video import read_video_frames
 
 VIDEOS = ("pose_video", "face_video", "background_video", "mask_video")
 PREVIOUS_FRAMES = (1, 5)  # diffusers' check_inputs allows these two
@@ -87,8 +87,6 @@ def check_animate_inputs(sp: Any, result: VerificationResult, temporal: int = 4,
     animate); segments of `temporal` k + 1 frames, more than twice the frames carried over (1 or 5), which the pose
     video must outlast. (The character image: the request check's image rule; `mode`: its choices; num_frames is not
     used.) Returns the videos it read (PIL frames by field)."""
-    from composer.request_check import check_input_length
-
     required = VIDEOS if sp.mode == "replace" else VIDEOS[:2]
     videos: dict[str, list] = {}
     for name in VIDEOS:

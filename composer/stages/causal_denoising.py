@@ -41,7 +41,6 @@ import torch
 from composer.batch import ForwardBatch, LatentBlock, RequestStats
 from composer.cache import KVCache, KVCacheSpec
 from composer.cache.kv_pool import KVPool, PagedKVCache
-from composer.configs.causal_wan import CausalWanConfig
 from composer.engine import ClassifierFreeGuidance, DenoisingEngine, FewStepFlow, ModelInputs
 from composer.engine.loop import Blocking, ModelStep, drive, is_wait, wait_for
 from composer.engine.scheduler import current_request
@@ -284,7 +283,7 @@ class CausalDenoisingStage(Stage):
         self,
         engine: DenoisingEngine,
         encode_prompts: Callable[[list[str]], torch.Tensor],
-        config: CausalWanConfig,
+        config: Any,  # the pipeline's CausalWanConfig (configs/ sit above stages/)
         spatial_factor: int,
         kv_cache_offload: bool = False,
         progress: bool = True,

@@ -26,7 +26,7 @@ from composer.stages.image_latents import image_to_pixels
 from composer.stages.start_frames import normalize_latents
 from composer.stages.vae_tiling import encode_mode
 from composer.stages.validators import V, VerificationResult
-from composer.stages.video_latents import read_video_frames
+from composer.video import read_video_frames
 
 
 @dataclass(eq=False)

@@ -35,7 +35,7 @@ def read_start_frames(start_image: Any = None, start_video: Any = None, temporal
     import os
 
     from composer.images import load_image
-    from composer.video import read_frames
+    from composer.video import read_frames, read_video_frames
 
     if _given(start_image) and _given(start_video):
         raise InvalidInputError("give start_image or start_video, not both")
@@ -48,8 +48,6 @@ def read_start_frames(start_image: Any = None, start_video: Any = None, temporal
     if isinstance(start_video, (str, os.PathLike)):
         frames = read_frames(start_video)
     else:
-        from composer.stages.video_latents import read_video_frames
-
         frames = np.stack([np.asarray(f) for f in read_video_frames(start_video, "start_video")])
     usable = (len(frames) - 1) // temporal * temporal + 1
     return np.ascontiguousarray(frames[len(frames) - usable:])

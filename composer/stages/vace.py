@@ -36,7 +36,8 @@ from composer.stages.latents import LatentPreparationStage
 from composer.stages.start_frames import normalize_latents
 from composer.stages.vae_tiling import encode_mode
 from composer.stages.validators import V, VerificationResult, describe
-from composer.stages.video_latents import check_video_input, read_video_frames
+from composer.stages.video_latents import check_video_input
+from composer.video import read_video_frames
 
 
 # -- the request's inputs ------------------------------------------------------------------------------------------

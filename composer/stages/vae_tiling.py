@@ -27,6 +27,8 @@ import math
 import torch
 from torch import nn
 
+from composer.stages.tile_grid import _aligned_spans, _tiles
+
 CACHE_T = 2  # the Wan VAE keeps the last two frames of each causal convolution's input
 DEFAULT_TILE = 32  # latent pixels a side: the memory planner's choice (256 output pixels, as diffusers' tiles)
 
@@ -100,29 +102,10 @@ def _head(decoder: nn.Module, x: torch.Tensor, cache: list, first_chunk: bool, b
     return _causal_conv(decoder.conv_out, x, cache, idx)
 
 
-def _spans(size: int, tile: int) -> list[tuple[int, int]]:
-    """[start, end) spans of at most `tile` covering `size`, as even as possible."""
-    count = max(1, math.ceil(size / tile))
-    edges = [round(i * size / count) for i in range(count + 1)]
-    return [(edges[i], edges[i + 1]) for i in range(count)]
-
-
 def default_trunk_blocks(vae) -> int:
     """Up blocks run on whole frames: all but the last two (whose activations, at the top resolutions, are the
     decode's peak), so the tiles' halo spans only the last two blocks' receptive field."""
     return max(0, len(vae.decoder.up_blocks) - 2)
-
-
-def _tiles(height: int, width: int, step: int, at_least: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """The (row span, column span) tiles of a height x width grid, at most `step` a side, and at least `at_least` of
-    them (smaller tiles along the longer side until there are: every rank of a split decode gets one)."""
-    rows, cols = _spans(height, step), _spans(width, step)
-    while len(rows) * len(cols) < at_least and (len(rows) < height or len(cols) < width):
-        if (len(cols) < width and width / len(cols) >= height / len(rows)) or len(rows) >= height:
-            cols = _spans(width, -(-width // (len(cols) + 1)))
-        else:
-            rows = _spans(height, -(-height // (len(rows) + 1)))
-    return [(r, c) for r in rows for c in cols]
 
 
 @torch.inference_mode()
@@ -266,13 +249,6 @@ def _head_stride(encoder: nn.Module, layers: int, channels: int, like: torch.Ten
     for layer in encoder.down_blocks[:layers]:
         x = layer(x, feat_cache=cache, feat_idx=idx)
     return 32 // x.shape[-1]
-
-
-def _aligned_spans(size: int, tile: int, align: int) -> list[tuple[int, int]]:
-    """[start, end) spans of about `tile` covering `size`, every edge a multiple of `align` (the last at `size`)."""
-    count = max(1, math.ceil(size / tile))
-    edges = sorted({min(size, round(i * size / count / align) * align) for i in range(count)} | {size})
-    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
 @torch.inference_mode()

@@ -33,7 +33,7 @@ from collections.abc import Callable, Generator
 import torch
 from torch import nn
 
-from composer.stages.vae_tiling import _tiles
+from composer.stages.tile_grid import _aligned_spans, _tiles
 
 HUNYUAN_VAES = ("AutoencoderKLHunyuanVideo", "AutoencoderKLHunyuanVideo15")
 
@@ -401,8 +401,6 @@ def encode_tiled_hunyuan15(vae, video: torch.Tensor, tile: int = 32, head_layers
         raise TypeError(f"this tiled encode needs HunyuanVideo-1.5's VAE, got {type(vae).__name__}")
     if tile < 1:
         raise ValueError(f"tile = {tile}: expected a positive number of latent pixels")
-    from composer.stages.vae_tiling import _aligned_spans
-
     encoder = vae.encoder
     stride, reach = _encoder_head_geometry(encoder, head_layers, video)
     halo = math.ceil(reach / stride - 1e-9) * stride

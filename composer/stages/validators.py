@@ -126,3 +126,13 @@ class VerificationResult:
     @property
     def ok(self) -> bool:
         return not self.failures
+
+
+def check_input_length(result: VerificationResult, name: str, frames: int, limits: Any) -> None:
+    """An input video whose length is the video's (a family's `length_from_input`): at most the limits' max_frames
+    (a request_check.ModelLimits, or None), as num_frames would be. (The family rules in stages/ call it here, below
+    the request check that calls them.)"""
+    most = None if limits is None else limits.max_frames
+    if most is not None and frames > most:
+        result.add_failure(f"{name} frames", frames, f"at most {most} ({limits.reasons.get('max_frames', 'the limit')}"
+                           "; the video made is as long as this one)")

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from composer.batch import ForwardBatch
@@ -28,29 +25,8 @@ from composer.stages.base import Stage
 from composer.stages.image_latents import image_to_pixels
 from composer.stages.start_frames import normalize_latents
 from composer.stages.vae_tiling import encode_mode
-from composer.stages.validators import V, VerificationResult
-
-
-def read_video_frames(value: Any, name: str = "video") -> list:
-    """The request's video as PIL RGB frames: a file path, uint8 frames [T, H, W, 3] (numpy or torch), or a list of
-    frames each given as an image is (PIL, array, tensor, file); InvalidInputError naming `name` otherwise."""
-    from composer.images import load_image
-
-    if isinstance(value, (str, os.PathLike)):
-        from composer.video import read_frames
-
-        value = read_frames(Path(value))
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
-    if isinstance(value, np.ndarray):
-        if value.ndim != 4 or value.shape[-1] not in (3, 4):
-            raise InvalidInputError(f"{name}: frames of shape {list(value.shape)}: expected uint8 frames "
-                                    "[T, H, W, 3]")
-        value = list(value)
-    if not isinstance(value, (list, tuple)) or not value:
-        raise InvalidInputError(f"{name} = {type(value).__name__}: expected a video file, uint8 frames [T, H, W, 3] "
-                                "or a non-empty list of frames")
-    return [load_image(frame, f"{name}[{i}]") for i, frame in enumerate(value)]
+from composer.stages.validators import V, VerificationResult, check_input_length
+from composer.video import read_video_frames  # (kept importable here: its home was this module)
 
 
 def strength_problem(strength: Any, steps: Any) -> str | None:
@@ -86,8 +62,6 @@ def check_video_to_video(sp: Any, result: VerificationResult, temporal: int, lim
     frames (at most the `limits`' max_frames: its length is the video's, num_frames is not used), and `strength`
     keeps at least one step; a strength other than the default without a video does nothing, so it is refused.
     (A non-finite strength is named by the request check's number rule.)"""
-    from composer.request_check import check_input_length
-
     strength = sp.strength
     finite = isinstance(strength, (int, float)) and not isinstance(strength, bool) and math.isfinite(strength)
     if sp.video is None:
