@@ -11,14 +11,16 @@ It is registered last, after offload's block hooks: offload's pre-hook has made 
 the check raises, and offload's always-called post-hook evicts it again, so nothing is left half-applied.
 With `compile = full` the blocks run inside one compiled graph, where a Python check cannot sit; the check
 then runs before each transformer call instead (said in the hook's log line).
+
+Both are attached with `composer.accel.attach` at cancel's order key (the last), so they run after offload's
+block hooks even when offloading re-attaches its hooks later (a LoRA change), and removing the hook takes them off.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from composer.accel.attach import Handle, attach
 from composer.accel.hooks import repeated_blocks
 
 
@@ -39,7 +41,7 @@ class CancelHook:
 
     def __init__(self) -> None:
         self.pipeline: Any = None
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.handles: list[Handle] = []
 
     def apply(self, pipeline: Any) -> str:
         self.pipeline = pipeline
@@ -51,13 +53,14 @@ class CancelHook:
         for name, model in pipeline.denoisers().items():
             found = repeated_blocks(model)
             if found is None or pipeline.runtime.compile == "full":
-                self.handles.append(model.register_forward_pre_hook(check))
+                self.handles.append(attach(model, check, kind="forward_pre", what=f"cancel check before {name}"))
                 done.append(f"{name}: before each call")
             else:
                 blocks = found[1]
-                self.handles += [block.register_forward_pre_hook(check) for block in blocks]
+                self.handles += [attach(block, check, kind="forward_pre", what=f"cancel check before {name} block")
+                                 for block in blocks]
                 done.append(f"{name}: before each of {len(blocks)} blocks")
         return "; ".join(done) + " and each step"
 
     def configure_engine(self, engine: Any) -> None:
-        engine.add_hook(_CheckBeforeStep(self.pipeline))
+        attach(engine, _CheckBeforeStep(self.pipeline), what="cancel check before each step")

@@ -14,7 +14,14 @@ Order (each hook sees what the ones before it made):
     cancel     the running request's CancelToken checked before each repeated block and each step
 
 A hook is a class with `name` and `apply(pipeline) -> str` (what it did, for the log), listed in `HOOKS` with
-the condition that turns it on; optionally `from_runtime(runtime)` (its constructor), `load_device(pipeline, module_name,
+the condition that turns it on; its position there is its order key. Everything a hook changes is attached with
+`composer.accel.attach.attach` (a torch forward hook, an engine hook, a stage scope, an attribute, or a change
+with the function that undoes it), inside the hook's own entry of `pipeline.attachments`, so every hook can be
+listed and removed (`pipeline.remove_hooks(name)`): the model computes what it computed before the hook
+(tests/test_hook_primitive.py). What a hook attaches another way (`engine.add_hook`, a model's `step_cache` slot
+set directly) is adopted by `apply_hooks` / `configure_engine` into the hook's entry, so it is removable too;
+quantize and tensor parallel change the weights themselves and say so when asked to go ("load again").
+Optionally a hook has `from_runtime(runtime)` (its constructor), `load_device(pipeline, module_name,
 device) -> device` (where a module loads), `load_module(pipeline, name, folder, spec, dtype)` (load a module
 itself, or None for the usual loader) and `configure_engine(engine)` (called for every DenoisingEngine the
 pipeline makes). Combinations the hooks cannot serve are refused up front (`check_combination`) with a
@@ -36,22 +43,32 @@ logger = get_logger(__name__)
 
 
 # Application order. A hook's module is imported only when the runtime turns it on (LoRA's pulls in peft).
-HOOKS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
+# (name, module, class, condition); a hook's position is its order key (`ORDER`).
+HOOKS: tuple[tuple[str, str, str, Callable[[Any], bool]], ...] = (
     # first: LoRA's PEFT layers wrap the quantized linears, offload and compile see them
-    ("composer.accel.quantize", "QuantizeHook", lambda runtime: runtime.quantize != "none"),
-    ("composer.accel.lora", "LoraHook", lambda runtime: bool(runtime.lora_path)),
+    ("quantize", "composer.accel.quantize", "QuantizeHook", lambda runtime: runtime.quantize != "none"),
+    ("lora", "composer.accel.lora", "LoraHook", lambda runtime: bool(runtime.lora_path)),
     # always on: every pipeline resolves its backend here, so the log says which one runs
-    ("composer.accel.attention", "AttentionBackendHook", lambda runtime: True),
+    ("attention", "composer.accel.attention", "AttentionBackendHook", lambda runtime: True),
     # tensor parallel loads the transformer(s) itself (load_module); sequence / CFG parallel wrap attention and
     # engines: after the backend is chosen, before offload and compile see the modules
-    ("composer.accel.parallel", "ParallelHook", lambda runtime: _parallel(runtime)),
+    ("parallel", "composer.accel.parallel", "ParallelHook", lambda runtime: _parallel(runtime)),
     # step caching: the model's block loop may reuse a residual; an engine hook plans each loop's skips
-    ("composer.accel.step_cache", "StepCacheHook", lambda runtime: runtime.cache != "none"),
-    ("composer.accel.offload", "OffloadHook", lambda runtime: runtime.offload != "none"),
-    ("composer.accel.compile", "CompileHook", lambda runtime: runtime.compile != "none"),
+    ("cache", "composer.accel.step_cache", "StepCacheHook", lambda runtime: runtime.cache != "none"),
+    ("offload", "composer.accel.offload", "OffloadHook", lambda runtime: runtime.offload != "none"),
+    ("compile", "composer.accel.compile", "CompileHook", lambda runtime: runtime.compile != "none"),
     # always on: a request's CancelToken is checked before each block; last, so offload's block hooks run first
-    ("composer.accel.cancel", "CancelHook", lambda runtime: True),
+    ("cancel", "composer.accel.cancel", "CancelHook", lambda runtime: True),
 )
+
+# The order key of each hook: where it is attached among the others on a shared target (a block's forward hooks,
+# an engine's hooks, the stage scopes), whatever order they were (re)attached in.
+ORDER: dict[str, int] = {name: i for i, (name, *_rest) in enumerate(HOOKS)}
+
+# Hooks that change weights in place with no way back but a reload: removing them is refused with this reason.
+IRREVERSIBLE: dict[str, str] = {
+    "quantize": "the block linears' weights were replaced by quantized ones (the full-precision weights are gone)",
+}
 
 
 def _parallel(runtime: Any) -> bool:
@@ -90,7 +107,7 @@ def enabled_hooks(runtime: Any) -> list[Any]:
     """Instances of the hooks the runtime settings turn on, in order."""
     check_combination(runtime)
     hooks = []
-    for module, name, enabled in HOOKS:
+    for _, module, name, enabled in HOOKS:
         if enabled(runtime):
             cls = getattr(importlib.import_module(module), name)
             hooks.append(cls.from_runtime(runtime) if hasattr(cls, "from_runtime") else cls())
@@ -130,11 +147,62 @@ def _check_quantize(runtime: Any) -> None:
     check_supported(runtime)
 
 
+def order_key(hook: Any) -> float:
+    """A hook's order key: its place in HOOKS (a hook not listed there: after them all)."""
+    return float(ORDER.get(getattr(hook, "name", None), len(HOOKS)))
+
+
 def apply_hooks(pipeline: Any, hooks: list[Any]) -> list[str]:
-    """Apply `hooks` to a loaded pipeline in order; returns (and logs) one line per hook."""
+    """Apply `hooks` to a loaded pipeline in order, each inside its own entry of `pipeline.attachments`; returns
+    (and logs) one line per hook."""
+    from composer.accel.attach import Handle, attaching
+
     lines = []
     for hook in hooks:
-        line = hook.apply(pipeline)
+        entry = pipeline.attachments.add(hook.name, order_key(hook), hook)
+        slots = _runner_slots(pipeline)
+        with attaching(entry):
+            line = hook.apply(pipeline)
+            _adopt_slots(pipeline, slots)
+        if hook.name in IRREVERSIBLE:
+            entry.parts.append(Handle(f"{hook.name}: {IRREVERSIBLE[hook.name]}", None, entry.order))
+        entry.line = line
         lines.append(f"{hook.name}: {line}")
         logger.info("hook %s: %s", hook.name, line)
     return lines
+
+
+def configure_engine(pipeline: Any, engine: Any) -> None:
+    """Let every attached hook configure a new denoising engine, inside the hook's entry: what it attaches is
+    removed with it. Engine hooks it added with `engine.add_hook` (not through `attach`) are adopted: moved to
+    their order key's place and recorded."""
+    from composer.accel.attach import LAST, attach, attaching, order_of
+
+    for entry in pipeline.attachments:
+        hook = entry.hook
+        if hook is None or not hasattr(hook, "configure_engine"):
+            continue
+        before = {id(h) for h in engine.hooks}
+        with attaching(entry):
+            hook.configure_engine(engine)
+            for added in [h for h in engine.hooks if id(h) not in before and order_of(h) == LAST]:
+                engine.hooks.remove(added)
+                attach(engine, added, what=f"engine hook {type(added).__name__}")
+
+
+_SLOTS = ("step_cache",)  # a model's block-runner slots a hook may fill directly
+
+
+def _runner_slots(pipeline: Any) -> dict[tuple[int, str], Any]:
+    return {(id(model), slot): (model, getattr(model, slot))
+            for model in pipeline.denoisers().values() for slot in _SLOTS if hasattr(type(model), slot)}
+
+
+def _adopt_slots(pipeline: Any, before: dict[tuple[int, str], Any]) -> None:
+    """Record a block-runner slot a hook filled directly (not through `attach`), so removing the hook empties it."""
+    from composer.accel.attach import attach
+
+    for (_, slot), (model, old) in before.items():
+        if getattr(model, slot) is not old:
+            attach(undo=lambda model=model, slot=slot, old=old: setattr(model, slot, old),
+                   what=f"{type(model).__name__}.{slot}")

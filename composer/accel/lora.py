@@ -11,6 +11,13 @@ adapters are merged into the weights with PEFT's `merge` and the layers go back 
 per-step LoRA cost); a CPU copy of every touched weight is kept, because subtracting the delta again would not
 give the original bits back. After `unset` the model holds its own `nn.Linear` modules again (what
 torch.compile and offloading see) and computes exactly what it computed before.
+
+Swapping to files that adapt the same layers with the same ranks (and the same number of files), unfused, copies
+the new weights into the adapter layers already there (a hotswap): no module changes, so offloading keeps its
+arrangement and a compiled graph stays valid (it recompiles only when a layer's scaling, a Python number the
+graph is specialised on, changes). Any other change replaces modules; `listeners` (callables taking the
+LoraAdapters) are told after each such change, which is how offloading re-arranges the new weights
+(composer/accel/offload.py), so adapters can be set, swapped and removed while the model is offloaded.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from composer.accel.attach import attach
 from composer.accel.lora_names import LoraFile, read_lora
-from composer.errors import CheckpointError, InvalidInputError
+from composer.errors import CheckpointError, InvalidInputError, UnsupportedError
 from composer.logging import get_logger
 from composer.runtime import lora_scale_problem
 
@@ -103,6 +111,9 @@ class LoraAdapters:
         self._wrapped: set[str] = set()  # layers that are PEFT layers now
         self._originals: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # fused: weight, bias on CPU
         self._requires_grad: dict[str, bool] = {}  # PEFT freezes the base parameters; given back on unset
+        self.listeners: list = []  # called with self after the model's modules changed (attach(listeners, fn))
+        self.hotswaps = 0  # swaps done in place (same layers and ranks: no module changed)
+        self.locked: str | None = None  # why the adapters cannot change now (set by a hook, e.g. offload = disk)
 
     @property
     def active(self) -> bool:
@@ -120,19 +131,28 @@ class LoraAdapters:
         Every file is read and checked before the model changes: a bad file leaves the model as it was. An error
         while applying them (out of memory, say) leaves the base model, with no adapter.
         """
+        self._check_unlocked()
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
         scales = _check_scales(len(paths), scales)
         files = [read_lora(path, self.model) for path in paths]
-        self.unset()
+        if not fuse and self._can_hotswap(files):
+            self._hotswap(files, scales)
+        else:
+            had = bool(self._wrapped or self._originals)
+            self._unset()
+            if files:
+                try:
+                    self._inject(files, scales)
+                    if fuse:
+                        self._fuse()
+                except BaseException:
+                    self._unset()
+                    self._changed()
+                    raise
+            if had or files:
+                self._changed()
         if not files:
             return
-        try:
-            self._inject(files, scales)
-            if fuse:
-                self._fuse()
-        except BaseException:
-            self.unset()
-            raise
         self._files, self._scales, self._fused = files, scales, fuse
         # a warning where the application is partial in a way a user would not choose: a kind adapted in some
         # blocks only, or a layer's added (image) keys left out while the rest of its attention is adapted
@@ -141,6 +161,57 @@ class LoraAdapters:
 
     def unset(self) -> None:
         """Remove every adapter: the base model's outputs come back bit for bit (fused too)."""
+        changed = bool(self._wrapped or self._originals)
+        if changed:
+            self._check_unlocked()
+        self._unset()
+        if changed:
+            self._changed()
+
+    def _check_unlocked(self) -> None:
+        if self.locked:
+            raise UnsupportedError(f"changing LoRA adapters is not supported here: {self.locked}")
+
+    def _changed(self) -> None:
+        for listener in list(self.listeners):
+            listener(self)
+
+    def _can_hotswap(self, files: list[LoraFile]) -> bool:
+        """Whether `files` can replace the active unfused adapters in place: as many files, each adapting the same
+        layers with the same ranks and bias as the one it replaces, on layers that hold whole weights."""
+        if self._fused or not self._files or len(files) != len(self._files):
+            return False
+        for old, new in zip(self._files, files):
+            if old.modules.keys() != new.modules.keys():
+                return False
+            for name, lora in new.modules.items():
+                was = old.modules[name]
+                if lora.rank != was.rank or (lora.bias is None) != (was.bias is None):
+                    return False
+        for name in self._wrapped:
+            layer = self.model.get_submodule(name)
+            if not isinstance(layer, BaseTunerLayer) or hasattr(layer.get_base_layer(), "shard_lora"):
+                return False
+        return True
+
+    def _hotswap(self, files: list[LoraFile], scales: list[float]) -> None:
+        """Copy `files`' weights into the adapter layers in place (the same tensors: offloaded host copies and
+        compiled graphs stay valid); each layer's alpha and scale as a fresh injection would set them."""
+        names = [f"lora{i}" for i in range(len(files))]
+        with torch.no_grad():
+            for adapter, file, scale in zip(names, files, scales):
+                for name, lora in file.modules.items():
+                    layer = self.model.get_submodule(name)
+                    layer.lora_A[adapter].weight.copy_(lora.down)
+                    layer.lora_B[adapter].weight.copy_(lora.up)
+                    bias = layer.lora_B[adapter].bias
+                    if bias is not None:
+                        bias.copy_(lora.bias * (lora.rank / lora.alpha) if lora.bias is not None else 0.0)
+                    layer.lora_alpha[adapter] = lora.alpha
+                    layer.set_scale(adapter, scale)
+        self.hotswaps += 1
+
+    def _unset(self) -> None:
         for name in sorted(self._wrapped):
             layer = self.model.get_submodule(name)
             if isinstance(layer, BaseTunerLayer):
@@ -244,10 +315,10 @@ class LoraAdapters:
 
 
 class LoraHook:
-    """Hook phase: the runtime's `lora_path` / `lora_scale` / `lora_fuse` on every denoising transformer."""
+    """Hook phase: the runtime's `lora_path` / `lora_scale` / `lora_fuse` on every denoising transformer; removing
+    it unsets the adapters (whatever `set_lora` made of them since)."""
 
     name = "lora"
-
 
     def apply(self, pipeline) -> str:
         runtime = pipeline.runtime
@@ -257,5 +328,6 @@ class LoraHook:
             adapters = pipeline.lora_adapters(name)
             paths, scales = files_for(name, names, runtime.lora_path, runtime.lora_scale, runtime.lora_expert)
             adapters.set(paths, scales, fuse=runtime.lora_fuse)
+            attach(undo=adapters.unset, what=f"{name}: LoRA adapters")
             lines.append(f"{name}: {adapters.describe()}")
         return "; ".join(lines)

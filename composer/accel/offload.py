@@ -11,6 +11,15 @@ swapping the entry in `module._buffers`), so stages keep their references and `r
 model. Weights are treated as read-only while offloaded: an in-place edit of a device copy is dropped at
 eviction (apply LoRA fusing and similar edits before offloading). Tensors a module keeps outside its
 parameters and buffers (caches such as Wan's RoPE table) are not moved, as `nn.Module.to` does not move them.
+
+LoRA adapters can be set, swapped and removed while offloaded (`offload = model | layerwise`): the hook listens
+to each denoiser's LoraAdapters and, when a change adds or removes modules, re-arranges that model
+(`ModelOffload.rebind`, `LayerwiseOffload.rebind`: the new adapter weights are staged on the host and streamed like
+the rest); a swap in place (same layers and ranks) writes into the host copies and needs nothing. `offload = disk`
+streams the blocks from the checkpoint, where adapters cannot go: changing them is refused there. The hooks
+(block forward hooks, the stage scope, the listeners) are attached with `composer.accel.attach` at offload's order
+key, so they run before cancel's checks whenever they were (re)attached, and removing the hook leaves the plain
+model on the device.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from composer.accel.attach import Handle, attach, current_order
 from composer.accel.hooks import block_names
 from composer.accel.hooks import repeated_blocks as find_repeated_blocks
 from composer.accel.transfer import Pending, Transfer, transfer_for
@@ -183,6 +193,20 @@ class ModelOffload:
         self.transfer.release(id(component.module), component.device_tensors)
         component.device_tensors = None
 
+    def rebind(self, module: nn.Module) -> None:
+        """`module`'s parameters changed (adapter layers added or removed): take over the ones it holds now, on the
+        host. Only while it is not on the device (between stages)."""
+        component = self._lookup([module])[0]
+        if component.users or component.device_tensors is not None:
+            raise UnsupportedError(f"{type(module).__name__} changed while its stage runs: change it between requests")
+        if component.pending is not None:  # a prefetch of the old arrangement: dropped
+            self.transfer.release(id(module), self.transfer.wait(component.pending))
+            component.pending = None
+        component.slots = collect_slots(module)
+        component.host = [self.transfer.stage(slot.data()) for slot in component.slots]
+        for slot, tensor in zip(component.slots, component.host):
+            slot.set(tensor)
+
     def remove(self) -> None:
         """Stop offloading: every component stays on the device from now on, as without offload."""
         for component in self._components.values():
@@ -263,6 +287,7 @@ class LayerwiseOffload:
         prefetch: int = 1,
         transfer: Transfer | None = None,
         store: BlockStore | None = None,
+        order: float | None = None,
     ):
         if prefetch < 0:
             raise ConfigError(f"prefetch = {prefetch}: expected the number of blocks to load ahead, 0 or more")
@@ -270,29 +295,60 @@ class LayerwiseOffload:
         self.device = torch.device(device)
         self.prefetch = prefetch
         self.transfer = transfer or transfer_for(self.device)
+        self.store = store or HostStore()
+        self.order = current_order() if order is None else order  # where its hooks run among others' (attach.py)
+        self.stats = OffloadStats()
+        self._hooks: list[Handle] = []
+        self._pending: dict[int, Pending] = {}
+        self._loaded: dict[int, list[torch.Tensor]] = {}
+        self._arrange()
+
+    def _arrange(self) -> None:
+        model = self.model
         _, self.blocks = repeated_blocks(model)
         in_blocks = frozenset(id(m) for block in self.blocks for m in block.modules())
         for slot in collect_slots(model, skip=in_blocks):  # the rest of the model lives on the device
             slot.set(slot.data().to(self.device))
         self.slots = [collect_slots(block, prefix=f"{qualname}.")
                       for qualname, block in zip(block_names(model), self.blocks)]
-        self.store = store or HostStore()
         self.store.bind(self.slots, self.transfer)
         for i in range(len(self.blocks)):
             self._set(i, self.store.evicted(i))
-        self._pending: dict[int, Pending] = {}
-        self._loaded: dict[int, list[torch.Tensor]] = {}
-        self.stats = OffloadStats()
-        self._hooks = [
-            model.register_forward_pre_hook(self._begin_forward),
-            model.register_forward_hook(self._end_forward, always_call=True),
-        ]
+        self._attach()
+
+    def _attach(self) -> None:
+        def hook(module: nn.Module, fn, kind: str = "forward_pre", **extra) -> None:
+            self._hooks.append(attach(module, fn, kind=kind, order=self.order, record=False, **extra))
+
+        hook(self.model, self._begin_forward)
+        hook(self.model, self._end_forward, "forward", always_call=True)
         for i, block in enumerate(self.blocks):
-            self._hooks.append(block.register_forward_pre_hook(self._block_hook(i, self._enter)))
-            self._hooks.append(block.register_forward_hook(self._block_hook(i, self._evict), always_call=True))
+            hook(block, self._block_hook(i, self._enter))
+            hook(block, self._block_hook(i, self._evict), "forward", always_call=True)
             owners = {id(slot.module): slot.module for slot in self.slots[i] if slot.module is not block}
             for module in owners.values():
-                self._hooks.append(module.register_forward_pre_hook(self._block_hook(i, self._fault)))
+                hook(module, self._block_hook(i, self._fault))
+
+    def _detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def set_order(self, order: float) -> None:
+        """Run this offload's hooks at `order` among the other hooks of the same modules (attach.py)."""
+        self.order = order
+        self._detach()
+        self._attach()
+
+    def rebind(self) -> None:
+        """The blocks' modules or parameters changed (adapter layers added or removed, between forwards): take the
+        hooks off and arrange the blocks again, the new weights on the host like the others."""
+        if not isinstance(self.store, HostStore):
+            raise UnsupportedError(f"the blocks of {type(self.model).__name__} stream from {type(self.store).__name__}"
+                                   ": their modules cannot change while offloaded")
+        self._detach()
+        self._evict_all()
+        self._arrange()
 
     @staticmethod
     def _block_hook(index: int, action):
@@ -363,9 +419,7 @@ class LayerwiseOffload:
 
     def remove(self) -> None:
         """Take the hooks off and put every block on the device for good: the model is a plain model again."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._detach()
         self._evict_all()
         for index in range(len(self.blocks)):
             self._set(index, self.transfer.wait(self.transfer.load(index, self.store.materialize(index))))
@@ -415,13 +469,30 @@ class OffloadHook:
     def apply(self, pipeline) -> str:
         if self.mode == "model":
             modules = [m for m in pipeline.modules.values() if isinstance(m, nn.Module)]
-            self.models = ModelOffload(modules, pipeline.device)
-            pipeline.stage_scopes.append(lambda stage: self.models.on_device(stage.modules()))
+            models = self.models = ModelOffload(modules, pipeline.device)
+            attach(undo=models.remove, what="components on the host")
+            attach(pipeline.stage_scopes, lambda stage: models.on_device(stage.modules()),
+                   what="each stage's components on the device while it runs")
+            for name in pipeline.denoisers():
+                attach(pipeline.lora_adapters(name).listeners, lambda adapters: models.rebind(adapters.model),
+                       what=f"{name}: re-arranged after a LoRA change")
             return f"model: {len(modules)} components on the host, each on {pipeline.device} while its stage runs"
         lines = []
         for name, model in pipeline.denoisers().items():
             if name not in self.done:
                 self.done[name] = LayerwiseOffload(model, pipeline.device)
+            else:  # made while loading (disk): its hooks take offload's place among the others now
+                self.done[name].set_order(current_order())
+            offload = self.done[name]
+            attach(undo=offload.remove, what=f"{name}: blocks streamed")
+            adapters = pipeline.lora_adapters(name)
+            if self.mode == "disk":
+                attach((adapters, "locked"), "offload = disk streams the transformer's blocks straight from the "
+                       "checkpoint, where adapters cannot be added; use offload = layerwise",
+                       what=f"{name}: LoRA changes refused")
+            else:
+                attach(adapters.listeners, lambda adapters, offload=offload: offload.rebind(),
+                       what=f"{name}: re-arranged after a LoRA change")
             source = "memory-mapped safetensors" if self.mode == "disk" else "host memory"
             lines.append(f"{name}: {len(self.done[name].blocks)} blocks streamed from {source}, one block ahead")
         return f"{self.mode}: " + "; ".join(lines)

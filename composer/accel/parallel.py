@@ -7,12 +7,17 @@
   self-attention module computes across them (composer/parallel/sequence.py);
 - CFG parallel (`cfg_parallel`): every denoising engine runs its guidance branches on two rank groups
   (composer/parallel/cfg.py).
+
+What it attaches goes through `composer.accel.attach`: removing the hook takes sequence parallelism off (the
+runner's split, the gather hook, the attention modules' cross-rank wrapper) and the engines' CFG parallel; a
+tensor-parallel model holds only this rank's slices, so removing it is refused (load again without it).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from composer.accel.attach import attach
 from composer.errors import ConfigError
 from composer.logging import get_logger
 from composer.parallel import state as parallel_state
@@ -55,8 +60,10 @@ class ParallelHook:
             done = []
             if layout.tp > 1:
                 done.append(f"tensor parallel {layout.tp}")
+                attach(undo=None, what=f"{name}: tensor parallel (this rank's slices of the weights were loaded)")
             if layout.sp > 1:
                 sp = SequenceParallel(self.state.group("ulysses"), self.state.group("ring"), self.state.group("sp"))
+                attach(undo=lambda model=model: _remove_sequence_parallel(model), what=f"{name}: sequence parallel")
                 count = apply_sequence_parallel(model, sp)
                 done.append(f"sequence parallel (ulysses {layout.ulysses} x ring {layout.ring}, {count} attention "
                             "modules)")
@@ -86,4 +93,18 @@ class ParallelHook:
         if self.state.layout.cfg > 1:
             from composer.parallel.cfg import CfgParallel
 
-            engine.branch_parallel = CfgParallel(self.state.group("cfg"), self.state.index("cfg"))
+            attach((engine, "branch_parallel"), CfgParallel(self.state.group("cfg"), self.state.index("cfg")),
+                   what="cfg parallel")
+
+
+def _remove_sequence_parallel(model: Any) -> None:
+    """Undo `apply_sequence_parallel`: the model runs every token on this rank again."""
+    from composer.models.attention import Attention
+    from composer.models.runner import runner_of
+
+    runner = runner_of(model)
+    runner.detach_gather()
+    runner.sequence_parallel = None
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.parallel = None

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from composer.accel.attach import attach
 from composer.engine import EngineHook
 from composer.engine.scheduler import calling_requests, current_request
 from composer.logging import get_logger, log_once
@@ -237,7 +238,7 @@ class StepCacheHook:
                 lines.append(f"{name}: no step_cache slot (not cached)")
                 continue
             cache = ResidualCache()
-            model.step_cache = cache
+            attach((model, "step_cache"), cache, what=f"{name}.step_cache")
             coefficients = self._coefficients(pipeline, model)
             threshold, source = self._threshold(pipeline, model, coefficients != IDENTITY)
             self._models[id(model)] = (model, cache, coefficients, threshold)
@@ -260,7 +261,7 @@ class StepCacheHook:
 
         hook = PerRequestStepCache(model, make)
         self.hooks.append(hook)
-        engine.add_hook(hook)
+        attach(engine, hook, what="teacache engine hook")
 
 
 class PerRequestStepCache(EngineHook):

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from composer.accel.hooks import apply_hooks, enabled_hooks
+from composer.accel.attach import Attachments
+from composer.accel.hooks import apply_hooks, configure_engine, enabled_hooks
 from composer.batch import ForwardBatch
 from composer.cancel import CancelToken
 from composer.configs.base import PipelineConfig
@@ -56,7 +57,8 @@ class ComposedPipeline:
         self._warn_slow_dtype()
         self.hooks = enabled_hooks(runtime)
         self.engines: list[DenoisingEngine] = []
-        self.stage_scopes: list[StageScope] = []  # hooks' context managers around each stage run
+        self.stage_scopes: list[StageScope] = []  # hooks' context managers around each stage run (in order key order)
+        self.attachments = Attachments()  # every hook attached to this pipeline, each removable (accel/attach.py)
         self._lora: dict[str, Any] = {}
         self.concurrency = self.concurrency_mode()
         # Several ranks must make the same transformer calls in the same order: with a step scheduler rank 0 plans
@@ -142,9 +144,7 @@ class ComposedPipeline:
         """The denoising engine over `transformer`, with the runtime's CFG mode and every hook's settings, and a
         step scheduler unless requests must run one at a time (`concurrency_mode`)."""
         engine = DenoisingEngine(transformer, cfg_mode=self.runtime.cfg_mode)
-        for hook in self.hooks:
-            if hasattr(hook, "configure_engine"):
-                hook.configure_engine(engine)
+        configure_engine(self, engine)  # each hook's engine hooks, attached with its order key and removable
         if self.concurrency != "serial":
             engine.enable_scheduler(batching=self.concurrency == "batch", max_batch_size=self.runtime.max_batch_size,
                                     max_batch_tokens=self.runtime.max_batch_tokens,
@@ -155,6 +155,16 @@ class ComposedPipeline:
                     hook.configure_scheduler(engine.scheduler, self.runtime)
         self.engines.append(engine)
         return engine
+
+    def remove_hooks(self, name: str | None = None) -> list[str]:
+        """Take hook `name` off (None: every hook, the last in order first): what it attached is detached and what
+        it changed is undone, so the pipeline computes what it computed without it (bit for bit); engines and
+        stages made later are not configured by it. Returns the names removed. Raises UnsupportedError for a hook
+        that changed the weights for good (quantize, tensor parallel), leaving the pipeline as it was."""
+        removed = self.attachments.remove(name)
+        self.hooks = [h for h in self.hooks if h.name not in removed]
+        self.applied_hooks = [line for line in self.applied_hooks if line.split(":", 1)[0] not in removed]
+        return removed
 
     def concurrency_mode(self) -> str:
         """How concurrent requests share this pipeline:
