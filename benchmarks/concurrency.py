@@ -92,7 +92,7 @@ def one_stream(gen, i: int, args) -> dict:
     stream = gen.stream_video(PROMPTS[i % len(PROMPTS)], seed=i, num_frames=args.stream_frames)
     if getattr(args, "api", "threads") == "tasks":  # each chunk a task on the request loop; this thread only waits
         def tasks():
-            while (chunk := gen.request_loop.submit(stream.next_task(), stream.context).result()) is not None:
+            while (chunk := gen.core.submit(stream.next_task(), stream.context).result()) is not None:
                 yield chunk
 
         chunks_of = tasks()

@@ -88,3 +88,15 @@ class WorkerError(ComposerError):
 
     def __reduce__(self):
         return type(self), (self.args[0] if self.args else "", self.rank)
+
+
+class RequestError(InvalidInputError):
+    """A request that cannot run, found before any work: every failing field with its value and rule."""
+
+    def __init__(self, failures: list[tuple[str, str, str]], cli: bool = False):
+        self.failures = failures
+        lines = [f"{field}: expected {rule}" if not value else
+                 f"{field} {value}: expected {rule}" if cli else f"{field} = {value}: expected {rule}"
+                 for field, value, rule in failures]
+        head = "invalid request (nothing was loaded or generated)" if cli else "invalid request"
+        super().__init__(problems_message(head, lines))

@@ -26,7 +26,8 @@ import torch
 from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
-from composer.engine.loop import Blocking, RequestLoop, drive, wait_for
+from composer.engine.core import EngineCore, unit_queues
+from composer.engine.loop import Blocking, drive, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.images import refuse_image_knobs
@@ -40,7 +41,21 @@ from composer.pipelines.base import ComposedPipeline
 from composer.prompt_lists import VideoRequests, numbered_path, video_requests
 from composer.registry.configs import resolve_configs
 from composer.registry.pipelines import get_pipeline_class
-from composer.request_check import ModelLimits, check_request, foreign_knob_problem
+from composer.registry.resolve import (  # noqa: F401 - resolve_model and ResolvedModel: public here too
+    ResolvedModel,
+    _folder_sampling,
+    check_model_configs,
+    resolve_model,
+)
+from composer.request_check import (
+    _checked_priority,
+    _checked_target_fps,
+    CheckedRequest,
+    ModelLimits,
+    check_request,
+    checked_for,
+    foreign_knob_problem,
+)
 from composer.runtime import RuntimeArgs, apply_threads
 from composer.stages.text_encoding import PromptWarnings
 from composer.video import save_video
@@ -71,58 +86,6 @@ class GenerationResult:
         return int(self.frames.shape[0])
 
 
-def _folder_sampling(family_defaults: SamplingParam, settings: FolderSettings) -> SamplingParam:
-    """The family's defaults with the composer.json `sampling` values over them (ConfigError naming the file
-    for a key the family's SamplingParam lacks or a value of the wrong type)."""
-    if not settings.sampling:
-        return family_defaults
-    return family_defaults.with_folder_defaults(settings.sampling, source=str(settings.path))
-
-
-@dataclasses.dataclass
-class ResolvedModel:
-    """What `from_pretrained` would load, found without loading it."""
-
-    model_path: str  # as given (None: the embedded default model's folder)
-    index: Any  # ModelIndex
-    pipeline_cls: type
-    configs: Any  # ResolvedConfigs: the family and its config classes
-    settings: FolderSettings  # the folder's composer.json (empty when it has none)
-    stated: SamplingParam  # the family's sampling defaults with the composer.json values over them
-
-
-def resolve_model(model_path: str | os.PathLike | None, model_family: str | None = None) -> ResolvedModel:
-    """Resolve a path or hub id to its folder, pipeline class, family and stated defaults (no weights read;
-    a bad composer.json, or a value of the wrong type in a composer model's config, fails here, before loading)."""
-    if model_path is None:
-        from composer.default_model import default_model_path
-
-        model_path = default_model_path()
-    model_path = str(model_path)
-    folder = resolve_model_path(model_path)
-    index = read_model_index(folder)
-    pipeline_cls = get_pipeline_class(index.class_name).for_folder(index)
-    check_component_configs(folder, _loaded_components(index, pipeline_cls), libraries=False)  # no library import
-    settings = read_folder_settings(folder)
-    configs = resolve_configs(
-        model_path if not Path(model_path).is_dir() else str(folder), index.class_name, pipeline_cls.config_class,
-        family=model_family,
-        folder_family=(settings.family, str(settings.path)) if settings.family else None,
-    )
-    stated = _folder_sampling(configs.sampling_param(), settings)
-    return ResolvedModel(model_path, index, pipeline_cls, configs, settings, stated)
-
-
-def _loaded_components(index: Any, pipeline_cls: type) -> list:
-    return [index.components[name] for name in pipeline_cls.required_modules if name in index.components]
-
-
-def check_model_configs(resolved: ResolvedModel) -> None:
-    """Every component config the pipeline will load, the libraries' (VAE, text encoders, scheduler) too, checked
-    for values of the wrong type before anything loads."""
-    check_component_configs(resolved.index.folder, _loaded_components(resolved.index, resolved.pipeline_cls))
-
-
 def _with_folder_quantization(runtime: RuntimeArgs, settings: FolderSettings) -> RuntimeArgs:
     """A folder written by `composer convert quantize` turns the quantize hook on with its mode."""
     if not settings.quantization:
@@ -134,9 +97,6 @@ def _with_folder_quantization(runtime: RuntimeArgs, settings: FolderSettings) ->
     return dataclasses.replace(runtime, quantize=mode)
 
 
-_loop_guard = threading.Lock()
-
-
 class VideoGenerator:
     """A loaded pipeline plus its sampling defaults: the family's, with what the model folder states over them."""
 
@@ -145,7 +105,10 @@ class VideoGenerator:
         self.default_sampling = default_sampling
         self.model_path = model_path
         self.family = family
-        self._loop: RequestLoop | None = None  # submit_video's tasks (made on first use)
+        # the executor of the model's work: every request's transformer steps and decodes, and the tasks
+        runtime = getattr(pipeline, "runtime", None)
+        self.core = EngineCore(lambda: unit_queues(pipeline), stage_threads=getattr(runtime, "stage_threads", 4),
+                               name="composer-core")
         self.memory_guard = None  # offload = auto / memory_budget: each request checked first (composer/memory/)
 
     @classmethod
@@ -163,7 +126,10 @@ class VideoGenerator:
         rank 0 writes files.
         """
         runtime = RuntimeArgs.from_kwargs(**runtime_kwargs)
-        resolved = resolve_model(model_path, runtime.model_family)
+        # a ResolvedModel: what the caller resolved already (the CLI resolves once, before its request check)
+        resolved = model_path if isinstance(model_path, ResolvedModel) else resolve_model(model_path,
+                                                                                          runtime.model_family)
+        model_path = resolved.model_path
         if getattr(resolved.pipeline_cls, "modality", "video") == "text":
             raise UnsupportedError(f"{resolved.model_path} is a diffusion language model ({resolved.index.class_name}):"
                                    " load it with composer.TextGenerator")
@@ -195,7 +161,7 @@ class VideoGenerator:
         if runtime.offload == "auto" or runtime.memory_budget is not None:
             from composer.memory import planned_runtime
 
-            runtime, guard = planned_runtime(resolved, runtime, state)
+            runtime, guard = planned_runtime(resolved, runtime, state, new_batch)
         start = time.perf_counter()
         pipeline = pipeline_cls(index, configs.pipeline_config(), runtime)
         logger.info("model ready in %.1f s on %s", time.perf_counter() - start, runtime.torch_device)
@@ -284,19 +250,30 @@ class VideoGenerator:
         scheduled together, compatible steps sharing one transformer call (docs/scheduling.md); each video equals
         the one a lone call makes. `priority` (an int, higher first) orders the waiting steps.
         """
-        sp, videos, priority, share = self._checked(prompt, sampling_param, segments, overrides, priority)
+        request, priority, share = self._checked(prompt, sampling_param, segments, overrides, priority)
+        sp, videos, segments = request.sampling, request.videos, request.segments
+        if self.pipeline.runs_tasks:  # a task on the engine core; this thread waits for its result
+            context = RequestContext(priority=priority, cancel=cancel)
+            return self.core.run(self._generate_task(sp, videos, segments, cancel, priority, context, share), context)
         return drive(self._generate_task(sp, videos, segments, cancel, priority, share=share))
 
     def _checked(self, prompt: Any, sampling_param: SamplingParam | None, segments: Any, overrides: dict[str, Any],
-                 priority: Any) -> tuple[SamplingParam, VideoRequests | None, int, Any]:
-        """A request's checks, before any work: its SamplingParam, its videos, its priority and, under a memory
-        budget, its share of it (composer.memory.MemoryShare; None without a budget)."""
+                 priority: Any) -> tuple[CheckedRequest, int, Any]:
+        """A request's checks, before any work: the request (checked once: a CheckedRequest given as `prompt`, the
+        CLI's or the server's, is not checked again), its priority and, under a memory budget, its share of it
+        (composer.memory.MemoryShare; None without a budget)."""
         priority = _checked_priority(priority)
-        sp, videos = self._request(prompt, sampling_param, segments, overrides)
-        checked = sp if videos is None else dataclasses.replace(sp, prompt=videos.prompts)
-        check_request(checked, ModelLimits.from_pipeline(self.pipeline), segments)
-        memory = self._check_memory(sp, videos, segments)
-        return sp, videos, priority, None if memory is None else self.memory_guard.share(memory)
+        limits = ModelLimits.from_pipeline(self.pipeline)
+        if isinstance(prompt, CheckedRequest):
+            request = checked_for(prompt, limits, sampling_param=sampling_param, segments=segments, overrides=overrides)
+            self._check_batching(request.videos)
+            if request.segments is not None and request.sampling.num_videos_per_prompt != 1:
+                raise UnsupportedError("prompt segments make one video; leave num_videos_per_prompt at 1")
+        else:
+            sp, videos = self._request(prompt, sampling_param, segments, overrides)
+            request = check_request(sp, limits, segments, videos=videos)
+        memory = self._check_memory(request.sampling, request.videos, request.segments)
+        return request, priority, None if memory is None else self.memory_guard.share(memory)
 
     def _check_memory(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any) -> Any:
         """With a memory budget: refuse a request whose predicted peak does not fit (MemoryBudgetError), before it
@@ -328,34 +305,22 @@ class VideoGenerator:
         (`RuntimeArgs.stage_threads`) only while they work. Elsewhere (model offload, several ranks) it runs on a
         thread of its own. The future's result is `generate_video`'s; a `Cancelled` (its
         `cancel` token) or any error of the request is the future's exception."""
-        sp, videos, priority, share = self._checked(prompt, sampling_param, segments, overrides, priority)
+        request, priority, share = self._checked(prompt, sampling_param, segments, overrides, priority)
+        sp, videos, segments = request.sampling, request.videos, request.segments
         if not self.pipeline.runs_tasks:
             future: Future = Future()
             future.set_running_or_notify_cancel()
 
             def run() -> None:
                 try:
-                    future.set_result(self.generate_video(prompt, sampling_param=sampling_param, segments=segments,
-                                                          cancel=cancel, priority=priority, **overrides))
+                    future.set_result(self.generate_video(request, cancel=cancel, priority=priority))
                 except BaseException as exc:  # noqa: BLE001 - the caller's, through the future
                     future.set_exception(exc)
 
             threading.Thread(target=run, name="composer-request", daemon=True).start()
             return future
         context = RequestContext(priority=priority, cancel=cancel, background=True)
-        return self.request_loop.submit(self._generate_task(sp, videos, segments, cancel, priority, context, share),
-                                        context)
-
-    @property
-    def request_loop(self) -> RequestLoop:
-        """The loop that runs this generator's tasks (`submit_video`): made on first use."""
-        with _loop_guard:
-            if self._loop is None:
-                pipeline = self.pipeline
-                self._loop = RequestLoop(
-                    lambda: [e.scheduler for e in pipeline.engines if e.scheduler is not None],
-                    stage_threads=pipeline.runtime.stage_threads, name="composer-loop")
-            return self._loop
+        return self.core.submit(self._generate_task(sp, videos, segments, cancel, priority, context, share), context)
 
     def _generate_task(self, sp: SamplingParam, videos: VideoRequests | None, segments: Any,
                        cancel: CancelToken | None, priority: int, context: RequestContext | None = None,
@@ -441,12 +406,16 @@ class VideoGenerator:
                 raise UnsupportedError("prompt segments make one video; leave num_videos_per_prompt at 1")
             return sp, None
         videos = video_requests(prompt, sp.negative_prompt if negative is None else negative, sp.num_videos_per_prompt)
-        if videos.count > 1 and not self.pipeline.batches_videos:
+        self._check_batching(videos)
+        return sp, videos
+
+    def _check_batching(self, videos: VideoRequests | None) -> None:
+        """Several videos in one request only where the pipeline batches them."""
+        if videos is not None and videos.count > 1 and not self.pipeline.batches_videos:
             raise UnsupportedError(
                 f"{type(self.pipeline).__name__} makes one video per request; got {videos.count} (a prompt list or "
                 "num_videos_per_prompt > 1). Call generate_video once per prompt instead"
             )
-        return sp, videos
 
     def _results(
         self, batch: ForwardBatch, sp: SamplingParam, videos: VideoRequests | None, timings: dict[str, float],
@@ -522,8 +491,15 @@ class VideoGenerator:
             rtmp_url = check_rtmp_url(rtmp_url)  # before any work
         segments = None
         prompt = None
+        checked = prompts if isinstance(prompts, CheckedRequest) else None  # checked at submit: not again
+        if checked is not None:
+            checked = checked_for(checked, ModelLimits.from_pipeline(self.pipeline), sampling_param=sampling_param,
+                                  overrides=overrides)
+            prompts = checked.segments if checked.segments is not None else checked.sampling.prompt
         ends_segment = getattr(prompts, "ends_segment", None)
-        if isinstance(prompts, str) or prompts is None:
+        if checked is not None:
+            segments = checked.segments
+        elif isinstance(prompts, str) or prompts is None:
             prompt = prompts
         else:
             iterator = iter(prompts)
@@ -533,10 +509,14 @@ class VideoGenerator:
                 raise InvalidInputError("stream_video needs at least one (prompt, num_blocks) segment") from None
             prompt = first[0] if isinstance(first, (tuple, list)) and first else None
             segments = [first, *iterator] if isinstance(prompts, (list, tuple)) else itertools.chain([first], iterator)
-        sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
+        if checked is not None:
+            sp = checked.sampling
+        else:
+            sp = (sampling_param or self.default_sampling).updated(prompt=prompt, **overrides)
         if sp.num_videos_per_prompt != 1:
             raise UnsupportedError("stream_video makes one video; leave num_videos_per_prompt at 1")
-        check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
+        if checked is None:
+            check_request(sp, ModelLimits.from_pipeline(self.pipeline), segments)  # before any work
         self._check_memory(sp, None, segments if isinstance(segments, list) else None)  # (a live source: unread)
         batch = self._new_batch(sp, None, cancel, priority)
         context = batch.get(RequestContext)
@@ -621,7 +601,7 @@ class VideoGenerator:
         if self.pipeline.streams_as_tasks:
             try:
                 while (chunk := await asyncio.wrap_future(
-                        self.request_loop.submit(stream.next_task(), stream.context))) is not None:
+                        self.core.submit(stream.next_task(), stream.context))) is not None:
                     yield chunk
             finally:
                 stream.close()
@@ -686,23 +666,6 @@ def new_batch(sp: SamplingParam, videos: VideoRequests | None = None, cancel: Ca
         batch.attach(cancel)
     batch.attach(RequestContext(priority=priority, cancel=cancel, key=""))
     return batch
-
-
-def _checked_priority(priority: Any) -> int:
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise InvalidInputError(f"priority = {priority!r}: expected an integer (higher runs first; default 0)")
-    return priority
-
-
-def _checked_target_fps(target_fps: Any) -> float | None:
-    """A stream's target frame rate: a finite number > 0, or None (no target)."""
-    if target_fps is None:
-        return None
-    if isinstance(target_fps, bool) or not isinstance(target_fps, (int, float)) or not math.isfinite(target_fps) \
-            or target_fps <= 0:
-        raise InvalidInputError(f"target_fps = {target_fps!r}: expected a finite number of frames per second > 0 "
-                                "(or None: no target)")
-    return float(target_fps)
 
 
 class StreamPace:
@@ -843,7 +806,7 @@ class VideoStream:
                 self.rtmp.abort()
 
     def next_task(self):
-        """The next chunk as a task for the generator's RequestLoop (`gen.request_loop.submit(stream.next_task(),
+        """The next chunk as a task for the generator's engine core (`gen.core.submit(stream.next_task(),
         stream.context)`): no thread waits for it between its passes. Returns the chunk, or None at the end (the
         stream is then over, as at the end of iteration)."""
         self.pace.reading()

@@ -11,6 +11,7 @@ to the run, which nothing checks again (the pipeline's InputValidationStage asse
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from collections.abc import Iterable
@@ -19,9 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from composer._fields import base_type, coerce, field_types, json_field_problems
-from composer.errors import InvalidInputError, ModelFormatError, problems_message
+from composer.errors import (  # noqa: F401 - RequestError: public here too
+    InvalidInputError,
+    ModelFormatError,
+    RequestError,
+    problems_message,
+)
 from composer.images import describe_image, image_problem, refuse_image_knobs, shown_input
-from composer.stages.validators import V, VerificationResult
+from composer.stages.validators import V, VerificationResult, check_input_length  # noqa: F401 - public here
 from composer.video import FRAME_FILE_PATTERN, SUPPORTED_OUTPUTS, output_kind
 
 SEED_MAX = 2**63 - 1
@@ -30,18 +36,6 @@ SEED_MAX = 2**63 - 1
 # and short of a body that only costs memory and time (a 20 MB prompt). One limit for the API, CLI and server.
 MAX_TEXT_CHARS = 20_000
 CLI_FLAG_NAMES = {"num_inference_steps": "--steps", "output_path": "--output", "segments": "--segment"}
-
-
-class RequestError(InvalidInputError):
-    """A request that cannot run, found before any work: every failing field with its value and rule."""
-
-    def __init__(self, failures: list[tuple[str, str, str]], cli: bool = False):
-        self.failures = failures
-        lines = [f"{field}: expected {rule}" if not value else
-                 f"{field} {value}: expected {rule}" if cli else f"{field} = {value}: expected {rule}"
-                 for field, value, rule in failures]
-        head = "invalid request (nothing was loaded or generated)" if cli else "invalid request"
-        super().__init__(problems_message(head, lines))
 
 
 @dataclass(frozen=True)
@@ -354,7 +348,7 @@ def check_cli_request(
     `composer.generator.resolve_model` found it (the CLI resolves it once); None: resolved here. `prompts`: the
     prompts of a prompt list (--prompt-file, or copies of one prompt): every row is checked, as the batch."""
     if resolved is None:
-        from composer.generator import resolve_model  # the generator imports this module
+        from composer.registry.resolve import resolve_model
 
         resolved = resolve_model(model_path, model_family)
     index = resolved.index
@@ -585,15 +579,6 @@ def _check_at_most(result: VerificationResult, name: str, value: Any, limits: Mo
         result.add_failure(name, value, f"{kind} (at most {most}: {limits.reasons.get(cap, 'the limit')})")
 
 
-def check_input_length(result: VerificationResult, name: str, frames: int, limits: ModelLimits | None) -> None:
-    """An input video whose length is the video's (a family's `length_from_input`): at most the limits' max_frames,
-    as num_frames would be."""
-    most = None if limits is None else limits.max_frames
-    if most is not None and frames > most:
-        result.add_failure(f"{name} frames", frames, f"at most {most} ({limits.reasons.get('max_frames', 'the limit')}"
-                           "; the video made is as long as this one)")
-
-
 def _check_num_frames(result: VerificationResult, frames: Any, limits: ModelLimits, start: int) -> None:
     """The model's rule for the length, and at most max_frames; the nearest valid length offered keeps both."""
     t, n, most = limits.temporal_factor, limits.frames_per_block, limits.max_frames
@@ -734,3 +719,20 @@ def _check_output(result: VerificationResult, path_text: str, overwrite: bool, c
                                "replace them)")
     elif path.exists() and not overwrite:
         result.add_failure("output_path", path_text, f"a new path ({path} exists; pass {again} to replace it)")
+
+
+def _checked_priority(priority: Any) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidInputError(f"priority = {priority!r}: expected an integer (higher runs first; default 0)")
+    return priority
+
+
+def _checked_target_fps(target_fps: Any) -> float | None:
+    """A stream's target frame rate: a finite number > 0, or None (no target)."""
+    if target_fps is None:
+        return None
+    if isinstance(target_fps, bool) or not isinstance(target_fps, (int, float)) or not math.isfinite(target_fps) \
+            or target_fps <= 0:
+        raise InvalidInputError(f"target_fps = {target_fps!r}: expected a finite number of frames per second > 0 "
+                                "(or None: no target)")
+    return float(target_fps)

@@ -134,7 +134,7 @@ class Session:
         """`extend` as a task for the generator's request loop (composer/engine/loop.py): every chunk made with no
         thread waiting between the passes; returns the list of chunks. Checks raise at once, before the task.
 
-            chunks = gen.request_loop.submit(session.extend_task("a cat", 2), session.context).result()"""
+            chunks = gen.core.submit(session.extend_task("a cat", 2), session.context).result()"""
         self._queue_segment(prompt, num_blocks)
         return self._chunks_task(num_blocks)
 
@@ -253,7 +253,7 @@ class Session:
         until the KV pool has room for the fork's own pages. `priority` / `cancel`: the fork's (default: this
         session's priority, no cancel token)."""
         from composer.cancel import CancelToken
-        from composer.generator import _checked_priority
+        from composer.request_check import _checked_priority
 
         self._check_usable()
         if cancel is not None and not isinstance(cancel, CancelToken):

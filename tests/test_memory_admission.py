@@ -37,7 +37,7 @@ def one_at_a_time():
     """The shapes model under a budget that holds one of its default videos beside the weights, not two: a room
     of 1.5 times the predictor's share of one."""
     probe = VideoGenerator.from_pretrained(None, device="cpu", memory_budget=1 << 40, progress=False)
-    share = probe._checked("a", None, None, dict(SHORT), 0)[3]
+    share = probe._checked("a", None, None, dict(SHORT), 0)[2]
     budget = budget_for(share.peak + share.peak // 2, probe.memory_guard.admission.weights)
     return VideoGenerator.from_pretrained(None, device="cpu", memory_budget=budget, progress=False)
 
@@ -142,7 +142,7 @@ def test_a_batched_call_takes_partners_only_while_their_activations_fit():
     admission.started(other, list(scheduler._pending))
     assert admission.stats().in_flight == 50
     assert admission.try_reserve(MemoryShare(1)) is None  # 30 + 1 + 50 > 80 while that call runs
-    assert not admission.admits(scheduler, scheduler._pending[:1]) and scheduler._wait_before_running() > 0
+    assert not admission.admits(scheduler, scheduler._pending[:1]) and scheduler.due() > 0
     admission.ended(other)
     assert admission.admits(scheduler, scheduler._pending[:1]) and picked(scheduler) == ["a3", "b3"]
 
@@ -157,7 +157,7 @@ def test_two_requests_that_do_not_fit_together_run_one_after_the_other_each_as_a
     gen = one_at_a_time
     admission, waits = gen.memory_guard.admission, gen.memory_guard.admission.stats().waits
     batched = gen.pipeline.engines[0].scheduler.stats.batched_units
-    share = gen._checked("a", None, None, dict(SHORT), 0)[3]
+    share = gen._checked("a", None, None, dict(SHORT), 0)[2]
     assert admission.room // 2 < share.peak <= admission.room  # one fits the budget, two do not
     hold = admission.reserve(share)
     first = gen.submit_video("a red circle moving left", seed=1, **SHORT)
@@ -192,7 +192,7 @@ def test_a_request_that_cannot_fit_even_alone_is_refused_with_the_numbers(one_at
 def test_waiting_requests_start_in_priority_order(plain, one_at_a_time):
     gen = one_at_a_time
     admission, done = gen.memory_guard.admission, []
-    hold = admission.reserve(gen._checked("a", None, None, dict(SHORT), 0)[3])  # a running request, for the test
+    hold = admission.reserve(gen._checked("a", None, None, dict(SHORT), 0)[2])  # a running request, for the test
     futures = {}
     for name, priority in (("low", 0), ("high", 3)):
         futures[name] = gen.submit_video(f"a {name} square", seed=2, priority=priority, **SHORT)
@@ -210,7 +210,7 @@ def test_waiting_requests_start_in_priority_order(plain, one_at_a_time):
 def test_requests_admitted_together_share_a_call_only_while_its_activations_fit(plain, one_at_a_time):
     """Long thin videos, whose transformer calls are their peak: the budget holds both requests and one call's
     activations, not two: both run at once, their steps never in one call, each video its solo run's."""
-    share = one_at_a_time._checked("a", None, None, dict(WIDE_IN_TIME), 0)[3]
+    share = one_at_a_time._checked("a", None, None, dict(WIDE_IN_TIME), 0)[2]
     assert share.excess > 0
     weights = one_at_a_time.memory_guard.admission.weights
     room = 2 * share.held + share.excess + share.excess // 2
@@ -248,7 +248,7 @@ def test_the_server_shows_reserved_memory_and_the_requests_waiting_for_it(one_at
         text = srv.request("GET", "/metrics").body.decode()
         return next(float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] == name)
 
-    share = gen._checked("a", None, None, dict(SHORT), 0)[3]
+    share = gen._checked("a", None, None, dict(SHORT), 0)[2]
     hold = admission.reserve(share)  # a running request, for the test: both jobs wait for it
     try:
         jobs = [srv.request("POST", "/v1/videos", {"prompt": p, "seed": 1, **SHORT}).json

@@ -17,7 +17,8 @@ from helpers import held
 
 from composer import VideoGenerator
 from composer.cancel import CancelToken
-from composer.engine.loop import Blocking, ModelStep, RequestLoop, drive, wait_for
+from composer.engine.core import EngineCore
+from composer.engine.loop import Blocking, ModelStep, drive, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.errors import Cancelled, InvalidInputError
 
@@ -244,14 +245,14 @@ def test_a_wait_raises_its_error_where_the_task_reads_it():
 
     assert drive(task()) == 42
     assert log == ["caught"]
-    loop = RequestLoop(lambda: [], stage_threads=1)
+    loop = EngineCore(lambda: [], stage_threads=1)
     assert loop.submit(task(), RequestContext()).result(timeout=30) == 42
     assert log == ["caught", "caught"]
     loop.close()
 
 
 def test_a_loop_refuses_what_it_cannot_wait_for():
-    loop = RequestLoop(lambda: [], stage_threads=1)
+    loop = EngineCore(lambda: [], stage_threads=1)
 
     def task():
         yield "nothing"
@@ -303,7 +304,7 @@ def solo_streams(causal):
 
 def read_as_tasks(generator, stream) -> np.ndarray:
     chunks = []
-    while (chunk := generator.request_loop.submit(stream.next_task(), stream.context).result(timeout=300)) is not None:
+    while (chunk := generator.core.submit(stream.next_task(), stream.context).result(timeout=300)) is not None:
         chunks.append(chunk.frames)
     return np.concatenate(chunks)
 
@@ -346,11 +347,11 @@ def test_a_cancelled_stream_task_ends_alone(causal, solo_streams):
     token = CancelToken()
     doomed = generator.stream_video("prompt 2", seed=2, cancel=token, **STREAM)
     other = generator.stream_video("prompt 1", seed=1, **STREAM)
-    first = generator.request_loop.submit(doomed.next_task(), doomed.context).result(timeout=300)
+    first = generator.core.submit(doomed.next_task(), doomed.context).result(timeout=300)
     assert first is not None
     token.cancel("test")
     with pytest.raises(Cancelled):
-        while generator.request_loop.submit(doomed.next_task(), doomed.context).result(timeout=300) is not None:
+        while generator.core.submit(doomed.next_task(), doomed.context).result(timeout=300) is not None:
             pass
     got = read_as_tasks(generator, other)
     assert np.abs(got.astype(np.int16) - solo_streams[1].astype(np.int16)).max() <= 1
@@ -361,7 +362,7 @@ def test_session_extends_as_tasks_continue_as_the_linear_stream(causal):
     want = np.concatenate([c.frames for c in generator.stream_video([("a cat", 2), ("a dog", 1)], seed=4,
                                                                      height=64, width=64)])
     session = generator.open_session(seed=4, height=64, width=64)
-    first = generator.request_loop.submit(session.extend_task("a cat", 2), session.context).result(timeout=300)
+    first = generator.core.submit(session.extend_task("a cat", 2), session.context).result(timeout=300)
     second = list(session.extend("a dog", 1))  # a blocking extend after a task's: the same stream goes on
     got = np.concatenate([c.frames for c in first + second])
     assert session.blocks == 3

@@ -666,11 +666,11 @@ def test_a_due_realtime_stream_does_not_wait_for_the_gather_window():
     with scheduler.denoising(elsewhere):  # a request in its loop, its next unit not here yet
         batch_job = fake_unit(scheduler, "job")
         batch_job.arrived = time.monotonic()
-        assert scheduler._wait_before_running() > 5.0  # gathering for `elsewhere`
+        assert scheduler.due() > 5.0  # gathering for `elsewhere`
         later = fake_unit(scheduler, "stream", deadline=time.monotonic() + 60.0)
         later.arrived = time.monotonic()
-        assert scheduler._wait_before_running() > 5.0  # a stream not yet due gathers too
+        assert scheduler.due() > 5.0  # a stream not yet due gathers too
         due = fake_unit(scheduler, "late stream", deadline=time.monotonic() - 0.01)
         due.arrived = time.monotonic()
-        assert scheduler._wait_before_running() == 0.0
+        assert scheduler.due() == 0.0
         assert picked(scheduler, now=time.monotonic())[0] == "late stream"

@@ -62,7 +62,7 @@ def model_defaults(model_path: str | None) -> tuple[str, dict[str, Any] | None]:
     import dataclasses
 
     from composer.errors import ComposerError
-    from composer.generator import resolve_model
+    from composer.registry.resolve import resolve_model
 
     try:
         resolved = resolve_model(model_path, None)

@@ -45,13 +45,14 @@ class _Call:
     rows: int
     seq: int
     plan_key: Any = None  # the call's identity on every rank of a parallel layout (planned batchers)
+    arrived: float = 0.0
     result: Any = None
     error: BaseException | None = None
     done: bool = False
 
 
 class Holdable:
-    """`held()` and `wait_for_units(n)` for a batcher whose callers wait on `self._cv` for `self._pending` (the
+    """`held()` and `wait_for_units(n)` for a unit queue whose callers wait on `self._cv` for `self._pending` (the
     decode's CallBatcher, the StepScheduler, the text ForwardBatcher): while held no call starts and the units
     submitted meanwhile gather, so the first call after release takes them together. This is what makes "these
     requests share a call" independent of two threads overlapping in time (tests, and callers that submit several
@@ -78,16 +79,156 @@ class Holdable:
                 self._holds -= 1
                 self._cv.notify_all()
                 self.on_release()
+                self._wake_core()
 
     def wait_for_units(self, count: int, timeout: float) -> bool:
         """Wait until `pending_count()` reaches `count` (with `held()`); False on timeout."""
         with self._cv:
             return self._cv.wait_for(lambda: self.pending_count() >= count, timeout)
 
+    def _wake_core(self) -> None:
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.wake()
 
-class CallBatcher(Holdable):
+
+class UnitQueue(Holdable):
+    """What the step scheduler, the decode batcher and the text forward batcher share: units queued under one
+    condition `_cv`, a policy that says when a batch is due (`due`) and which units it takes (`take`), how a batch
+    runs (`execute`, no lock held) and how its units are handed back (`finish`).
+
+    Who runs the batches: the queue's `core` (composer/engine/core.py), one executor per loaded model, on its own
+    thread (`lane` "main": the device's work, in plan order) or its second lane ("side": long work such as a VAE
+    decode, so the others' steps go on meanwhile). A caller that submits from a thread waits for its unit's
+    result and never runs a batch. Only a queue without a core (a follower rank of a parallel layout, whose batches
+    rank 0's plans name, and a queue used on its own) runs batches on the waiting caller's thread."""
+
+    core: Any = None  # the EngineCore running this queue's batches (set by EngineCore.attach)
+    lane: str = "main"
+    planner: Any = None  # a parallel layout's PlanChannel (composer/parallel/plan.py)
+    _running: bool = False
+
+    # -- the policy (lock held) -------------------------------------------------------------------------
+    def due(self) -> float | None:
+        """0.0: a batch should start now; a float: look again in that many seconds; None: nothing to run now
+        (empty, held, or a batch running: its end wakes the executor)."""
+        if self._running or self._holds or not self._pending:
+            return None
+        return 0.0
+
+    def take(self) -> Any:
+        """The next batch's units, off the queue (the queue is marked running)."""
+        raise NotImplementedError
+
+    def execute(self, batch: Any) -> None:
+        """Run a batch (no lock held): each unit gets its result or the batch's error."""
+        raise NotImplementedError
+
+    def finish(self, batch: Any) -> None:
+        """(Lock held) The batch ran: its units are done and their waiters woken."""
+        raise NotImplementedError
+
+    # -- who runs it ----------------------------------------------------------------------------------
+    def poll(self, lane: Callable[[Callable[[], None]], None] | None = None) -> float | None:
+        """The executor's call: start the batch that is due now (0.0), else say how long until one may be (None:
+        nothing to run, or a batch is running: its end wakes the executor). `lane(fn)`: where a "side" queue's batch
+        runs (the core's second lane); without it the batch runs here."""
+        if self.planner is not None and not self.planner.leader:
+            return None  # a follower's batches are the ones rank 0 names (run by the waiting callers)
+        with self._cv:
+            wait = self.due()
+            if wait != 0.0:
+                return wait
+            batch = self.take()
+        if lane is None or self.lane == "main":
+            self._run_batch(batch)
+        else:
+            lane(lambda: self._run_batch(batch))
+        return 0.0
+
+    def _run_batch(self, batch: Any) -> None:
+        try:
+            if self.planner is None:
+                self.execute(batch)
+            else:  # rank 0: the other ranks are told this batch before it runs, in one order with every other call
+                self.planner.lead(self, self.plan_of(batch), lambda: self.execute(batch))
+        except BaseException as exc:  # noqa: BLE001 - the plan could not go out: every unit of the batch fails
+            for unit in self.units_of(batch):
+                unit.error = unit.error or exc
+        finally:
+            with self._cv:
+                self.finish(batch)
+            self._wake_core()
+
+    def units_of(self, batch: Any) -> list:
+        return list(batch)
+
+    def fail_pending(self, error: BaseException) -> None:
+        """Every queued unit ends with `error` (the queue's policy itself failed: nobody is left waiting)."""
+        with self._cv:
+            for unit in self._pending:
+                unit.error, unit.done = error, True
+                on_done = getattr(unit, "on_done", None)
+                if on_done is not None:
+                    on_done(unit)
+            self._pending = []
+            self._cv.notify_all()
+
+    def plan_of(self, batch: Any) -> list:
+        """What names this batch's units on every rank (rank 0's plan)."""
+        raise NotImplementedError
+
+    def _queue(self, unit: Any) -> None:
+        """(Lock held) Add a unit and tell whoever runs batches."""
+        self._pending.append(unit)
+        self._cv.notify_all()
+        self._wake_core()
+
+    def _await(self, unit: Any) -> None:
+        """(Lock held) Until `unit` is done: the core runs it (this thread only waits); without a core this thread
+        runs batches itself when one is due; on a follower rank it takes its turn receiving rank 0's plans."""
+        while not unit.done:
+            if self.planner is not None and not self.planner.leader:
+                self._follow(unit)
+                continue
+            if self.core is not None and self.core.running and not self.core.on_core_thread():
+                self._cv.wait(timeout=1.0)
+                continue
+            wait = self.due()
+            if wait == 0.0:
+                batch = self.take()
+                self._cv.release()
+                try:
+                    self._run_batch(batch)
+                finally:
+                    self._cv.acquire()
+            else:
+                self._cv.wait(timeout=wait)
+
+    def _follow(self, unit: Any) -> None:
+        """(Lock held, this rank is not 0) Until `unit` is done: whichever waiting thread of the process gets the
+        plan channel receives rank 0's next plan and runs it, whichever queue it names; the others wait."""
+        self._cv.release()
+        try:
+            if not self.planner.follow_once(stop=lambda: unit.done):
+                time.sleep(0.002)
+        except BaseException as exc:  # noqa: BLE001 - no plan can come (a peer failed): nobody here goes on
+            with self._cv:
+                for waiting in self._pending:
+                    waiting.error, waiting.done = exc, True
+                self._pending = []
+                unit.error, unit.done = unit.error or exc, True
+                self._cv.notify_all()
+        finally:
+            self._cv.acquire()
+
+
+class CallBatcher(UnitQueue):
     """`submit(key, payload, rows)` -> `run_batch([payload, ...])[i]`, batching calls of equal keys that queue up
-    while another runs (see the module docstring). `lock`: held around every run (a module's lock)."""
+    while another runs (see the module docstring). `lock`: held around every run (a module's lock). Its batches
+    run on its core's second lane ("side"): a decode does not hold up the other requests' steps."""
+
+    lane = "side"
 
     def __init__(self, run_batch: Callable[[list[Any]], list[Any]], lock: Any = None, max_rows: int | None = None,
                  settle_s: float = 0.0, active: Callable[[], int] | None = None):
@@ -107,31 +248,27 @@ class CallBatcher(Holdable):
         # each batch, the other ranks run the batches it names.
         self.planner: Any = None
         self.plan_index: int | None = None
+
     def submit(self, key: Any, payload: Any, rows: int = 1, plan_key: Any = None) -> Any:
         """`plan_key`: what names this call on every rank (a request key and a position), for planned batchers."""
-        call = _Call(key, payload, rows, next(self._seq), plan_key)
-        arrived = time.monotonic()
+        call = _Call(key, payload, rows, next(self._seq), plan_key, arrived=time.monotonic())
         with self._cv:
-            self._pending.append(call)
-            self._cv.notify_all()
-            while not call.done:
-                if self.planner is not None and not self.planner.leader:
-                    self._follow(call)
-                    continue
-                if self._running or self._holds:
-                    self._cv.wait()
-                    continue
-                others = (self.active() if self.active is not None else 0) - len(self._pending)
-                left = min(self.settle_s, 0.25 * self.run_seconds) - (time.monotonic() - arrived)
-                if others > 0 and left > 0:
-                    self._cv.wait(timeout=left)
-                    continue
-                self._run_once()
+            self._queue(call)
+            self._await(call)
         if call.error is not None:
             raise call.error
         return call.result
 
-    def _take(self) -> list[_Call]:
+    def due(self) -> float | None:
+        if self._running or self._holds or not self._pending:
+            return None
+        others = (self.active() if self.active is not None else 0) - len(self._pending)
+        left = min(self.settle_s, 0.25 * self.run_seconds) - (time.monotonic() - self._pending[0].arrived)
+        if others > 0 and left > 0:
+            return left
+        return 0.0
+
+    def take(self) -> tuple[list[_Call], float]:
         first = self._pending[0]
         chosen, rows = [first], first.rows
         if first.key is not None:
@@ -141,26 +278,17 @@ class CallBatcher(Holdable):
                     rows += call.rows
         taken = {id(c) for c in chosen}
         self._pending = [c for c in self._pending if id(c) not in taken]
-        return chosen
-
-    def _run_once(self) -> None:
-        calls = self._take()
         self._running = True
-        self._cv.release()
-        started = time.perf_counter()
-        try:
-            if self.planner is None:
-                self._run(calls)
-            else:  # rank 0: the other ranks are told this batch before it runs, in one order with every other call
-                self.planner.lead(self, [c.plan_key for c in calls], lambda: self._run(calls))
-        except BaseException as exc:  # noqa: BLE001 - the plan could not go out: every call of the batch fails
-            for call in calls:
-                call.error = call.error or exc
-        finally:
-            self._cv.acquire()
-            self._finished(calls, started)
+        return chosen, time.perf_counter()
 
-    def _run(self, calls: list[_Call]) -> None:
+    def units_of(self, batch: tuple[list[_Call], float]) -> list[_Call]:
+        return batch[0]
+
+    def plan_of(self, batch: tuple[list[_Call], float]) -> list[Any]:
+        return [c.plan_key for c in batch[0]]
+
+    def execute(self, batch: tuple[list[_Call], float]) -> None:
+        calls = batch[0]
         try:
             with self.lock if self.lock is not None else nullcontext():
                 results = self.run_batch([c.payload for c in calls])
@@ -170,8 +298,9 @@ class CallBatcher(Holdable):
             for call in calls:
                 call.error = exc
 
-    def _finished(self, calls: list[_Call], started: float) -> None:
+    def finish(self, batch: tuple[list[_Call], float]) -> None:
         """(Lock held) Hand out a batch's results and wake its callers."""
+        calls, started = batch
         self._running = False
         elapsed = time.perf_counter() - started
         self.run_seconds = elapsed if not self.calls else 0.8 * self.run_seconds + 0.2 * elapsed
@@ -183,33 +312,16 @@ class CallBatcher(Holdable):
         self._cv.notify_all()
 
     # -- another rank than 0 of a parallel layout: rank 0's plans decide every batch ---------------------
-    def _follow(self, call: _Call) -> None:
-        """(Lock held, this rank is not 0) Until `call` is done: whichever waiting thread of the process gets the
-        plan channel receives rank 0's next plan and runs it (this batcher's or a step scheduler's)."""
-        self._cv.release()
-        try:
-            if not self.planner.follow_once(stop=lambda: call.done):
-                time.sleep(0.002)
-        except BaseException as exc:  # noqa: BLE001 - no plan can come (a peer failed): nobody here goes on
-            with self._cv:
-                for waiting in self._pending:
-                    waiting.error, waiting.done = exc, True
-                self._pending = []
-                call.error, call.done = call.error or exc, True
-                self._cv.notify_all()
-        finally:
-            self._cv.acquire()
-
     def run_planned(self, plan: list[Any]) -> None:
         """(No lock held; this rank is not 0) Take the calls rank 0's plan names, in its order (waiting for this
         rank's threads to submit them), run them as one batch and hand out the results."""
         with self._cv:
             calls = self._take_planned(plan)
             self._running = True
-        started = time.perf_counter()
-        self._run(calls)
+        batch = (calls, time.perf_counter())
+        self.execute(batch)
         with self._cv:
-            self._finished(calls, started)
+            self.finish(batch)
 
     def _take_planned(self, plan: list[Any]) -> list[_Call]:
         from composer.parallel.plan import take_planned

@@ -252,7 +252,7 @@ class DenoisingEngine:
         progress: bool = False,
     ) -> torch.Tensor:
         """Every step of `steps` from `latents`; returns the final latents. The calling thread waits through each
-        step (`run_task` is the same loop as a task, for a RequestLoop)."""
+        step (`run_task` is the same loop as a task, for the engine core)."""
         return drive(self.run_task(latents, steps, cond, uncond, guidance, run=run, progress=progress))
 
     def run_task(

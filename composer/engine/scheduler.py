@@ -1,8 +1,9 @@
 """StepScheduler: many requests' denoising steps through one transformer, batched per step.
 
-Each request runs its stages on its caller's thread; every transformer call of a denoising engine is handed to the
-engine's scheduler as a *unit* (one step's guidance branches, or a causal context pass) and the thread waits for its
-result. Whichever waiting thread finds no call running becomes the runner for one iteration:
+Every transformer call of a denoising engine is a *unit* (one step's guidance branches, or a causal context pass)
+queued here, by a task of the engine core (`enqueue`) or by a thread that waits for its result (`submit`). The
+scheduler is the policy of a unit queue (composer/engine/batcher.py `UnitQueue`); the model's engine core
+(composer/engine/core.py) is the one executor that runs its calls, one iteration at a time:
 
     pick      the first pending unit in pick order (highest priority; among equals, realtime streams whose next
               frames are due, earliest deadline first; then the oldest), and every other pending unit whose call
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 
-from composer.engine.batcher import Holdable
+from composer.engine.batcher import UnitQueue
 from composer.engine.inputs import ModelInputs
 from composer.logging import get_logger
 
@@ -68,7 +69,7 @@ class RequestContext:
     # next frames are due: once a deadline has come, its units go before the waiting units of its priority.
     target_fps: float | None = None
     deadline: float | None = None
-    # a task on a RequestLoop (submit_video, a server's job): no per-step progress bar on the console
+    # a background task (submit_video, a server's job): no per-step progress bar on the console
     background: bool = False
     # the request's reservation of a shared memory budget (composer.memory.admission), which `call_memory` reads
     memory: Any = None
@@ -204,7 +205,7 @@ class SchedulerStats:
     settle_seconds: float = 0.0  # time ready calls were held back for requests outside a loop (`settle_s`)
 
 
-class StepScheduler(Holdable):
+class StepScheduler(UnitQueue):
     """Runs the transformer calls of every request using one denoising engine (see the module docstring).
 
     `run_solo(unit)` runs one unit exactly as a request alone would; `run_batch(units)` runs several compatible
@@ -238,7 +239,7 @@ class StepScheduler(Holdable):
         self._running = False
         self._settling: float | None = None  # since when the ready call waits for requests outside a loop
         self._seq = itertools.count()
-        # called (lock held: quick) after every call: a RequestLoop waiting to run the next iteration wakes up
+        # called (lock held: quick) after every call and when a hold ends
         self.listeners: list[Callable[[], None]] = []
 
     # -- which requests are denoising -------------------------------------------------------------------
@@ -256,7 +257,7 @@ class StepScheduler(Holdable):
                     self._in_loop[request.id] = depth
                 self._cv.notify_all()
 
-    # -- holding (Holdable): units count per request, and a RequestLoop waiting to run is woken --------------
+    # -- holding (Holdable): units count per request ------------------------------------------------------
     def pending_count(self) -> int:
         return len({u.request.id for u in self._pending})
 
@@ -265,24 +266,19 @@ class StepScheduler(Holdable):
             listener()
 
     # -- submitting ---------------------------------------------------------------------------------------
+    def _unit(self, latents, timestep, branches, merged, kind, request, step, on_done=None) -> Unit:
+        key = batch_key(latents, timestep, branches, kind) if self.batching else None
+        return Unit(latents, timestep, branches, merged, kind, request, key, next(self._seq), time.monotonic(), step,
+                    tokens=token_count(latents, len(branches), self.patch_size), on_done=on_done)
+
     def submit(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[ModelInputs],
                merged: ModelInputs | None, kind: str, request: RequestContext, step: Any = None) -> list[torch.Tensor]:
-        """Queue this thread's unit and return its branch outputs once a call has run it."""
-        key = batch_key(latents, timestep, branches, kind) if self.batching else None
-        unit = Unit(latents, timestep, branches, merged, kind, request, key, next(self._seq), time.monotonic(), step,
-                    tokens=token_count(latents, len(branches), self.patch_size))
+        """Queue this thread's unit and return its branch outputs once a call has run it (run by the engine core;
+        this thread only waits)."""
+        unit = self._unit(latents, timestep, branches, merged, kind, request, step)
         with self._cv:
-            self._pending.append(unit)
-            self._cv.notify_all()
-            while not unit.done:
-                if self.planner is not None and not self.planner.leader:
-                    self._follow(unit)
-                    continue
-                wait = self._wait_before_running()
-                if wait == 0.0:
-                    self._run_one_iteration()
-                else:
-                    self._cv.wait(timeout=wait)
+            self._queue(unit)
+            self._await(unit)
         if unit.error is not None:
             raise unit.error
         assert unit.result is not None
@@ -292,29 +288,14 @@ class StepScheduler(Holdable):
                 merged: ModelInputs | None, kind: str, request: RequestContext, step: Any,
                 on_done: Callable[[Unit], None]) -> Unit:
         """Queue a unit without waiting for it: `on_done(unit)` is called once it has run (its `result` or
-        `error` set), from whichever thread ran it. The caller (a RequestLoop) runs iterations with `poll`."""
-        key = batch_key(latents, timestep, branches, kind) if self.batching else None
-        unit = Unit(latents, timestep, branches, merged, kind, request, key, next(self._seq), time.monotonic(), step,
-                    tokens=token_count(latents, len(branches), self.patch_size), on_done=on_done)
+        `error` set), from the thread that ran it (the engine core's)."""
+        unit = self._unit(latents, timestep, branches, merged, kind, request, step, on_done)
         with self._cv:
-            self._pending.append(unit)
-            self._cv.notify_all()
+            self._queue(unit)
         return unit
 
-    def poll(self) -> float | None:
-        """For a thread that runs iterations without a unit of its own waiting in `submit` (a RequestLoop): run one
-        iteration if one is due now (0.0), else say how long until one may be (None: nothing to run, or another
-        thread runs a call now: a unit's `on_done` will tell)."""
-        if self.planner is not None:
-            raise RuntimeError("a planned (parallel) scheduler's iterations are run by the threads of its requests")
-        with self._cv:
-            wait = self._wait_before_running()
-            if wait == 0.0:
-                self._run_one_iteration()
-            return wait
-
-    def _wait_before_running(self) -> float | None:
-        """0: this thread should run an iteration now; else how long to wait (None: until notified)."""
+    def due(self) -> float | None:
+        """0: a call should start now; else how long to wait (None: until woken)."""
         if self._holds:
             return None
         wait = self._wait_to_gather()
@@ -391,10 +372,8 @@ class StepScheduler(Holdable):
             ordered = sorted(self._pending, key=lambda u: self.pick_order(u, now))
         return next((u for u in ordered if not any(_behind(v, u) for v in self._pending)), ordered[0])
 
-    def _run_one_iteration(self) -> None:
-        """Called with the lock held: take one batch, run it without the lock, hand out the results. Under a
-        parallel layout (`planner`, rank 0) the plan goes to the other ranks first, and the process's transformer
-        calls (every scheduler's) run one at a time in the order of the plans."""
+    def take(self) -> list[Unit]:
+        """(Lock held) The next call's units, off the queue; the call is counted against a memory budget."""
         units = self._pick()
         self._running = True
         if self.call_memory is not None:
@@ -402,24 +381,12 @@ class StepScheduler(Holdable):
         if self._settling is not None:
             self.stats.settle_seconds += time.monotonic() - self._settling
             self._settling = None
-        self._cv.release()
-        try:
-            if self.planner is None:
-                self._execute(units)
-            else:
-                self.planner.lead(self, [(u.request.key, plan_position(u)) for u in units],
-                                  lambda: self._execute(units))
-        except BaseException as exc:  # noqa: BLE001 - the plan could not be sent: the units fail
-            for unit in units:
-                unit.error = unit.error or exc
-        finally:
-            if self.call_memory is not None:
-                self.call_memory.ended(self)
-            self._cv.acquire()
-            self._running = False
-            self._finished(units)
+        return units
 
-    def _execute(self, units: list[Unit]) -> None:
+    def plan_of(self, units: list[Unit]) -> list:
+        return [(u.request.key, plan_position(u)) for u in units]
+
+    def execute(self, units: list[Unit]) -> None:
         """Run `units` as one call (no lock held) and give each its result, or every one the call's error."""
         started = time.perf_counter()
         try:
@@ -435,8 +402,11 @@ class StepScheduler(Holdable):
         elapsed = time.perf_counter() - started
         self.call_seconds = elapsed if not self.stats.calls else 0.8 * self.call_seconds + 0.2 * elapsed
 
-    def _finished(self, units: list[Unit]) -> None:
-        """(Lock held) Count the call, mark its units done, wake their threads."""
+    def finish(self, units: list[Unit]) -> None:
+        """(Lock held) Count the call, mark its units done, wake their threads and the listeners."""
+        if self.call_memory is not None:
+            self.call_memory.ended(self)
+        self._running = False
         for unit in units:
             unit.done = True
             if unit.on_done is not None:
@@ -454,23 +424,6 @@ class StepScheduler(Holdable):
             listener()
 
     # -- another rank than 0 of a parallel layout: rank 0's plans decide every call -------------------------
-    def _follow(self, unit: Unit) -> None:
-        """(Lock held, this rank is not 0) Until `unit` is done: whichever waiting thread gets the channel receives
-        rank 0's next plan and runs it, whichever scheduler of this process it names; the others wait."""
-        self._cv.release()
-        try:
-            if not self.planner.follow_once(stop=lambda: unit.done):
-                time.sleep(0.002)
-        except BaseException as exc:  # noqa: BLE001 - no plan can come (a peer failed): nobody here goes on
-            with self._cv:
-                for waiting in self._pending:
-                    waiting.error, waiting.done = exc, True
-                self._pending = []
-                unit.error, unit.done = unit.error or exc, True
-                self._cv.notify_all()
-        finally:
-            self._cv.acquire()
-
     def run_planned(self, plan: list[tuple[str, tuple]]) -> None:
         """(No lock held; this rank is not 0) Take the units `plan` names (waiting for this rank's threads to
         submit them), run them as rank 0 did, hand out the results."""
@@ -478,11 +431,10 @@ class StepScheduler(Holdable):
             units = self._take_planned(plan)
             self._running = True
         try:
-            self._execute(units)
+            self.execute(units)
         finally:
             with self._cv:
-                self._running = False
-                self._finished(units)
+                self.finish(units)
 
     def _take_planned(self, plan: list[tuple[str, tuple]]) -> list[Unit]:
         """(Lock held) The pending units rank 0's plan names, in its order, waiting for this rank's threads to

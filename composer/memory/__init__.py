@@ -39,10 +39,10 @@ def request_key(sampling: Any, videos: Any, segments: Any) -> tuple:
             sampling.negative_prompt is not None, len(segments) if segments else 0, images)
 
 
-def planned_runtime(resolved: Any, runtime: Any, parallel_state: Any) -> tuple[Any, MemoryGuard]:
+def planned_runtime(resolved: Any, runtime: Any, parallel_state: Any, new_batch: Any) -> tuple[Any, MemoryGuard]:
     """offload = auto / memory_budget, before the model loads: the plan (logged) for the folder's default video,
-    the runtime with its offload mode, and the guard that checks each request."""
-    from composer.generator import new_batch
+    the runtime with its offload mode, and the guard that checks each request. `new_batch(sampling, videos)`: the
+    generator's ForwardBatch maker (the stand-in request is made as a real one is)."""
     from composer.prompt_lists import video_requests
 
     index, configs = resolved.index, resolved.configs

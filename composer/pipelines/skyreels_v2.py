@@ -77,7 +77,7 @@ class SkyReelsV2DiffusionForcingPipeline(ComposedPipeline):
     def prepare(self, batch: ForwardBatch, sampling, segments=None, keep_video: bool = True) -> None:
         """The request's windows and knobs as a `ForcingPlan` (checked again here: a request that skipped the
         up-front check, or left causal_block_size to a model that states none)."""
-        from composer.request_check import RequestError
+        from composer.errors import RequestError
 
         super().prepare(batch, sampling, segments, keep_video)
         config = self.modules["transformer"].config

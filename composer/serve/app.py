@@ -322,7 +322,7 @@ def video_routes(state: ServerState) -> APIRouter:
     def new_job(checked: Any, request: Request, remixed_from: str | None = None) -> Job:
         return Job(new_job_id(config.replica), checked.params, model=str(state.generator.model_path),
                    inputs=checked.inputs, lora=checked.lora, priority=checked.priority, owner=owner_of(request),
-                   remixed_from=remixed_from, warnings=checked.warnings)
+                   remixed_from=remixed_from, warnings=checked.warnings, checked=checked.request)
 
     @router.post("/v1/videos", status_code=200)
     async def create_video(request: Request):

@@ -45,6 +45,9 @@ class Job:
     remixed_from: str | None = None  # the video this one remixes (POST /v1/videos/{id}/remix)
     warnings: list[str] = field(default_factory=list)  # what the request should know (a prompt the encoder cuts)
     inputs: dict[str, Any] = field(default_factory=dict, repr=False)  # decoded images: not in the record
+    # the request as checked before it was queued (composer.request_check.CheckedRequest): what generate_video
+    # runs without checking it again; not in the record (a job read back from its file has none)
+    checked: Any = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """The video object as the API returns it: OpenAI's fields with OpenAI's types (`progress` an integer 0..100,
@@ -72,7 +75,7 @@ class Job:
 
     def record(self) -> dict[str, Any]:
         """What the job's file keeps: every field at full precision (not the decoded inputs), and the API's view."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "inputs"}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_KEPT}
         return {**self.to_json(), "fields": fields}
 
     @classmethod
@@ -80,14 +83,15 @@ class Job:
         """A job from its file (this version's `record`, or an older file that kept only the API's view)."""
         names = {f.name for f in dataclasses.fields(cls)}
         if isinstance(data.get("fields"), dict):
-            return cls(**{k: v for k, v in data["fields"].items() if k in names and k != "inputs"})
-        values = {k: v for k, v in data.items() if k in names and k != "inputs"}
+            return cls(**{k: v for k, v in data["fields"].items() if k in names and k not in _NOT_KEPT})
+        values = {k: v for k, v in data.items() if k in names and k not in _NOT_KEPT}
         if isinstance(data.get("error"), dict):
             values["error"] = data["error"].get("message")
         return cls(**values)
 
 
 _ERROR_CODES = {FAILED: "generation_failed", CANCELLED: "cancelled"}
+_NOT_KEPT = ("inputs", "checked")  # a job's fields its file does not keep
 
 
 def _seconds(req: dict[str, Any]) -> str | None:

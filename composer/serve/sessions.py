@@ -284,7 +284,7 @@ class SessionStore:
         self._busy(held)
         with self._idle_on_error(held):
             task = held.session.extend_task(prompt, num_blocks)
-            future = self.generator.request_loop.submit(task, held.session.context)
+            future = self.generator.core.submit(task, held.session.context)
         return held, future, time.perf_counter()
 
     def finish_extend(self, held: Held, chunks: list, start: float) -> dict[str, Any]:
@@ -404,7 +404,8 @@ class SessionStore:
 
 
 def add_session_routes(router: Any, state: Any, store_of) -> None:
-    """Register `/v1/sessions` on `app`; `store_of()` gives the SessionStore (None until the model is loaded)."""
+    """Register `/v1/sessions` on `router` (the video routes); `store_of()` gives the SessionStore (None until the
+    model is loaded)."""
     from composer.serve.requests import RequestProblem, ServerLimits, check_body
 
     def problem(status: int, message: str, param: str | None = None) -> JSONResponse:

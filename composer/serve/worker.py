@@ -401,8 +401,8 @@ class Worker:
             if stream is not None:
                 self._run_stream(run, stream)
             else:
-                self._save(job, self.generator.generate_video(cancel=token, priority=job.priority, **job.request,
-                                                              **job.inputs))
+                self._save(job, self.generator.generate_video(*_request(job), cancel=token, priority=job.priority,
+                                                              **_fields(job)))
 
         try:
             self._settle(job, token, work)
@@ -416,7 +416,7 @@ class Worker:
         job, token = run.job, run.token
         timer = self._start_timer(run)
         try:
-            future = self.generator.submit_video(cancel=token, priority=job.priority, **job.request, **job.inputs)
+            future = self.generator.submit_video(*_request(job), cancel=token, priority=job.priority, **_fields(job))
         except Exception as exc:  # noqa: BLE001 - refused at once (bad input): this job fails, the server goes on
             self._conclude(job, token, exc)
             if timer is not None:
@@ -517,7 +517,7 @@ class Worker:
             state.run.token.check()
             pipeline = getattr(self.generator, "pipeline", None)
             if getattr(pipeline, "streams_as_tasks", False) and callable(getattr(state.stream, "next_task", None)):
-                future = self.generator.request_loop.submit(state.stream.next_task(), state.stream.context)
+                future = self.generator.core.submit(state.stream.next_task(), state.stream.context)
                 future.add_done_callback(lambda f: self._stream_pool.submit(self._stream_chunk, state, *_result(f)))
             else:
                 self._stream_pool.submit(self._stream_next_here, state)
@@ -637,3 +637,13 @@ class Worker:
 
     def _finish(self, job: Job, status: str, error: str | None, **changes: Any) -> None:
         self.store.update(job, status=status, error=error, completed_at=time.time(), **changes)
+
+
+def _request(job: Any) -> tuple:
+    """The job's request as checked before it was queued (nothing checks it again), when it has one."""
+    return () if getattr(job, "checked", None) is None else (job.checked,)
+
+
+def _fields(job: Any) -> dict[str, Any]:
+    """The job's request as fields (checked when it runs: a job without its CheckedRequest), else none."""
+    return {**job.request, **job.inputs} if getattr(job, "checked", None) is None else {}

@@ -159,7 +159,7 @@ class AnimateInputs:
     def from_request(cls, sampling: Any, temporal: int) -> AnimateInputs:
         """The request's videos read and padded; a RequestError naming every broken rule (what the request check
         said before this runs, for a caller that skipped it)."""
-        from composer.request_check import RequestError
+        from composer.errors import RequestError
 
         result = VerificationResult()
         videos = check_animate_inputs(sampling, result, temporal)
@@ -278,7 +278,7 @@ class AnimateDenoisingStage(DenoisingStage):
             result.add_failure("frames", shape, f"uint8 frames of shape {list(expected)}")
 
     def _blocking(self, work, vae: bool = True):
-        """`work()` as blocking work of the task (off a RequestLoop's thread), holding the VAE when `vae` (one
+        """`work()` as blocking work of the task (off the engine core's thread), holding the VAE when `vae` (one
         request's encode or decode at a time)."""
         def run():
             with module_lock(self.vae) if vae else contextlib.nullcontext(), torch.inference_mode():

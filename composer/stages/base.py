@@ -154,7 +154,7 @@ class Stage:
         return drive(self.call_task(batch))
 
     # A stage whose work is transformer units defines `forward_task(batch)`: `forward` as a task
-    # (composer/engine/loop.py) that yields its units; a RequestLoop then runs it with no thread held between them.
+    # (composer/engine/loop.py) that yields its units; the engine core then runs it with no thread held between them.
     # Its `forward` is then `drive(self.forward_task(batch))`, marked with `@drives_task`.
     forward_task = None
 

@@ -2,7 +2,8 @@
 one padded call.
 
 Requests run their own loops (their own generators, draws and commits), each on its thread; a step's forward is a
-unit handed to the pipeline's `ForwardBatcher`. The first waiting thread runs a call with every pending unit (oldest
+unit handed to the pipeline's `ForwardBatcher`, whose calls the pipeline's engine core runs (composer/engine/core.py:
+the request's thread only waits for its logits). A call takes every pending unit (oldest
 first, up to `max_rows` rows: the runtime's `max_batch_size`; `max_tokens`: `max_batch_tokens`, rows x padded
 length), the others wait for their logits. Rows of different lengths are padded on the right: each keeps its own
 positions, the padding is masked out of every row's attention, and a row's logits are its own positions' (a causal
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from composer.engine.batcher import Holdable
+from composer.engine.batcher import UnitQueue
 
 
 @dataclass(eq=False)
@@ -43,7 +44,7 @@ class BatchStats:
     extras: dict = field(default_factory=dict)
 
 
-class ForwardBatcher(Holdable):
+class ForwardBatcher(UnitQueue):
     def __init__(self, model: torch.nn.Module, pad_id: int, max_rows: int | None = None,
                  max_tokens: int | None = None):
         self.model = model
@@ -60,26 +61,13 @@ class ForwardBatcher(Holdable):
         """The logits of the last `block` positions of `ids` [rows, length], run with whatever else is pending."""
         unit = _Unit(ids, attention, positions, block)
         with self._cv:
-            self._pending.append(unit)
-            self._cv.notify_all()
-            while not unit.done:
-                if self._running or self._holds:
-                    self._cv.wait()
-                    continue
-                units = self._take()
-                self._running = True
-                self._cv.release()
-                try:
-                    self._run(units)
-                finally:
-                    self._cv.acquire()
-                    self._running = False
-                    self._cv.notify_all()
+            self._queue(unit)
+            self._await(unit)
         if unit.error is not None:
             raise unit.error
         return unit.result
 
-    def _take(self) -> list[_Unit]:
+    def take(self) -> list[_Unit]:
         """(Lock held) The oldest pending units within the budgets (at least one)."""
         chosen, rows, longest = [], 0, 0
         for unit in self._pending:
@@ -90,7 +78,17 @@ class ForwardBatcher(Holdable):
             chosen.append(unit)
             rows, longest = rows + n, length
         self._pending = self._pending[len(chosen):]
+        self._running = True
         return chosen
+
+    def execute(self, units: list[_Unit]) -> None:
+        self._run(units)
+
+    def finish(self, units: list[_Unit]) -> None:
+        self._running = False
+        for u in units:
+            u.done = True
+        self._cv.notify_all()
 
     @torch.inference_mode()
     def _run(self, units: list[_Unit]) -> None:
@@ -114,8 +112,6 @@ class ForwardBatcher(Holdable):
             for u in units:
                 u.error = exc
         finally:
-            for u in units:
-                u.done = True
             stats = self.stats
             stats.calls += 1
             stats.units += len(units)

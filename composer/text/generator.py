@@ -67,6 +67,10 @@ class TextGenerator:
         self.model_path = model_path
         self.family = family
         self.limits = pipeline.limits  # what check_text_request holds each request to (the folder's configs)
+        from composer.engine.core import EngineCore, unit_queues
+
+        # the executor of the model's forwards: every request's refinement steps share its calls
+        self.core = EngineCore(lambda: unit_queues(pipeline), name="composer-text-core")
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike | None = None, **runtime_kwargs: Any) -> TextGenerator:

@@ -123,7 +123,7 @@ def check_before_loading(model_path: str | Path | None, settings: dict[str, Any]
     """A text request as the CLI gives it (flag values as strings), checked against the model folder's stated
     defaults and limits before any weight loads: one ConfigError / InvalidInputError naming every bad value."""
     from composer.demo.packaged import TEXT_NAME
-    from composer.generator import resolve_model
+    from composer.registry.resolve import resolve_model
 
     resolved = resolve_model(TEXT_NAME if model_path is None else model_path, family)
     sp = resolved.stated.updated(**settings)

@@ -1,0 +1,281 @@
+"""EngineCore: one per loaded model, the only thing that runs its model work.
+
+    client (generate_video on any thread, submit_video, agenerate_video, a server's job, TextGenerator)
+        -- submit(task) / a unit --> EngineCore -- a Future, or the unit's result --> client
+
+The core owns its pipeline's *unit queues* (composer/engine/batcher.py `UnitQueue`): every denoising engine's step
+scheduler (transformer steps and causal passes), every decoding stage's batcher (VAE decodes, streamed chunks) and
+a text model's forward batcher. Each queue is a policy: `due()` says when its next batch may start, `take()` which
+units it holds (priorities, deadlines, compatibility, row, token and memory budgets), `execute()` runs it,
+`finish()` hands results back. The core's executor thread is the one place those batches run:
+
+    loop   advance every task whose wait is over (its Python generator, up to its next wait)
+           poll every queue: a due batch runs now, on the core's thread ("main" lane: the device's work, in order)
+           or on its second lane ("side": long work such as a VAE decode, so the others' steps go on meanwhile)
+           sleep until a unit is queued, a batch ends or a queue's wait is over
+
+A request is either a *task* (a generator yielding `ModelStep` and `Blocking` waits: composer/engine/loop.py), which
+no thread holds between its units, or code on a caller's thread whose units wait in their queue (`submit` blocks
+that thread until the core has run the unit): the batches are the same either way, so a request's output does not
+depend on how it was submitted. Blocking work (text encoding, writing a file) runs on the core's stage threads
+(`stage_threads`), held only while it runs. Nothing waits inside the core on behalf of a request.
+
+Parallel layouts: rank 0's core runs its queues' batches and announces each one on the process's PlanChannel first
+(composer/parallel/plan.py); on the other ranks the queues have no executor of their own (`poll` is a no-op) and the
+waiting callers take turns receiving rank 0's plans and running exactly those batches.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from composer.engine.loop import Blocking, ModelStep, Task
+from composer.engine.scheduler import RequestContext, running_request
+from composer.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAX_WAITERS = 1024  # threads for Blocking work that waits on other requests (made only while such work waits)
+
+
+@dataclass(eq=False)
+class _Task:
+    gen: Task
+    context: RequestContext
+    future: Future
+
+
+class EngineCore:
+    """The executor of one loaded model's unit queues and tasks (see the module docstring). `queues()`: the unit
+    queues it runs (asked again whenever the loop starts an iteration, so queues made later join); the thread is
+    started by the first submit or queued unit; a daemon thread."""
+
+    def __init__(self, queues: Callable[[], list], stage_threads: int = 4, name: str = "composer-core"):
+        if stage_threads < 1:
+            raise ValueError(f"stage_threads must be >= 1, got {stage_threads}")
+        self._queues = queues
+        self.stage_threads = stage_threads
+        self.name = name
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._ready: deque[_Task] = deque()
+        self._tasks: set[_Task] = set()
+        self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._waiters: ThreadPoolExecutor | None = None
+        self._side: ThreadPoolExecutor | None = None
+        self._closed = False
+        self.attach()
+
+    # -- what clients use ------------------------------------------------------------------------------
+    def attach(self) -> list:
+        """Make this core the executor of every queue `queues()` lists (idempotent); the queues."""
+        queues = [q for q in self._queues() if q is not None]
+        for queue in queues:
+            if queue.core is not self:
+                queue.core = self
+        return queues
+
+    def submit(self, task: Task, context: RequestContext) -> Future:
+        """Start `task` (a generator not yet started) as request `context`; a Future of its return value. The
+        future's callbacks run on the core's thread: keep them short (hand longer work to another thread)."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        entry = _Task(task, context, future)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this model's engine core is closed")
+            self._tasks.add(entry)
+        self._start()
+        self._resume(entry)
+        return future
+
+    def run(self, task: Task, context: RequestContext) -> Any:
+        """`submit(task)` and wait for its result on this thread (a blocking call)."""
+        if self.on_core_thread():
+            raise RuntimeError("a blocking call was made on the engine core's own thread")
+        return self.submit(task, context).result()
+
+    def wake(self) -> None:
+        """A unit was queued, a hold released or a batch ended: the loop looks at its queues again."""
+        self._start()
+        self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        """Whether the executor thread runs (a queue's caller then only waits for its unit)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def on_core_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    @property
+    def active(self) -> int:
+        """Tasks submitted and not finished."""
+        with self._lock:
+            return len(self._tasks)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Refuse new tasks, let the running ones end, stop the thread and the lanes."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout)
+        for pool in (self._pool, self._waiters, self._side):
+            if pool is not None:
+                pool.shutdown(wait=False)
+
+    # -- the executor ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._closed:
+                return
+            self._pool = ThreadPoolExecutor(self.stage_threads, thread_name_prefix=f"{self.name}-stage")
+            # work that waits on other requests (Blocking.waits): never on the stage threads they need
+            self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"{self.name}-wait")
+            self._side = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-side")
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+
+    def _resume(self, entry: _Task) -> None:
+        """(Any thread) `entry`'s wait is over (its answer is on the object it yielded): the loop resumes it."""
+        with self._lock:
+            self._ready.append(entry)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - a bug here must fail the tasks, never leave them waiting
+            logger.exception("the engine core stopped")
+            with self._lock:
+                self._closed = True
+                tasks, self._tasks = list(self._tasks), set()
+            for entry in tasks:
+                if not entry.future.done():
+                    entry.future.set_exception(RuntimeError(f"the engine core stopped: {type(exc).__name__}: {exc}"))
+            for queue in self.attach():  # callers waiting on their units run the batches themselves again
+                with queue._cv:
+                    queue._cv.notify_all()
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                self._wake.clear()
+                advanced = self._advance_ready()
+                ran, wait = self._run_due()
+                with self._lock:
+                    if self._closed and not self._tasks:
+                        return
+                    busy = bool(self._ready)
+                if advanced or ran or busy:
+                    continue
+                self._wake.wait(timeout=wait if wait is not None else 1.0)
+
+    def _advance_ready(self) -> bool:
+        with self._lock:
+            ready = list(self._ready)
+            self._ready.clear()
+        for entry in ready:
+            self._advance(entry)
+        return bool(ready)
+
+    def _run_due(self) -> tuple[bool, float | None]:
+        """Run every batch that is due; (whether one started, the shortest wait until one may be)."""
+        ran, wait = False, None
+        for queue in self.attach():
+            try:
+                left = queue.poll(lane=self._side_lane)
+            except Exception as exc:  # noqa: BLE001 - a bug in a queue's policy: its units fail, the loop goes on
+                logger.exception("a unit queue failed")
+                queue.fail_pending(exc)
+                left = None
+            if left == 0.0:
+                ran = True
+            elif left is not None:
+                wait = left if wait is None else min(wait, left)
+        return ran, wait
+
+    def _side_lane(self, work: Callable[[], None]) -> None:
+        assert self._side is not None
+        self._side.submit(_logged, work)
+
+    def _advance(self, entry: _Task) -> None:
+        """Run `entry` up to its next wait and start that wait (or finish it)."""
+        try:
+            with running_request(entry.context):
+                item = next(entry.gen)
+        except StopIteration as stop:
+            self._finish(entry, result=stop.value)
+            return
+        except BaseException as exc:  # noqa: BLE001 - the task's error is its future's
+            self._finish(entry, error=exc)
+            return
+        try:
+            if isinstance(item, ModelStep):
+                scheduler = item.engine.scheduler
+                if scheduler is None or scheduler.planner is not None:
+                    raise RuntimeError("a task's transformer unit needs its engine's step scheduler (not planned)")
+
+                def done(unit, item=item) -> None:
+                    item.result, item.error = unit.result, unit.error
+                    self._resume(entry)
+
+                scheduler.enqueue(item.latents, item.timestep, item.branches, item.merged, item.kind, entry.context,
+                                  item.step, on_done=done)
+            elif isinstance(item, Blocking):
+                assert self._pool is not None and self._waiters is not None
+                work = (self._waiters if item.waits else self._pool).submit(_blocking, item, entry.context)
+                work.add_done_callback(lambda _: self._resume(entry))
+            else:
+                raise TypeError(f"a task yielded {type(item).__name__}; expected ModelStep or Blocking")
+        except BaseException as exc:  # noqa: BLE001 - the wait could not start: the task ends with the error
+            with running_request(entry.context):
+                entry.gen.close()
+            self._finish(entry, error=exc)
+
+    def _finish(self, entry: _Task, result: Any = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._tasks.discard(entry)
+        if error is not None:
+            entry.future.set_exception(error)
+        else:
+            entry.future.set_result(result)
+
+
+def _blocking(item: Blocking, context: RequestContext) -> None:
+    with running_request(context), torch.inference_mode():
+        item.run_here(context)
+
+
+def _logged(work: Callable[[], None]) -> None:
+    try:
+        with torch.inference_mode():
+            work()
+    except Exception:  # noqa: BLE001 - a batch's error went to its units
+        logger.exception("a batch on the side lane failed")
+
+
+def unit_queues(pipeline: Any) -> list:
+    """A pipeline's unit queues: each denoising engine's step scheduler and each stage's batcher (the decodes)."""
+    from composer.engine.batcher import UnitQueue
+
+    queues = [e.scheduler for e in getattr(pipeline, "engines", ()) if e.scheduler is not None]
+    for stage in getattr(pipeline, "stages", ()):
+        batcher = getattr(stage, "batcher", None)
+        if isinstance(batcher, UnitQueue) and batcher not in queues:
+            queues.append(batcher)
+    batcher = getattr(pipeline, "batcher", None)  # a text model's forward batcher
+    if isinstance(batcher, UnitQueue) and batcher not in queues:
+        queues.append(batcher)
+    return queues
