@@ -1,296 +1,75 @@
 """The FastAPI app of `composer serve`: one app over one loaded model, whatever its modality.
 
 `create_app` installs what every server has once (API keys, OpenAI-style errors, /health, /ready, /metrics,
-/v1/models), then mounts the routes of the model's modality, each group an APIRouter over the same state:
+/v1/models: server.py's `build_app`), then mounts the routes of the model's modality, each group an APIRouter over
+the same state:
     video   /v1/videos (jobs), the web page and /v1/model (page.py), and for a causal model /v1/streams
             (stream.py) and /v1/sessions (sessions.py)
     text    /v1/completions and /v1/chat/completions (text.py), their requests admitted by `Slots` (slots.py)
-Everything mutable lives on the one `ServerState` held by the app (`app.state.composer`): the model (loaded in a
-background thread, so /health answers 503 until it is ready) and what each modality's routes keep.
+Everything mutable lives on the one `ServerState` (server.py) held by the app (`app.state.composer`): the model
+(loaded in a background thread, so /health answers 503 until it is ready) and what each modality's routes keep.
 """
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request  # the serve extra: `composer serve` checks it first
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
 
 from composer.logging import get_logger
-from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, JobStore, new_job_id, replica_in
+from composer.serve.jobs import COMPLETED, FINISHED, STATES, Job, new_job_id, replica_in
 from composer.serve.page import add_page_routes
-from composer.serve.requests import LoraOption, RequestProblem, ServerLimits, check_body, derive_body
-from composer.serve.sessions import SessionStore, add_session_routes
-from composer.serve.slots import Slots
+from composer.serve.problems import RequestProblem
+from composer.serve.requests import check_body, derive_body
+from composer.serve.responses import error, queue_full, refused
+from composer.serve.server import (  # (importable from here, where they were defined before)
+    DESCRIPTIONS,
+    MAX_BODY_BYTES,
+    MODALITIES,
+    TEXT_CONCURRENT_DEFAULT,
+    Counters,
+    ServeConfig,
+    ServerState,
+    build_app,
+)
+from composer.serve.sessions import add_session_routes
 from composer.serve.stream import add_stream_routes
-from composer.serve.uploads import UploadLimits, read_body
-from composer.serve.worker import QueueFull, Worker
+from composer.serve.uploads import read_body
+from composer.serve.worker import QueueFull
+
+__all__ = ["DESCRIPTIONS", "MAX_BODY_BYTES", "MODALITIES", "TEXT_CONCURRENT_DEFAULT", "Counters", "ServeConfig",
+           "ServerState", "add_video_routes", "create_app", "error", "queue_full", "refused", "thumbnail",
+           "video_routes"]
 
 logger = get_logger(__name__)
-
-MAX_BODY_BYTES = 96 * 2**20  # room for a 64 MiB video upload as base64 JSON
-TEXT_CONCURRENT_DEFAULT = 4  # text requests running at once without --max-concurrent (their forwards are shared)
-MODALITIES = ("video", "text")
-DESCRIPTIONS = {"video": "Video generation jobs (OpenAI video API shaped).",
-                "text": "Diffusion language models (OpenAI completions API shaped)."}
-
-
-@dataclass
-class ServeConfig:
-    """How a server runs: where jobs go, how many may wait, the per-request limits and timeout."""
-
-    output_dir: Path = Path("outputs/serve")
-    max_queue: int = 16  # jobs (text: requests) that may wait for a slot; one more is a 429
-    limits: ServerLimits = field(default_factory=ServerLimits)
-    request_timeout: float | None = 1800.0  # seconds a job or text request may run (None: no limit)
-    max_body_bytes: int = MAX_BODY_BYTES
-    loras: list[LoraOption] = field(default_factory=list)  # the adapters loaded at start (--lora-path)
-    max_concurrent: int | None = None  # jobs (text: requests) running at once (None: 4 if the model's requests
-    # can share it, else 1; text: 4)
-    max_sessions: int = 16  # sessions open at once (/v1/sessions)
-    session_ttl: float = 600.0  # seconds an idle session stays open
-    uploads: UploadLimits = field(default_factory=UploadLimits)  # what an uploaded image or video may be
-    keys: Any = None  # composer.serve.auth.KeyRing (--api-key / --api-keys); None: no authentication
-    replica: str | None = None  # this replica's name (--replica): job and session ids start with it (docs/deploy.md)
-    rtmp_allow: list[str] = field(default_factory=list)  # URL prefixes a live stream may push to (--rtmp-allow)
-
-
-class Counters:
-    """What the text routes count (on the event loop, where their requests end): requests, failures, tokens made,
-    model forwards and seconds."""
-
-    def __init__(self):
-        self.requests = self.failures = self.tokens = self.forwards = 0
-        self.seconds = 0.0
-
-    def count(self, results: list[Any], seconds: float, failed: bool = False) -> None:
-        self.requests += 1
-        self.failures += failed
-        self.seconds += seconds
-        if results:
-            self.tokens += sum(len(r.token_ids) for r in results)
-            self.forwards += results[0].stats.forwards
-
-
-class ServerState:
-    """The app's one piece of mutable state (`app.state.composer`): the model once loaded (or why it failed), and
-    what the routes of its modality keep. A video model: the job store, the worker, the sessions of a causal
-    model and the live streams' shared state. A text model: the slots its requests wait for, and its counters."""
-
-    def __init__(self, load: Callable[[], Any], config: ServeConfig, modality: str = "video"):
-        if modality not in MODALITIES:
-            raise ValueError(f"modality = {modality!r}: expected one of {', '.join(MODALITIES)}")
-        self.config = config
-        self.modality = modality
-        self.generator: Any = None
-        self.load_error: str | None = None
-        self.auth: Any = None  # the API keys' Guard (auth.py), when the server has keys
-        # a video model
-        self.store = JobStore(config.output_dir) if modality == "video" else None
-        self.worker: Worker | None = None
-        self.sessions: SessionStore | None = None  # /v1/sessions, for a causal model
-        self.streams: Any = None  # stream.StreamRoutes: /v1/streams' open streams and metrics
-        # a text model
-        self.slots = Slots(config.max_concurrent or TEXT_CONCURRENT_DEFAULT, config.max_queue) \
-            if modality == "text" else None
-        self.counters = Counters()
-        self._load = load
-        self._thread = threading.Thread(target=self._load_model, name="composer-serve-load", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _load_model(self) -> None:
-        try:
-            generator = self._load()
-        except Exception as exc:  # noqa: BLE001 - reported by /health; the CLI checks flags before this
-            logger.error("loading the model failed: %s", exc)
-            self.load_error = f"{type(exc).__name__}: {exc}"
-            return
-        if self.modality == "video":
-            self._start_video(generator)
-        self.generator = generator
-
-    def _start_video(self, generator: Any) -> None:
-        self.worker = Worker(generator, self.store, self.config.max_queue, self.config.request_timeout,
-                             self.config.loras, self.config.max_concurrent)
-        runtime = getattr(getattr(generator, "pipeline", None), "runtime", None)
-        if runtime is not None:  # torch's CPU threads: the cores shared by the jobs that may run at once (on every
-            import os  # rank torchrun started on this machine)
-
-            from composer.runtime import apply_threads
-
-            apply_threads(runtime, self.worker.max_concurrent * int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-        ranks = getattr(generator, "world_size", 1)
-        if getattr(getattr(generator, "pipeline", None), "can_stream", False) and not (
-                isinstance(ranks, int) and ranks > 1):  # several ranks: sessions are not sent to the others
-            keys = self.config.keys
-            limits = {k.name: k.max_sessions for k in keys.keys} if keys is not None else {}
-            self.sessions = SessionStore(generator, self.config.output_dir, self.config.max_sessions,
-                                         self.config.session_ttl, replica=self.config.replica,
-                                         owned=keys is not None, limit_of=limits.get)
-
-    def unready(self) -> JSONResponse | None:
-        """None once the model serves; else the 503 to answer (loading, failed to load, or the ranks of a multi-rank
-        server lost contact)."""
-        if self.generator is None:
-            why = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
-            return error(503, why, headers={"Retry-After": "5"})
-        unhealthy = getattr(self.generator, "unhealthy", None)  # set by a multi-rank generator (parallel/ranks.py)
-        if isinstance(unhealthy, str):
-            return error(503, unhealthy)
-        return None
-
-    def stop(self) -> None:
-        if self.worker is not None:
-            self.worker.stop()
-        if self.sessions is not None:
-            self.sessions.close_all()
-
-
-def error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
-    """An OpenAI-style error body: {"error": {"message", "type", "param"}}."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": field, "code": status}}, status,
-                        headers=headers)
-
-
-def add_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI-style body: HTTP errors with their status, bad bodies 422, anything unexpected 500
-    (logged; the server goes on)."""
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        return error(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        return error(422, str(exc.errors()))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        logger.exception("unexpected error serving %s", request.url.path)
-        return error(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def create_app(load: Callable[[], Any], config: ServeConfig, modality: str = "video") -> FastAPI:
     """The app serving the model `load()` returns (called once, in a background thread at startup): what every
-    server has installed once (API keys, OpenAI-style errors, /health, /ready, /metrics, /v1/models), then the
-    routes of the model's `modality`, a router per group: "video" (jobs, live streams and sessions of a causal
-    model, the web page) or "text" (completions and chat completions, composer/serve/text.py)."""
-    state = ServerState(load, config, modality)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        state.start()
-        yield
-        state.stop()
-
-    app = FastAPI(title="composer serve", description=DESCRIPTIONS[modality], lifespan=lifespan)
-    app.state.composer = state
-    if config.keys is not None:  # Authorization: Bearer on every route but the open ones (auth.py)
-        from composer.serve.auth import install_auth
-
-        install_auth(app, state, config.keys)
-    add_error_handlers(app)
-    app.include_router(common_routes(state))
+    server has installed once (API keys, OpenAI-style errors, /health, /ready, /metrics, /v1/models: server.py's
+    `build_app`), then the routes of the model's `modality`, a router per group: "video" (jobs, live streams and
+    sessions of a causal model, the web page) or "text" (completions and chat completions, composer/serve/text.py)."""
     if modality == "text":
-        from composer.serve.text import text_routes
+        from composer.serve.text import add_text_routes, text_metric_lines
 
-        app.include_router(text_routes(state))
-    else:
-        add_page_routes(app, state)  # the web page at / and GET /v1/model (page.py)
-        app.include_router(video_routes(state))  # /v1/videos: jobs
-        streams, sessions = APIRouter(), APIRouter()
-        state.streams = app.state.streams = add_stream_routes(streams, state)  # WebSocket /v1/streams (stream.py)
-        add_session_routes(sessions, state, lambda: state.sessions)  # /v1/sessions (sessions.py)
-        app.include_router(streams)  # (both answer a clear error on a model that is not causal)
-        app.include_router(sessions)
-    return app
+        return build_app(load, config, modality, add_text_routes, text_metric_lines)
+    return build_app(load, config, modality, add_video_routes, _video_metric_lines)
 
 
-def common_routes(state: ServerState) -> APIRouter:
-    """/health, /ready, /metrics and /v1/models: the same on every server."""
-    router = APIRouter()
-    config = state.config
-
-    @router.get("/health")
-    async def health():
-        """200 once the model is loaded, 503 while loading (or when loading failed, or the ranks of a multi-rank
-        server lost contact). Open without an API key."""
-        return state.unready() or {"status": "ok", "model": state.generator.model_path,
-                                   "family": state.generator.family, "modality": state.modality,
-                                   "replica": config.replica}
-
-    @router.get("/ready")
-    async def ready():
-        """A readiness probe: 200 once requests are served, else 503 (as /health; open without an API key)."""
-        return state.unready() or {"status": "ready"}
-
-    @router.get("/v1/models")
-    async def models():
-        """The served model, as OpenAI lists models (`client.models.list()`)."""
-        return state.unready() or {"object": "list", "data": [_model_card(state)]}
-
-    @router.get("/v1/models/{name:path}")
-    async def model(name: str):
-        """The served model under any of the names a request may give it (`client.models.retrieve`), else 404
-        (`model_not_found`, as OpenAI answers)."""
-        if (not_ready := state.unready()) is not None:
-            return not_ready
-        from composer.serve.text_requests import check_model
-
-        try:
-            check_model(name, state.generator)
-        except RequestProblem as exc:
-            return refused(exc)
-        return _model_card(state)
-
-    @router.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        """Prometheus text format: whether the model is loaded, the lines of its modality's routes (video: jobs,
-        queue, steps, batches, KV pool, memory, streams; text: requests, tokens, forwards, queue), and with API
-        keys the per-key lines."""
-        lines = ["# HELP composer_ready 1 once the model is loaded", "# TYPE composer_ready gauge",
-                 f"composer_ready {int(state.generator is not None)}"]
-        if state.modality == "text":
-            from composer.serve.text import text_metric_lines
-
-            lines += text_metric_lines(state)
-        else:
-            lines += _video_metric_lines(state)
-        if state.auth is not None:  # API keys: requests, 401s, 429s, jobs and streams per key
-            lines += state.auth.metric_lines()
-        return "\n".join(lines) + "\n"
-
-    return router
-
-
-def _model_card(state: ServerState) -> dict[str, Any]:
-    return {"id": str(state.generator.model_path), "object": "model", "created": 0, "owned_by": "composer"}
-
-
-def refused(exc: RequestProblem) -> JSONResponse:
-    """A refused request as OpenAI answers it (another model's name: 404 `model_not_found`)."""
-    if exc.status == 404:
-        return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.field,
-                                       "code": "model_not_found"}}, 404)
-    return error(exc.status, str(exc), exc.field)
-
-
-def queue_full(max_queue: int, what: str = "jobs") -> JSONResponse:
-    """The 429 of a full queue (Retry-After: 10): nothing of the request was kept."""
-    return error(429, f"the queue is full ({max_queue} {what} waiting); retry later", None,
-                 headers={"Retry-After": "10"})
+def add_video_routes(app: FastAPI, state: ServerState) -> None:
+    """A video model's routes: the web page and /v1/model (page.py), /v1/videos (jobs), and the live streams
+    (stream.py) and sessions (sessions.py) of a causal model."""
+    add_page_routes(app, state)  # the web page at / and GET /v1/model (page.py)
+    app.include_router(video_routes(state))  # /v1/videos: jobs
+    streams, sessions = APIRouter(), APIRouter()
+    state.streams = app.state.streams = add_stream_routes(streams, state)  # WebSocket /v1/streams (stream.py)
+    add_session_routes(sessions, state, lambda: state.sessions)  # /v1/sessions (sessions.py)
+    app.include_router(streams)  # (both answer a clear error on a model that is not causal)
+    app.include_router(sessions)
 
 
 def video_routes(state: ServerState) -> APIRouter:
@@ -562,21 +341,3 @@ def thumbnail(path: Path) -> bytes:
     buffer = io.BytesIO()
     PIL.Image.fromarray(frame).save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()
-
-
-async def _read_json(request: Any, limit: int) -> Any:
-    """The body as JSON: 413 past `limit` bytes (by Content-Length or as read), 400 when it is not JSON."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
-        raise RequestProblem(f"the body is {int(declared)} bytes; this server accepts at most {limit}", status=413)
-    data = bytearray()
-    async for chunk in request.stream():
-        data += chunk
-        if len(data) > limit:
-            raise RequestProblem(f"the body is over {limit} bytes, the most this server accepts", status=413)
-    if not data:
-        raise RequestProblem("the body is empty: send a JSON object with at least a prompt", status=400)
-    try:
-        return json.loads(bytes(data))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestProblem(f"the body is not valid JSON ({exc})", status=400) from None

@@ -246,10 +246,10 @@ def _choosing_subprotocol(send: Callable, offered: list[str]) -> Callable:
 
 async def _deny(scope: dict, receive: Callable, send: Callable, status: int, message: str,
                 headers: dict[str, str]) -> None:
-    """An OpenAI-style error answer (app.error's): as the HTTP response, or for a WebSocket as the handshake's
-    response where the server supports that (uvicorn with websockets does), else a close before accepting (the
-    client then sees a 403)."""
-    from composer.serve.app import error
+    """An OpenAI-style error answer (responses.error's): as the HTTP response, or for a WebSocket as the
+    handshake's response where the server supports that (uvicorn with websockets does), else a close before
+    accepting (the client then sees a 403)."""
+    from composer.serve.responses import error
 
     response = error(status, message, headers=headers)
     if scope["type"] == "http":

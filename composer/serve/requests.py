@@ -24,6 +24,7 @@ from composer.request_check import (
     text_length_problems,
 )
 from composer.runtime import lora_scale_problem
+from composer.serve.problems import RequestProblem
 from composer.serve.uploads import (
     IMAGE_FIELDS,
     IMAGE_LIST_FIELDS,
@@ -47,15 +48,6 @@ ALIASES = ("model", "size", "seconds", "lora", "lora_scale", "priority", "input_
 ALIAS_TYPES: dict[str, Any] = {"model": str, "size": str, "seconds": str, "lora": str | list[str],
                                "lora_scale": float | list[float], "priority": int, "input_reference": Any}
 SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
-
-
-class RequestProblem(Exception):
-    """A request the server refuses: `status` (400, 413, 422...), the message, and the field at fault."""
-
-    def __init__(self, message: str, field: str | None = None, status: int = 422):
-        super().__init__(message)
-        self.field = field
-        self.status = status
 
 
 @dataclass(frozen=True)

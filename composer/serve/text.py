@@ -5,7 +5,7 @@
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens" |
                                  "max_completion_tokens", "temperature", "top_p", "seed", "n", "stop", "stream",
                                  "priority"}
-    (and what every server has, composer/serve/app.py: GET /v1/models, /v1/models/{model}, /health, /ready,
+    (and what every server has, composer/serve/server.py: GET /v1/models, /v1/models/{model}, /health, /ready,
     /metrics, API keys)
 
 The official `openai` SDK works against it unchanged (`client.chat.completions.create(...)`, `stream=True` as
@@ -37,10 +37,12 @@ from starlette.concurrency import run_in_threadpool
 from composer.cancel import CancelToken
 from composer.errors import Cancelled, ComposerError
 from composer.logging import get_logger
-from composer.serve.app import ServeConfig, ServerState, _read_json, create_app, error, queue_full, refused
-from composer.serve.requests import RequestProblem as _Problem
+from composer.serve.problems import RequestProblem as _Problem
+from composer.serve.responses import error, queue_full, refused
+from composer.serve.server import ServeConfig, ServerState, build_app
 from composer.serve.slots import ClientGone, QueueFull
 from composer.serve.text_requests import TextRequest, body_limit, fit, parse
+from composer.serve.uploads import read_json
 
 logger = get_logger(__name__)
 
@@ -50,8 +52,13 @@ CLIENT_GONE = 499  # the status logged for a request whose client left while it 
 
 
 def create_text_app(load: Callable[[], Any], config: ServeConfig) -> FastAPI:
-    """The app of a text model: `create_app(load, config, modality="text")`."""
-    return create_app(load, config, modality="text")
+    """The app of a text model: what app.py's `create_app(load, config, modality="text")` builds."""
+    return build_app(load, config, "text", add_text_routes, text_metric_lines)
+
+
+def add_text_routes(app: FastAPI, state: ServerState) -> None:
+    """A text model's routes (`text_routes`) on the app."""
+    app.include_router(text_routes(state))
 
 
 def _cut(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -129,7 +136,7 @@ def text_routes(state: ServerState) -> APIRouter:
             return not_ready
         generator = state.generator
         try:
-            body = await _read_json(request, body_limit(generator, config.max_body_bytes))
+            body = await read_json(request, body_limit(generator, config.max_body_bytes))
             checked = parse(body, chat, generator)
             await run_in_threadpool(fit, generator, checked)  # tokenizing: on a worker thread, holding no one
         except _Problem as exc:

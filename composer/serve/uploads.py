@@ -25,6 +25,7 @@ from typing import Any
 
 from composer.errors import InvalidInputError
 from composer.images import to_rgb
+from composer.serve.problems import RequestProblem
 
 # Inputs that are one image, those that are a video (a causal model's video to continue, video-to-video's input, VACE's
 # control video and mask, Wan Animate's driving videos), and those that are a list of images (VACE's reference images:
@@ -61,9 +62,7 @@ class Upload:
     content_type: str | None = None
 
 
-def _problem(message: str, field: str | None, status: int = 422):
-    from composer.serve.requests import RequestProblem
-
+def _problem(message: str, field: str | None, status: int = 422) -> RequestProblem:
     return RequestProblem(message, field, status)
 
 
@@ -86,6 +85,17 @@ async def read_body(request: Any, limit: int, max_files: int = 8, max_fields: in
         raise _problem("the body is empty: send a JSON object with at least a prompt", None, 400)
     try:
         return json.loads(bytes(data))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _problem(f"the body is not valid JSON ({exc})", None, 400) from None
+
+
+async def read_json(request: Any, limit: int) -> Any:
+    """The body as JSON: 413 past `limit` bytes (by Content-Length or as read), 400 when it is not JSON."""
+    data = await _read_limited(request, limit)
+    if not data:
+        raise _problem("the body is empty: send a JSON object with at least a prompt", None, 400)
+    try:
+        return json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _problem(f"the body is not valid JSON ({exc})", None, 400) from None
 
@@ -355,8 +365,6 @@ def _read_video(path: str, key: str, limits: UploadLimits) -> Any:
                                    f"most {limits.max_pixels} pixels a frame", key, 413)
                 frames.append(frame)
     except Exception as exc:  # noqa: BLE001 - any decoder failure is a bad upload
-        from composer.serve.requests import RequestProblem
-
         if isinstance(exc, RequestProblem):
             raise
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
