@@ -152,6 +152,26 @@ def test_every_hook_of_a_loaded_pipeline_is_listed_and_removable(tiny_wan_dir, f
     assert torch.equal(gen.generate_video(PROMPT, **SMALL).latents, plain)  # bit for bit the plain model
 
 
+def test_hooks_attached_another_way_are_adopted_and_removable(tiny_wan_dir, plain):
+    """dbcache fills the model's step_cache slot and adds its engine hook itself: both are recorded."""
+    gen = _gen(tiny_wan_dir, cache="dbcache", cache_fn_blocks=1, cache_bn_blocks=0, cache_threshold=10.0)
+    entry = gen.pipeline.attachments.get("cache")
+    assert {p.what for p in entry.parts} >= {"WanTransformer3DModel.step_cache", "engine hook PerRequestStepCache"}
+    assert gen.pipeline.remove_hooks("cache") == ["cache"]
+    model = gen.pipeline.modules["transformer"]
+    assert model.step_cache is None and len(gen.pipeline.engines[0].hooks) == 1  # cancel's
+    assert torch.equal(gen.generate_video(PROMPT, **SMALL).latents, plain)
+
+
+def test_quantize_cannot_be_removed_and_nothing_is_taken_off(tiny_wan_dir):
+    pytest.importorskip("torchao")
+    gen = _gen(tiny_wan_dir, quantize="int8")
+    with pytest.raises(UnsupportedError, match="quantize"):
+        gen.pipeline.remove_hooks()
+    assert gen.pipeline.attachments.names() == ["quantize", "attention", "cancel"]
+    assert gen.pipeline.remove_hooks("cancel") == ["cancel"]
+
+
 def test_removing_one_hook_leaves_the_others(tiny_wan_dir, files, plain):
     gen = _gen(tiny_wan_dir, lora_path=[str(files[0])], offload="layerwise")
     assert gen.pipeline.remove_hooks("lora") == ["lora"]  # adapters unset under offload: re-arranged

@@ -160,8 +160,10 @@ class ComposedPipeline:
         """Take hook `name` off (None: every hook, the last in order first): what it attached is detached and what
         it changed is undone, so the pipeline computes what it computed without it (bit for bit); engines and
         stages made later are not configured by it. Returns the names removed. Raises UnsupportedError for a hook
-        that changed the weights for good (quantize, tensor parallel), leaving the pipeline as it was."""
-        removed = self.attachments.remove(name)
+        that changed the weights for good (quantize, tensor parallel), leaving the pipeline as it was. Waits until no
+        request runs (new ones wait meanwhile), as a LoRA switch does."""
+        with self.gate.exclusive("remove_hooks"):
+            removed = self.attachments.remove(name)
         self.hooks = [h for h in self.hooks if h.name not in removed]
         self.applied_hooks = [line for line in self.applied_hooks if line.split(":", 1)[0] not in removed]
         return removed
