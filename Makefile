@@ -52,6 +52,7 @@ test-all: install
 
 lint: install
 	$(ENV_DIR)/bin/ruff check composer tests benchmarks demo scripts
+	$(ENV_DIR)/bin/lint-imports
 
 bench: install
 	$(PY) benchmarks/wan_vs_diffusers.py

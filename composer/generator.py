@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -31,16 +30,11 @@ from composer.engine.loop import Blocking, drive, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.images import refuse_image_knobs
-from composer.loader.components import check_component_configs
-from composer.loader.folder_settings import FolderSettings, read_folder_settings
-from composer.loader.model_index import read_model_index
-from composer.loader.resolve import resolve_model_path
+from composer.loader.folder_settings import FolderSettings
 from composer.logging import get_logger, log_once
 from composer.parallel import state as parallel_state
 from composer.pipelines.base import ComposedPipeline
 from composer.prompt_lists import VideoRequests, numbered_path, video_requests
-from composer.registry.configs import resolve_configs
-from composer.registry.pipelines import get_pipeline_class
 from composer.registry.resolve import (  # noqa: F401 - resolve_model and ResolvedModel: public here too
     ResolvedModel,
     _folder_sampling,
@@ -48,10 +42,10 @@ from composer.registry.resolve import (  # noqa: F401 - resolve_model and Resolv
     resolve_model,
 )
 from composer.request_check import (
-    _checked_priority,
-    _checked_target_fps,
     CheckedRequest,
     ModelLimits,
+    _checked_priority,
+    _checked_target_fps,
     check_request,
     checked_for,
     foreign_knob_problem,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from composer._fields import base_type, coerce, field_types, raise_if_errors, unknown_key_errors
+from composer.loader.folder_settings import QUANTIZE_MODES  # one list: the folders' and the knob's
 from composer.logging import get_logger, log_once
 
 logger = get_logger(__name__)
@@ -30,7 +31,6 @@ OFFLOAD_MODES = ("none", "model", "layerwise", "disk", "auto")
 COMPILE_MODES = ("none", "regional", "full")
 CFG_MODES = ("batched", "sequential")
 CACHE_MODES = ("none", "teacache", "dbcache")
-from composer.loader.folder_settings import QUANTIZE_MODES  # noqa: E402 - one list, the folders' and the knob's
 # the step-cache sub-options (docs/step-caching.md); each applies to teacache and dbcache, or to dbcache only
 CACHE_OPTIONS = ("cache_threshold", "cache_warmup_steps", "cache_fn_blocks", "cache_bn_blocks", "cache_max_cached_steps",
                  "cache_max_consecutive", "cache_taylorseer")

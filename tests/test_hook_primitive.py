@@ -12,7 +12,7 @@ from test_lora import lora_weights, write_lora
 from torch import nn
 
 from composer.accel.attach import LAST, Attachments, HookHandle, attach, attaching, order_of
-from composer.cancel import CancelToken, Cancelled
+from composer.cancel import Cancelled, CancelToken
 from composer.errors import UnsupportedError
 
 SMALL = {**REQUEST, "num_inference_steps": 2}
@@ -244,6 +244,25 @@ def test_set_swap_and_remove_lora_under_offload_equal_the_same_adapters_without_
         adapters.unset()
     assert offloaded_tensors() == bare
     assert torch.equal(gen.generate_video(PROMPT, **SMALL).latents, plain)
+
+
+def test_lora_set_under_layerwise_offload_on_a_causal_model_equals_it_without_offload(tiny_causal_dir, files):
+    from test_hooks import CAUSAL
+
+    request = {**CAUSAL, "num_frames": 4 * (4 - 1) + 1}
+    reference = _gen(tiny_causal_dir, lora_path=[str(files[0])]).generate_video(PROMPT, **request).latents
+    gen = _gen(tiny_causal_dir, offload="layerwise")
+    offload = next(h for h in gen.pipeline.hooks if h.name == "offload").done["transformer"]
+    bare = sum(len(s) for s in offload.slots)
+    _set(gen, [files[0]])
+    assert sum(len(s) for s in offload.slots) == bare + 2 * len(files_modules(files[0], gen))  # each lora_A, lora_B
+    assert torch.equal(gen.generate_video(PROMPT, **request).latents, reference)
+
+
+def files_modules(path, gen):
+    from composer.accel.lora_names import read_lora
+
+    return read_lora(path, gen.pipeline.modules["transformer"]).modules
 
 
 def test_lora_changes_are_refused_under_disk_offload(tiny_wan_dir, files, plain):

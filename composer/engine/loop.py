@@ -30,16 +30,13 @@ jobs and streams run this way.
 
 from __future__ import annotations
 
-import threading
-from collections import deque
 from collections.abc import Callable, Generator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from composer.engine.scheduler import RequestContext, running_request
+from composer.engine.scheduler import RequestContext
 from composer.logging import get_logger
 
 logger = get_logger(__name__)

@@ -152,7 +152,8 @@ class RankLeader:
     def generate_video(self, *args: Any, cancel: Any = None, **kwargs: Any) -> Any:
         """As VideoGenerator.generate_video, on every rank; rank 0's result. `cancel` stops every rank at the
         same denoising step."""
-        return self._call("generate_video", args, self._seeded(kwargs), cancel)
+        args = self._seeded_args(args)
+        return self._call("generate_video", args, self._seeded(kwargs, args), cancel)
 
     def set_lora(self, paths: Any, scales: Any = None) -> str:
         """As VideoGenerator.set_lora, on every rank. Where it ran but failed on some ranks only, the adapters
@@ -183,7 +184,8 @@ class RankLeader:
         slots = self._take("stream_video")
         runner = self._runners[slots[0]]
         try:
-            payload = self._send_call(slots[0], "stream_video", args, self._seeded(kwargs))
+            args = self._seeded_args(args)
+            payload = self._send_call(slots[0], "stream_video", args, self._seeded(kwargs, args))
             call = self._decode_own(runner, "stream_video", payload)
             segments = SegmentsToRanks(runner, prompts, self._heartbeat_s) if lazy else None
             try:
@@ -217,9 +219,23 @@ class RankLeader:
 
     # -- the protocol
 
-    def _seeded(self, kwargs: dict) -> dict:
+    @staticmethod
+    def _seeded_args(args: tuple) -> tuple:
+        """A CheckedRequest without a seed gets rank 0's draw (checked on its own: CheckedRequest.updated)."""
+        from composer.request_check import CheckedRequest
+
+        if args and isinstance(args[0], CheckedRequest) and args[0].sampling.seed is None:
+            return (args[0].updated(seed=seeds.draw_seed()), *args[1:])
+        return args
+
+    def _seeded(self, kwargs: dict, args: tuple = ()) -> dict:
         """A call that leaves its seed to chance gets rank 0's draw here: every rank must draw the same noise, and
-        calls running at once cannot agree on a seed collectively (their collectives would interleave)."""
+        calls running at once cannot agree on a seed collectively (their collectives would interleave). A request
+        checked at submit (a CheckedRequest, the server's) carries its seed (the server draws a missing one)."""
+        from composer.request_check import CheckedRequest
+
+        if args and isinstance(args[0], CheckedRequest):
+            return kwargs  # (_seeded_args gave it rank 0's draw when it had no seed)
         if kwargs.get("seed") is not None:
             return kwargs
         sampling = kwargs.get("sampling_param") or getattr(self._generator, "default_sampling", None)

@@ -286,7 +286,7 @@ class ComposedPipeline:
 
     @property
     def runs_tasks(self) -> bool:
-        """Whether this pipeline's requests can run as tasks on a RequestLoop (composer/engine/loop.py), holding no
+        """Whether this pipeline's requests can run as tasks on the engine core (composer/engine/core.py), holding no
         thread between their transformer units: a pipeline whose requests share it (batch or interleave mode) on one
         process. A serial pipeline's requests and a parallel layout's (rank 0 plans the calls; every rank's threads
         follow) run on a thread each instead."""
@@ -295,14 +295,14 @@ class ComposedPipeline:
 
     @property
     def streams_as_tasks(self) -> bool:
-        """Whether this pipeline's streams can be read as tasks (`VideoStream.next_task` on a RequestLoop): a causal
+        """Whether this pipeline's streams can be read as tasks (`VideoStream.next_task` on the engine core): a causal
         pipeline whose requests share it, on one process."""
         return (self.can_stream and self.concurrency in ("batch", "interleave") and not self.gate.serial
                 and all(e.scheduler is not None and e.scheduler.planner is None for e in self.engines))
 
     def forward_task(self, batch: ForwardBatch):
         """`forward` as a task: the denoising stages yield their transformer units (each step's), every other
-        stage runs as one Blocking piece of work (on a RequestLoop: a stage thread, held only while it runs; driven
+        stage runs as one Blocking piece of work (on the engine core: a stage thread, held only while it runs; driven
         on a thread: inline). The request holds its place at the gate throughout: a task (a background request)
         under its own key, a request driven on a thread under the thread's."""
         context = self.request_context(batch)
@@ -398,7 +398,7 @@ class RequestGate:
 
     def enter_task(self, key: Any, slot: ExitStack):
         """As a task: a place for `key` (None: this thread), held until `slot` closes. Taken at once when that needs
-        no waiting; otherwise the wait is blocking work that waits on others (off a RequestLoop's stage threads)."""
+        no waiting; otherwise the wait is blocking work that waits on others (off the engine core's stage threads)."""
         if key is not None and self.try_enter(key):
             slot.callback(self.leave, key)
             return
@@ -520,7 +520,7 @@ class _RequestIterator:
         return self._context
 
     def next_task(self):
-        """The next piece as a task (composer/engine/loop.py): yields what making it waits for, so a RequestLoop
+        """The next piece as a task (composer/engine/loop.py): yields what making it waits for, so the engine core
         holds no thread for it between its passes; returns the piece, or None once the stream is done."""
         if self._done:
             return None
