@@ -181,7 +181,6 @@ class VideoGenerator:
         paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
         scales = [scales] if isinstance(scales, (int, float)) else scales
         experts = [experts] * len(paths) if isinstance(experts, str) else experts
-        self._check_lora_switch()
         names = self.pipeline.denoiser_names()
         chosen = {name: files_for(name, names, paths, scales, experts) for name in names}  # checked before changing
         lines = []
@@ -201,17 +200,9 @@ class VideoGenerator:
 
     def unset_lora(self) -> None:
         """Remove every LoRA adapter: the next video is the base model's, bit for bit."""
-        self._check_lora_switch()
         with self.pipeline.gate.exclusive("unset_lora"):
             for name in self.pipeline.denoiser_names():
                 self.pipeline.lora_adapters(name).unset()
-
-    def _check_lora_switch(self) -> None:
-        if self.pipeline.runtime.offload != "none":
-            raise UnsupportedError(
-                f"switching LoRA adapters with offload = {self.pipeline.runtime.offload} is not supported: the "
-                "offloaded weights were arranged at load; give the files at load (lora_path) instead"
-            )
 
     def sampling_param(self, **overrides: Any) -> SamplingParam:
         """The defaults (family < model folder) with `overrides` applied (raises ConfigError for unknown keys)."""

@@ -1,4 +1,4 @@
-"""One hook primitive (composer/accel/attach.py): attach with an order key, detach; every hook of a loaded pipeline
+"""One hook primitive (composer/attach.py): attach with an order key, detach; every hook of a loaded pipeline
 listed and removable, the model then computing exactly what it computed without it; LoRA adapters set, swapped and
 removed while offloaded, equal to the same adapters without offload; an adapter swap that keeps the layers keeps a
 compiled model's graphs."""
@@ -11,7 +11,7 @@ from test_hooks import PROMPT, REQUEST, _gen, _graphs, _reset_dynamo
 from test_lora import lora_weights, write_lora
 from torch import nn
 
-from composer.accel.attach import LAST, Attachments, HookHandle, attach, attaching, order_of
+from composer.attach import LAST, Attachments, HookHandle, attach, attaching, order_of
 from composer.cancel import Cancelled, CancelToken
 from composer.errors import UnsupportedError
 
@@ -182,7 +182,7 @@ def test_removing_one_hook_leaves_the_others(tiny_wan_dir, files, plain):
 
 
 def test_cancel_checks_stay_after_offloads_block_hooks_when_offload_re_attaches(tiny_wan_dir, files):
-    from composer.accel import attach as attach_module
+    import composer.attach as attach_module
 
     gen = _gen(tiny_wan_dir, offload="layerwise")
     offload = next(h for h in gen.pipeline.hooks if h.name == "offload").done["transformer"]
@@ -204,9 +204,13 @@ def _lora_video(tiny_wan_dir, paths, scales=None, fuse=False):
 
 
 def _set(gen, paths, scales=None, fuse=False):
-    """What VideoGenerator.set_lora does: change the adapters once no request runs."""
-    with gen.pipeline.gate.exclusive("set_lora"):
-        gen.pipeline.lora_adapters().set(paths, scales, fuse=fuse)
+    """VideoGenerator.set_lora (the runtime's lora_fuse says fused or not: set here for the one fused case)."""
+    runtime = gen.pipeline.runtime
+    previous, runtime.lora_fuse = runtime.lora_fuse, fuse
+    try:
+        gen.set_lora([str(p) for p in paths], scales)
+    finally:
+        runtime.lora_fuse = previous
 
 
 @pytest.mark.parametrize("offload", ["model", "layerwise"])
@@ -240,8 +244,7 @@ def test_set_swap_and_remove_lora_under_offload_equal_the_same_adapters_without_
     fused = gen.generate_video(PROMPT, **SMALL).latents
     assert (fused - _lora_video(tiny_wan_dir, [files[0]], fuse=True)).abs().max().item() <= 1e-6
 
-    with gen.pipeline.gate.exclusive("unset_lora"):
-        adapters.unset()
+    gen.unset_lora()
     assert offloaded_tensors() == bare
     assert torch.equal(gen.generate_video(PROMPT, **SMALL).latents, plain)
 

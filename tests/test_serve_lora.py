@@ -115,9 +115,9 @@ def test_lora_selection_defaults_and_nulls():
 
 
 def test_an_offloading_server_keeps_its_start_adapters():
-    offloading = SimpleNamespace(pipeline=SimpleNamespace(runtime=SimpleNamespace(offload="model")))
+    offloading = SimpleNamespace(pipeline=SimpleNamespace(runtime=SimpleNamespace(offload="disk")))
     assert select_lora({"lora": ["style", "motion"]}, LOADED, offloading) == [["style", 1.0], ["motion", 0.8]]
-    with pytest.raises(RequestProblem, match="offload = model") as exc:
+    with pytest.raises(RequestProblem, match="offload = disk") as exc:
         select_lora({"lora": "style"}, LOADED, offloading)
     assert exc.value.field == "lora"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from composer.accel.attach import attach
+from composer.attach import attach
 from composer.models.attention import Attention, set_attention_backend
 
 

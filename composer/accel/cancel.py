@@ -12,7 +12,7 @@ the check raises, and offload's always-called post-hook evicts it again, so noth
 With `compile = full` the blocks run inside one compiled graph, where a Python check cannot sit; the check
 then runs before each transformer call instead (said in the hook's log line).
 
-Both are attached with `composer.accel.attach` at cancel's order key (the last), so they run after offload's
+Both are attached with `composer.attach` at cancel's order key (the last), so they run after offload's
 block hooks even when offloading re-attaches its hooks later (a LoRA change), and removing the hook takes them off.
 """
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer.accel.attach import Handle, attach
 from composer.accel.hooks import repeated_blocks
+from composer.attach import Handle, attach
 
 
 class _CheckBeforeStep:

@@ -10,7 +10,7 @@ inside forward and compiles) stay outside the graph. The KV cache's bookkeeping 
 composer/cache/kv_cache.py), so causal blocks compile too. Compilation happens on the first video of a size;
 later steps and videos of that size reuse it.
 
-The compiled `forward` is an attribute set on the module through `composer.accel.attach`: removing the hook takes
+The compiled `forward` is an attribute set on the module through `composer.attach`: removing the hook takes
 it away (the class's eager `forward` shows again). A LoRA swap that keeps the layers (same layers and ranks:
 composer/accel/lora.py's hotswap) writes into the same tensors and keeps the graphs (the same Python scale too:
 a layer's scaling is a number the graph is specialised on, so a new scale recompiles once). A change that replaces
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from composer.accel.attach import Handle, attach
 from composer.accel.hooks import repeated_blocks
+from composer.attach import Handle, attach
 from composer.logging import get_logger
 
 logger = get_logger(__name__)

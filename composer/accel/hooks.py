@@ -15,7 +15,7 @@ Order (each hook sees what the ones before it made):
 
 A hook is a class with `name` and `apply(pipeline) -> str` (what it did, for the log), listed in `HOOKS` with
 the condition that turns it on; its position there is its order key. Everything a hook changes is attached with
-`composer.accel.attach.attach` (a torch forward hook, an engine hook, a stage scope, an attribute, or a change
+`composer.attach.attach` (a torch forward hook, an engine hook, a stage scope, an attribute, or a change
 with the function that undoes it), inside the hook's own entry of `pipeline.attachments`, so every hook can be
 listed and removed (`pipeline.remove_hooks(name)`): the model computes what it computed before the hook
 (tests/test_hook_primitive.py). What a hook attaches another way (`engine.add_hook`, a model's `step_cache` slot
@@ -155,7 +155,7 @@ def order_key(hook: Any) -> float:
 def apply_hooks(pipeline: Any, hooks: list[Any]) -> list[str]:
     """Apply `hooks` to a loaded pipeline in order, each inside its own entry of `pipeline.attachments`; returns
     (and logs) one line per hook."""
-    from composer.accel.attach import Handle, attaching
+    from composer.attach import Handle, attaching
 
     lines = []
     for hook in hooks:
@@ -176,7 +176,7 @@ def configure_engine(pipeline: Any, engine: Any) -> None:
     """Let every attached hook configure a new denoising engine, inside the hook's entry: what it attaches is
     removed with it. Engine hooks it added with `engine.add_hook` (not through `attach`) are adopted: moved to
     their order key's place and recorded."""
-    from composer.accel.attach import LAST, attach, attaching, order_of
+    from composer.attach import LAST, attach, attaching, order_of
 
     for entry in pipeline.attachments:
         hook = entry.hook
@@ -200,7 +200,7 @@ def _runner_slots(pipeline: Any) -> dict[tuple[int, str], Any]:
 
 def _adopt_slots(pipeline: Any, before: dict[tuple[int, str], Any]) -> None:
     """Record a block-runner slot a hook filled directly (not through `attach`), so removing the hook empties it."""
-    from composer.accel.attach import attach
+    from composer.attach import attach
 
     for (_, slot), (model, old) in before.items():
         if getattr(model, slot) is not old:

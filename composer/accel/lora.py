@@ -34,8 +34,8 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from composer.accel.attach import attach
 from composer.accel.lora_names import LoraFile, read_lora
+from composer.attach import attach
 from composer.errors import CheckpointError, InvalidInputError, UnsupportedError
 from composer.logging import get_logger
 from composer.runtime import lora_scale_problem

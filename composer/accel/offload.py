@@ -17,7 +17,7 @@ to each denoiser's LoraAdapters and, when a change adds or removes modules, re-a
 (`ModelOffload.rebind`, `LayerwiseOffload.rebind`: the new adapter weights are staged on the host and streamed like
 the rest); a swap in place (same layers and ranks) writes into the host copies and needs nothing. `offload = disk`
 streams the blocks from the checkpoint, where adapters cannot go: changing them is refused there. The hooks
-(block forward hooks, the stage scope, the listeners) are attached with `composer.accel.attach` at offload's order
+(block forward hooks, the stage scope, the listeners) are attached with `composer.attach` at offload's order
 key, so they run before cancel's checks whenever they were (re)attached, and removing the hook leaves the plain
 model on the device.
 """
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from composer.accel.attach import Handle, attach, current_order
 from composer.accel.hooks import block_names
 from composer.accel.hooks import repeated_blocks as find_repeated_blocks
 from composer.accel.transfer import Pending, Transfer, transfer_for
+from composer.attach import Handle, attach, current_order
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 
 

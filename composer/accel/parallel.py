@@ -8,7 +8,7 @@
 - CFG parallel (`cfg_parallel`): every denoising engine runs its guidance branches on two rank groups
   (composer/parallel/cfg.py).
 
-What it attaches goes through `composer.accel.attach`: removing the hook takes sequence parallelism off (the
+What it attaches goes through `composer.attach`: removing the hook takes sequence parallelism off (the
 runner's split, the gather hook, the attention modules' cross-rank wrapper) and the engines' CFG parallel; a
 tensor-parallel model holds only this rank's slices, so removing it is refused (load again without it).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer.accel.attach import attach
+from composer.attach import attach
 from composer.errors import ConfigError
 from composer.logging import get_logger
 from composer.parallel import state as parallel_state

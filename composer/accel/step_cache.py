@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from composer.accel.attach import attach
+from composer.attach import attach
 from composer.engine import EngineHook
 from composer.engine.scheduler import calling_requests, current_request
 from composer.logging import get_logger, log_once

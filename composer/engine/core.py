@@ -103,6 +103,14 @@ class EngineCore:
             raise RuntimeError("a blocking call was made on the engine core's own thread")
         return self.submit(task, context).result()
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` on one of the core's stage threads (work a client hands the core that is not a request's
+        unit: a served body's check, a finished job's record); a Future of its result."""
+        self._start()
+        if self._pool is None:  # closed before it ever started
+            raise RuntimeError("this model's engine core is closed")
+        return self._pool.submit(_called, fn, args)
+
     def wake(self) -> None:
         """A unit was queued, a hold released or a batch ended: the loop looks at its queues again."""
         self._start()
@@ -256,6 +264,11 @@ class EngineCore:
 def _blocking(item: Blocking, context: RequestContext) -> None:
     with running_request(context), torch.inference_mode():
         item.run_here(context)
+
+
+def _called(fn: Callable[..., Any], args: tuple) -> Any:
+    with torch.inference_mode():
+        return fn(*args)
 
 
 def _logged(work: Callable[[], None]) -> None:

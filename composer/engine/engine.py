@@ -141,8 +141,11 @@ class DenoisingEngine:
         """Whether this process computes guidance branch `branch` (all of them, except under CFG parallel)."""
         return self.branch_parallel is None or self.branch_parallel.owns(branch)
 
-    def add_hook(self, hook: EngineHook) -> None:
-        self.hooks.append(hook)
+    def add_hook(self, hook: EngineHook, order: Any = None) -> Any:
+        """Attach `hook` to this engine's steps (composer.attach: placed by its order key; the Handle removes it)."""
+        from composer.attach import attach
+
+        return attach(self, hook, order=order, what=f"engine hook {type(hook).__name__}")
 
     # -- the model call ------------------------------------------------------------------------------
     def _call_transformer(self, call: ModelCall) -> torch.Tensor:

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from composer.accel.attach import Attachments
 from composer.accel.hooks import apply_hooks, configure_engine, enabled_hooks
+from composer.attach import Attachments
 from composer.batch import ForwardBatch
 from composer.cancel import CancelToken
 from composer.configs.base import PipelineConfig
@@ -58,7 +58,7 @@ class ComposedPipeline:
         self.hooks = enabled_hooks(runtime)
         self.engines: list[DenoisingEngine] = []
         self.stage_scopes: list[StageScope] = []  # hooks' context managers around each stage run (in order key order)
-        self.attachments = Attachments()  # every hook attached to this pipeline, each removable (accel/attach.py)
+        self.attachments = Attachments()  # every hook attached to this pipeline, each removable (attach.py)
         self._lora: dict[str, Any] = {}
         self.concurrency = self.concurrency_mode()
         # Several ranks must make the same transformer calls in the same order: with a step scheduler rank 0 plans

@@ -12,6 +12,7 @@ Everything mutable lives on the one `ServerState` (server.py) held by the app (`
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,15 +89,25 @@ def video_routes(state: ServerState) -> APIRouter:
             return job
         return error(404, f"no video {job_id!r} (GET /v1/videos lists the videos)", param)
 
+    async def on_core(fn: Callable[[], Any]) -> Any:
+        """`fn()` on the model's engine core (its stage threads), awaited: a generator without a core (the ranks'
+        or the worker processes' front) runs it on the server's thread pool."""
+        core = getattr(state.generator, "core", None)
+        if core is None:
+            return await run_in_threadpool(fn)
+        return await asyncio.wrap_future(core.call(fn))
+
     def queue(job: Job) -> dict | Any:
-        """Store and queue a checked job: its video object, or 429 when the queue is full (nothing kept)."""
+        """Store and queue a checked job: its video object as created (queued: the worker may start it at once), or
+        429 when the queue is full (nothing kept)."""
         state.store.add(job)
+        created = job.to_json()
         try:
             state.worker.submit(job)
         except QueueFull:
             state.store.remove(job.id)
             return queue_full(config.max_queue)
-        return job.to_json()
+        return created
 
     def new_job(checked: Any, request: Request, remixed_from: str | None = None) -> Job:
         return Job(new_job_id(config.replica), checked.params, model=str(state.generator.model_path),
@@ -113,12 +124,17 @@ def video_routes(state: ServerState) -> APIRouter:
             return not_ready
         try:
             body = await read_body(request, config.max_body_bytes)
-            # uploads decoded and the request checked off the event loop: other clients keep being answered
-            checked = await run_in_threadpool(check_body, body, state.generator, config.limits, config.loras,
-                                              config.uploads)
+
+            def accept() -> dict | Any:
+                checked = check_body(body, state.generator, config.limits, config.loras, config.uploads)
+                return queue(new_job(checked, request))
+
+            # uploads decoded, the request checked, the job queued (and started when a slot is free) by the model's
+            # engine core, off the event loop: other clients keep being answered, and the job's only hand-offs are
+            # this one and the answer's way back
+            return await on_core(accept)
         except RequestProblem as exc:
             return error(exc.status, str(exc), exc.field)
-        return queue(new_job(checked, request))
 
     @router.post("/v1/videos/{job_id}/remix", status_code=200)
     async def remix_video(job_id: str, request: Request):
@@ -171,10 +187,14 @@ def video_routes(state: ServerState) -> APIRouter:
                 if source.status != COMPLETED:
                     return error(409, f"video {source_id} is {source.status}: only a completed video can be "
                                  f"{'remixed' if mode is None else mode + 'ed'}", "id")
-            checked = await run_in_threadpool(derive_body, body, source, state.store, state.generator, config, mode)
+
+            def accept() -> dict | Any:
+                checked = derive_body(body, source, state.store, state.generator, config, mode)
+                return queue(new_job(checked, request, source.id if source is not None else None))
+
+            return await on_core(accept)
         except RequestProblem as exc:
             return error(exc.status, str(exc), exc.field)
-        return queue(new_job(checked, request, source.id if source is not None else None))
 
     @router.get("/v1/videos")
     async def list_videos(request: Request, after: str | None = None, limit: str = "20", order: str = "desc"):

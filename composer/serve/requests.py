@@ -397,9 +397,10 @@ def select_lora(body: dict, loras: Sequence[LoraOption], generator: Any = None) 
         scales = [float(v) for v in values]
     selection = [[n, s] for n, s in zip(chosen, scales)]
     offload = getattr(getattr(getattr(generator, "pipeline", None), "runtime", None), "offload", "none")
-    if offload != "none" and selection != [[o.name, o.scale] for o in loras]:
-        raise RequestProblem(f"this server offloads weights (offload = {offload}): its LoRA adapters were arranged "
-                             "at load and cannot change per request; leave lora and lora_scale out", "lora")
+    if offload == "disk" and selection != [[o.name, o.scale] for o in loras]:
+        raise RequestProblem(f"this server streams its weights from disk (offload = {offload}): its LoRA adapters "
+                             "were arranged at load and cannot change per request; leave lora and lora_scale out",
+                             "lora")
     return selection
 
 

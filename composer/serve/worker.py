@@ -157,17 +157,19 @@ class Worker:
         self.queue_waits = 0
         self._engines = list(getattr(getattr(generator, "pipeline", None), "engines", []))
         self._hook = ProgressHook(self)
-        for engine in self._engines:
-            engine.add_hook(self._hook)
+        self._hook_handles = [engine.add_hook(self._hook) for engine in self._engines]  # removed at stop
         self._by_token: dict[int, _Run] = {}  # id(cancel token) -> the running job (a task's steps find it so)
-        self._finisher = ThreadPoolExecutor(2, thread_name_prefix="composer-serve-finish")
-        self._threads: list[threading.Thread] = []  # the dispatcher and the job threads (ended ones pruned)
+        # where an ended task's job is recorded (its video written): the engine core's stage threads when the
+        # generator has a core, else a small pool of our own
+        core = getattr(generator, "core", None)
+        self._finisher = None if core is not None else ThreadPoolExecutor(2, thread_name_prefix="composer-serve-finish")
+        self._core = core
+        self._threads: list[threading.Thread] = []  # the job threads (ended ones pruned)
+        self._pumping = threading.local()  # this thread is starting jobs (`_pump`): a nested call leaves it to it
         # live streams (one process): a thread makes each block, none waits for the client (`_stream_blocks`)
         self._stream_pool = ThreadPoolExecutor(max(1, self.max_concurrent), thread_name_prefix="composer-serve-stream")
         self._stream_waits: set[_Streaming] = set()  # streams whose latest chunk waits for the client
         self._watchdog: threading.Thread | None = None
-        self._dispatcher = threading.Thread(target=self._dispatch, name="composer-serve-dispatch", daemon=True)
-        self._dispatcher.start()
 
     @property
     def streams_unthreaded(self) -> bool:
@@ -235,6 +237,7 @@ class Worker:
             self._queued_at[job.id] = time.monotonic()
             self._waiting.append(job)
             self._cv.notify_all()
+        self._pump()  # it starts now, on this thread, if a slot is free: no dispatcher thread in between
 
     def jobs_ahead(self, job: Job) -> int:
         """Jobs that start or run before `job` does: the queued ones before it (higher priority, or as high and
@@ -262,9 +265,10 @@ class Worker:
                 self._waiting.remove(job)
                 self._forget(job)
                 self.store.update(job, status=CANCELLED, completed_at=time.time(), error=None)
-                self._cv.notify_all()  # the job behind it may be runnable now
+                self._cv.notify_all()
         if queued:
             self._end_stream(job)
+            self._pump()  # the job behind it may be runnable now
         return True
 
     # -- what the engine hook reports ----------------------------------------------------------------
@@ -295,16 +299,16 @@ class Worker:
                 run.token.cancel("the server stopped")
             self._cv.notify_all()
         deadline = time.monotonic() + 30
-        for thread in [self._dispatcher, *self._threads]:
+        for thread in list(self._threads):
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._cv:  # the jobs running as tasks end at their next step
             while self._runs and time.monotonic() < deadline:
                 self._cv.wait(timeout=max(0.0, deadline - time.monotonic()))
-        self._finisher.shutdown(wait=False)
+        if self._finisher is not None:
+            self._finisher.shutdown(wait=False)
         self._stream_pool.shutdown(wait=False)
-        for engine in self._engines:
-            if self._hook in engine.hooks:
-                engine.hooks.remove(self._hook)
+        for handle in self._hook_handles:
+            handle.remove()
 
     # -- starting and ending jobs -----------------------------------------------------------------------
     def _order(self, job: Job) -> tuple[int, int]:
@@ -324,16 +328,14 @@ class Worker:
         return head if head.lora == self._lora or not self._runs else None
 
     def _take(self) -> tuple[_Run, bool] | None:
-        """Wait for a job that may start; (its run, whether it must switch the adapters first), or None once the
-        server stops."""
+        """The job that may start now, taken off the queue: (its run, whether it must switch the adapters first);
+        None when none may (no slot, a switch under way, an empty queue, the server stopping)."""
         with self._cv:
-            while True:
-                if self._stopping.is_set():
-                    return None
-                job = self._runnable()
-                if job is not None:
-                    break
-                self._cv.wait()
+            if self._stopping.is_set():
+                return None
+            job = self._runnable()
+            if job is None:
+                return None
             self._waiting.remove(job)
             queued = self._queued_at.pop(job.id, None)
             if queued is not None:
@@ -347,24 +349,38 @@ class Worker:
             self.store.update(job, status=IN_PROGRESS, started_at=time.time())
             return run, switch
 
-    def _dispatch(self) -> None:
-        """The dispatcher thread: start each job as soon as it may start."""
-        while True:
-            taken = self._take()
-            if taken is None:
-                return
-            run, switch = taken
-            if not switch and run.job.id not in self._streams and self.runs_tasks:
-                self._start_task(run)
-                continue
-            if not switch and run.job.id in self._streams and self.streams_unthreaded:
-                self._stream_pool.submit(self._start_stream, run)
-                continue
-            thread = threading.Thread(target=self._thread_job, args=(run, switch), daemon=True,
-                                      name=f"composer-serve-job-{run.job.id[:12]}")
-            with self._cv:
-                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-            thread.start()
+    def _pump(self) -> None:
+        """Start every job that may start now, on the calling thread (the request that queued one, the end of a
+        job, a cancel, the end of an adapter switch): a task job is submitted to the engine core at once, others
+        get a thread. A call made while this thread is already starting jobs leaves it to that loop."""
+        if getattr(self._pumping, "on", False):
+            self._pumping.again = True
+            return
+        self._pumping.on = True
+        try:
+            while True:
+                self._pumping.again = False
+                taken = self._take()
+                if taken is None:
+                    if self._pumping.again:
+                        continue
+                    return
+                self._start(*taken)
+        finally:
+            self._pumping.on = False
+
+    def _start(self, run: _Run, switch: bool) -> None:
+        if not switch and run.job.id not in self._streams and self.runs_tasks:
+            self._start_task(run)
+            return
+        if not switch and run.job.id in self._streams and self.streams_unthreaded:
+            self._stream_pool.submit(self._start_stream, run)
+            return
+        thread = threading.Thread(target=self._thread_job, args=(run, switch), daemon=True,
+                                  name=f"composer-serve-job-{run.job.id[:12]}")
+        with self._cv:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
 
     def _release(self, run: _Run) -> None:
         """The job is over: its slot is free."""
@@ -373,6 +389,7 @@ class Worker:
             self._by_token.pop(id(run.token), None)
             self._forget(run.job)
             self._cv.notify_all()
+        self._pump()  # its slot may start the next job
 
     def _start_timer(self, run: _Run) -> threading.Timer | None:
         if not self.request_timeout:
@@ -423,7 +440,16 @@ class Worker:
                 timer.cancel()
             self._release(run)
             return
-        future.add_done_callback(lambda f: self._finisher.submit(self._finish_task, run, f, timer))
+        future.add_done_callback(lambda f: self._finish_later(self._finish_task, run, f, timer))
+
+    def _finish_later(self, fn: Callable[..., None], *args: Any) -> None:
+        """(A done callback, on the engine core's thread: keep it short) Record the job's end off that thread: on the
+        core's stage threads (or our own pool without a core)."""
+        if self._core is not None:
+            self._core.call(fn, *args)
+        else:
+            assert self._finisher is not None
+            self._finisher.submit(fn, *args)
 
     def _finish_task(self, run: _Run, future: Any, timer: threading.Timer | None) -> None:
         job, token = run.job, run.token
@@ -634,6 +660,7 @@ class Worker:
             with self._cv:
                 self._switching = False
                 self._cv.notify_all()
+            self._pump()  # the jobs that waited for the switch
 
     def _finish(self, job: Job, status: str, error: str | None, **changes: Any) -> None:
         self.store.update(job, status=status, error=error, completed_at=time.time(), **changes)
