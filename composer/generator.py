@@ -102,7 +102,7 @@ class VideoGenerator:
         # the executor of the model's work: every request's transformer steps and decodes, and the tasks
         runtime = getattr(pipeline, "runtime", None)
         self.core = EngineCore(lambda: unit_queues(pipeline), stage_threads=getattr(runtime, "stage_threads", 4),
-                               name="composer-core")
+                               name="composer-core", device=getattr(runtime, "torch_device", None))
         self.memory_guard = None  # offload = auto / memory_budget: each request checked first (composer/memory/)
 
     @classmethod

@@ -454,9 +454,10 @@ def test_a_model_stream_whose_client_takes_nothing_waits_and_is_failed(server, w
 def test_uvicorns_keepalive_dropping_a_client_that_reads_nothing_fails_its_stream_logged(scripted, tmp_path,
                                                                                          warnings_logged):
     """What the issue saw at 40 s (uvicorn pings every 20 s, drops a client that has not answered 20 s later), in
-    2 s: the stream waits for its client, the keepalive drops the connection, and the job fails as stalled with a
-    WARNING, not `cancelled` without a word."""
-    srv = start(scripted, tmp_path, ws_ping_interval=0.5, ws_ping_timeout=0.5)
+    4 s: the stream waits for its client, the keepalive drops the connection, and the job fails as stalled with a
+    WARNING, not `cancelled` without a word. (2 s + 2 s: the stream fills the client's buffers well before the drop
+    even on a loaded machine; at 0.5 s + 0.5 s a slow start let the drop come first.)"""
+    srv = start(scripted, tmp_path, ws_ping_interval=2.0, ws_ping_timeout=2.0)
     try:
         srv.app.state.streams.behind_bytes = 1024  # (the stall timeout stays 60 s: the keepalive comes first)
         client = NotReading(srv, {"prompt": RED, "num_blocks": 40, **FAST}, receive_buffer=4096)

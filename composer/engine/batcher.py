@@ -134,7 +134,7 @@ class UnitQueue(Holdable):
         nothing to run, or a batch is running: its end wakes the executor). `lane(fn)`: where a "side" queue's batch
         runs (the core's second lane); without it the batch runs here."""
         if self.planner is not None and not self.planner.leader:
-            return None  # a follower's batches are the ones rank 0 names (run by the waiting callers)
+            return None  # a follower's batches are the ones rank 0 names (EngineCore._follow runs them)
         with self._cv:
             wait = self.due()
             if wait != 0.0:
@@ -176,7 +176,35 @@ class UnitQueue(Holdable):
 
     def plan_of(self, batch: Any) -> list:
         """What names this batch's units on every rank (rank 0's plan)."""
+        return [self.plan_name(u) for u in self.units_of(batch)]
+
+    def plan_name(self, unit: Any) -> Any:
+        """A unit's name on every rank (a request's key and its position in it)."""
         raise NotImplementedError
+
+    def batch_of(self, units: list) -> Any:
+        """A batch of these units, as `take` makes one (the queue marked running)."""
+        return units
+
+    what = "a unit of a request"  # what a planned unit is, in the error when rank 0 names one this rank never gets
+
+    # -- another rank than 0 of a parallel layout: rank 0's plans decide every batch ---------------------
+    def run_planned(self, plan: list) -> None:
+        """(No lock held; this rank is not 0) Take the units rank 0's plan names, in its order (waiting for this
+        rank's callers to submit them; a plan naming work this rank never gets is an error after the planner's
+        timeout, never a hang), run them as rank 0 did, hand out the results."""
+        from composer.parallel.plan import take_planned
+
+        with self._cv:
+            units, self._pending = take_planned(self._pending, [_plain(p) for p in plan], self.plan_name, self._cv,
+                                                self.planner.timeout_s, self.what)
+            self._running = True
+            batch = self.batch_of(units)
+        try:
+            self.execute(batch)
+        finally:
+            with self._cv:
+                self.finish(batch)
 
     def _queue(self, unit: Any) -> None:
         """(Lock held) Add a unit and tell whoever runs batches."""
@@ -185,15 +213,15 @@ class UnitQueue(Holdable):
         self._wake_core()
 
     def _await(self, unit: Any) -> None:
-        """(Lock held) Until `unit` is done: the core runs it (this thread only waits); without a core this thread
-        runs batches itself when one is due; on a follower rank it takes its turn receiving rank 0's plans."""
+        """(Lock held) Until `unit` is done: the core runs it (this thread only waits; on a rank other than 0 the
+        core runs the batches rank 0's plans name). Without a running core (a queue used on its own, a core that
+        stopped) this thread runs a batch itself when one is due."""
         while not unit.done:
-            if self.planner is not None and not self.planner.leader:
-                self._follow(unit)
-                continue
             if self.core is not None and self.core.running and not self.core.on_core_thread():
                 self._cv.wait(timeout=1.0)
                 continue
+            if self.planner is not None and not self.planner.leader:
+                raise RuntimeError("a follower rank's unit needs its engine core, which runs rank 0's plans")
             wait = self.due()
             if wait == 0.0:
                 batch = self.take()
@@ -204,23 +232,6 @@ class UnitQueue(Holdable):
                     self._cv.acquire()
             else:
                 self._cv.wait(timeout=wait)
-
-    def _follow(self, unit: Any) -> None:
-        """(Lock held, this rank is not 0) Until `unit` is done: whichever waiting thread of the process gets the
-        plan channel receives rank 0's next plan and runs it, whichever queue it names; the others wait."""
-        self._cv.release()
-        try:
-            if not self.planner.follow_once(stop=lambda: unit.done):
-                time.sleep(0.002)
-        except BaseException as exc:  # noqa: BLE001 - no plan can come (a peer failed): nobody here goes on
-            with self._cv:
-                for waiting in self._pending:
-                    waiting.error, waiting.done = exc, True
-                self._pending = []
-                unit.error, unit.done = unit.error or exc, True
-                self._cv.notify_all()
-        finally:
-            self._cv.acquire()
 
 
 class CallBatcher(UnitQueue):
@@ -284,8 +295,13 @@ class CallBatcher(UnitQueue):
     def units_of(self, batch: tuple[list[_Call], float]) -> list[_Call]:
         return batch[0]
 
-    def plan_of(self, batch: tuple[list[_Call], float]) -> list[Any]:
-        return [c.plan_key for c in batch[0]]
+    def plan_name(self, call: _Call) -> Any:
+        return call.plan_key
+
+    def batch_of(self, calls: list[_Call]) -> tuple[list[_Call], float]:
+        return calls, time.perf_counter()
+
+    what = "a decode of a video"
 
     def execute(self, batch: tuple[list[_Call], float]) -> None:
         calls = batch[0]
@@ -311,21 +327,7 @@ class CallBatcher(UnitQueue):
             call.done = True
         self._cv.notify_all()
 
-    # -- another rank than 0 of a parallel layout: rank 0's plans decide every batch ---------------------
-    def run_planned(self, plan: list[Any]) -> None:
-        """(No lock held; this rank is not 0) Take the calls rank 0's plan names, in its order (waiting for this
-        rank's threads to submit them), run them as one batch and hand out the results."""
-        with self._cv:
-            calls = self._take_planned(plan)
-            self._running = True
-        batch = (calls, time.perf_counter())
-        self.execute(batch)
-        with self._cv:
-            self.finish(batch)
 
-    def _take_planned(self, plan: list[Any]) -> list[_Call]:
-        from composer.parallel.plan import take_planned
-
-        chosen, self._pending = take_planned(self._pending, plan, lambda c: c.plan_key, self._cv,
-                                             self.planner.timeout_s, "a decode of a video")
-        return chosen
+def _plain(name: Any) -> Any:
+    """A plan entry as sent (lists after the trip through the channel) compared as the tuple it was."""
+    return tuple(_plain(v) for v in name) if isinstance(name, list) else name

@@ -21,8 +21,8 @@ depend on how it was submitted. Blocking work (text encoding, writing a file) ru
 (`stage_threads`), held only while it runs. Nothing waits inside the core on behalf of a request.
 
 Parallel layouts: rank 0's core runs its queues' batches and announces each one on the process's PlanChannel first
-(composer/parallel/plan.py); on the other ranks the queues have no executor of their own (`poll` is a no-op) and the
-waiting callers take turns receiving rank 0's plans and running exactly those batches.
+(composer/parallel/plan.py); on the other ranks the core receives rank 0's next plan whenever a unit waits and runs
+exactly that batch (`_follow`): one executor per rank, and every rank's calls in rank 0's order.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from composer.logging import get_logger
 
 logger = get_logger(__name__)
 
+FOLLOW_POLL_S = 0.002  # a follower rank's core whose channel another core holds looks again this soon
 MAX_WAITERS = 1024  # threads for Blocking work that waits on other requests (made only while such work waits)
 
 
@@ -57,7 +58,8 @@ class EngineCore:
     queues it runs (asked again whenever the loop starts an iteration, so queues made later join); the thread is
     started by the first submit or queued unit; a daemon thread."""
 
-    def __init__(self, queues: Callable[[], list], stage_threads: int = 4, name: str = "composer-core"):
+    def __init__(self, queues: Callable[[], list], stage_threads: int = 4, name: str = "composer-core",
+                 device: Any = None):
         if stage_threads < 1:
             raise ValueError(f"stage_threads must be >= 1, got {stage_threads}")
         self._queues = queues
@@ -72,6 +74,8 @@ class EngineCore:
         self._waiters: ThreadPoolExecutor | None = None
         self._side: ThreadPoolExecutor | None = None
         self._closed = False
+        # a CUDA device's index is per thread: the core's threads work on the model's device (a rank's own GPU)
+        self.device = torch.device(device) if device is not None else None
         self.attach()
 
     # -- what clients use ------------------------------------------------------------------------------
@@ -148,10 +152,11 @@ class EngineCore:
         with self._lock:
             if self._thread is not None or self._closed:
                 return
-            self._pool = ThreadPoolExecutor(self.stage_threads, thread_name_prefix=f"{self.name}-stage")
+            start = self._on_device
+            self._pool = ThreadPoolExecutor(self.stage_threads, thread_name_prefix=f"{self.name}-stage", initializer=start)
             # work that waits on other requests (Blocking.waits): never on the stage threads they need
-            self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"{self.name}-wait")
-            self._side = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-side")
+            self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"{self.name}-wait", initializer=start)
+            self._side = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-side", initializer=start)
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
 
@@ -161,8 +166,13 @@ class EngineCore:
             self._ready.append(entry)
         self._wake.set()
 
+    def _on_device(self) -> None:
+        if self.device is not None and self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+
     def _run(self) -> None:
         try:
+            self._on_device()
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - a bug here must fail the tasks, never leave them waiting
             logger.exception("the engine core stopped")
@@ -201,7 +211,13 @@ class EngineCore:
     def _run_due(self) -> tuple[bool, float | None]:
         """Run every batch that is due; (whether one started, the shortest wait until one may be)."""
         ran, wait = False, None
-        for queue in self.attach():
+        queues = self.attach()
+        followed = self._follow(queues)
+        if followed:
+            return True, None
+        if followed is None:  # another core of this process is receiving the next plan: look again soon
+            wait = FOLLOW_POLL_S
+        for queue in queues:
             try:
                 left = queue.poll(lane=self._side_lane)
             except Exception as exc:  # noqa: BLE001 - a bug in a queue's policy: its units fail, the loop goes on
@@ -213,6 +229,23 @@ class EngineCore:
             elif left is not None:
                 wait = left if wait is None else min(wait, left)
         return ran, wait
+
+    def _follow(self, queues: list) -> bool | None:
+        """A rank other than 0 of a parallel layout: while any of its queues holds a unit, receive rank 0's next plan
+        and run the batch it names (whichever queue of the process it is: every rank runs the same batches in the
+        same order). True: a plan ran; False: no unit waits; None: another core of the process holds the channel.
+        A peer that failed (no plan can come) fails the waiting units."""
+        waiting = [q for q in queues if q.planner is not None and not q.planner.leader and q._pending]
+        if not waiting:
+            return False
+        try:
+            return waiting[0].planner.follow_once(stop=lambda: not any(q._pending for q in waiting)) or None
+        except BaseException as exc:  # noqa: BLE001 - no plan can come: nobody here goes on
+            logger.warning("no plan from rank 0: %s: %s", type(exc).__name__, exc)
+            for queue in queues:
+                if queue.planner is not None:
+                    queue.fail_pending(exc)
+            return True
 
     def _side_lane(self, work: Callable[[], None]) -> None:
         assert self._side is not None

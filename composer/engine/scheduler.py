@@ -239,8 +239,6 @@ class StepScheduler(UnitQueue):
         self._running = False
         self._settling: float | None = None  # since when the ready call waits for requests outside a loop
         self._seq = itertools.count()
-        # called (lock held: quick) after every call and when a hold ends
-        self.listeners: list[Callable[[], None]] = []
 
     # -- which requests are denoising -------------------------------------------------------------------
     @contextmanager
@@ -256,14 +254,11 @@ class StepScheduler(UnitQueue):
                 if depth:
                     self._in_loop[request.id] = depth
                 self._cv.notify_all()
+            self._wake_core()  # the others' step may be due now
 
     # -- holding (Holdable): units count per request ------------------------------------------------------
     def pending_count(self) -> int:
         return len({u.request.id for u in self._pending})
-
-    def on_release(self) -> None:
-        for listener in self.listeners:
-            listener()
 
     # -- submitting ---------------------------------------------------------------------------------------
     def _unit(self, latents, timestep, branches, merged, kind, request, step, on_done=None) -> Unit:
@@ -383,8 +378,10 @@ class StepScheduler(UnitQueue):
             self._settling = None
         return units
 
-    def plan_of(self, units: list[Unit]) -> list:
-        return [(u.request.key, plan_position(u)) for u in units]
+    def plan_name(self, unit: Unit) -> tuple:
+        return unit.request.key, plan_position(unit)
+
+    what = "a step of a request"
 
     def execute(self, units: list[Unit]) -> None:
         """Run `units` as one call (no lock held) and give each its result, or every one the call's error."""
@@ -420,32 +417,6 @@ class StepScheduler(UnitQueue):
             self.stats.batched_units += len(units)
         self.stats.largest_batch = max(self.stats.largest_batch, len(units))
         self._cv.notify_all()
-        for listener in self.listeners:
-            listener()
-
-    # -- another rank than 0 of a parallel layout: rank 0's plans decide every call -------------------------
-    def run_planned(self, plan: list[tuple[str, tuple]]) -> None:
-        """(No lock held; this rank is not 0) Take the units `plan` names (waiting for this rank's threads to
-        submit them), run them as rank 0 did, hand out the results."""
-        with self._cv:
-            units = self._take_planned(plan)
-            self._running = True
-        try:
-            self.execute(units)
-        finally:
-            with self._cv:
-                self.finish(units)
-
-    def _take_planned(self, plan: list[tuple[str, tuple]]) -> list[Unit]:
-        """(Lock held) The pending units rank 0's plan names, in its order, waiting for this rank's threads to
-        submit them; a plan naming work this rank never gets is an error after the planner's timeout (the
-        ranks' calls differ), never a hang."""
-        from composer.parallel.plan import take_planned
-
-        chosen, self._pending = take_planned(self._pending, [tuple(p) for p in plan],
-                                             lambda u: (u.request.key, plan_position(u)), self._cv,
-                                             self.planner.timeout_s, "a step of a request")
-        return chosen
 
 
 def _power_of_two(n: int) -> bool:

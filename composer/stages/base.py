@@ -94,7 +94,7 @@ class Stage:
         """The torch modules this stage runs (what must be on the device while it runs): its nn.Module
         attributes and those of its denoising engine."""
         found: list[nn.Module] = []
-        for value in vars(self).values():
+        for value in list(vars(self).values()):  # (a copy: another request's run may set an attribute meanwhile)
             if isinstance(value, nn.Module):
                 found.append(value)
             elif isinstance(getattr(value, "transformer", None), nn.Module):  # a DenoisingEngine

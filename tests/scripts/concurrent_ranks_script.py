@@ -2,6 +2,7 @@
 three threads (two text-to-video jobs of different seeds and a stream on the causal model, started in a different
 order on each rank); rank 0 plans every transformer call. argv: t2v_folder causal_folder out_dir."""
 
+import contextlib
 import os
 import sys
 import threading
@@ -36,11 +37,21 @@ work = [(job, 1), (job, 2), (stream, 3), (stream, 4)]
 if rank == 1:
     work.reverse()  # threads start in another order on this rank: rank 0's plan decides
 threads = [threading.Thread(target=fn, args=(arg,)) for fn, arg in work]
-for t in threads:
-    t.start()
+schedulers = gen.pipeline.engines[0].scheduler, causal.pipeline.engines[0].scheduler
+if rank == 0:  # rank 0's plans decide: held until both requests of each model queued a unit, so they share a call
+    with contextlib.ExitStack() as stack:
+        for scheduler in schedulers:
+            stack.enter_context(scheduler.held())
+        for t in threads:
+            t.start()
+        for scheduler in schedulers:
+            assert scheduler.wait_for_units(2, 120), "two requests never queued a unit together"
+else:
+    for t in threads:
+        t.start()
 for t in threads:
     t.join()
-stats = gen.pipeline.engines[0].scheduler.stats, causal.pipeline.engines[0].scheduler.stats
+stats = [scheduler.stats for scheduler in schedulers]
 torch.save({"frames": {k: torch.from_numpy(v) for k, v in results.items()},
             "calls": [s.calls for s in stats], "units": [s.units for s in stats]}, f"{out_dir}/rank{rank}.pt")
 print(f"rank {rank} done", flush=True)
