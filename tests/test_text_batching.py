@@ -84,3 +84,40 @@ def test_the_batch_budget_and_unsupported_hooks(tmp_path):
     assert gen.pipeline.batcher.stats.largest == 1  # one row a call
     with pytest.raises(UnsupportedError, match="cache"):
         TextGenerator.from_pretrained(folder, progress=False, cache="teacache")
+
+
+def test_a_higher_priority_requests_forwards_go_first_and_priorities_change_no_output():
+    """Units queued while the batcher is held: with one row a call, the higher priority's forward runs first, then
+    the others oldest first; each unit's logits are its own forward's whatever the order."""
+    from composer.engine.core import EngineCore
+    from composer.text.batching import ForwardBatcher
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.order: list[int] = []
+
+        def forward(self, ids, attention_mask=None, position_ids=None):
+            self.order += ids[:, 0].tolist()
+            return type("Out", (), {"logits": ids[..., None].float().repeat(1, 1, 3)})()
+
+    model = Logits()
+    batcher = ForwardBatcher(model, pad_id=0, max_rows=1)
+    core = EngineCore(lambda: [batcher], stage_threads=1)
+    got: dict[int, torch.Tensor] = {}
+
+    def ask(first_id: int, priority: int) -> None:
+        ids = torch.tensor([[first_id, 7, 8]])
+        got[first_id] = batcher.logits(ids, torch.ones_like(ids), torch.arange(3)[None], 2, priority)
+
+    threads = [threading.Thread(target=ask, args=args) for args in ((1, 0), (2, 0), (3, 5))]
+    with batcher.held():
+        for i, t in enumerate(threads):
+            t.start()
+            assert batcher.wait_for_units(i + 1, 30)  # queued in this order
+    for t in threads:
+        t.join(30)
+    core.close()
+    assert model.order == [3, 1, 2]
+    for first_id, logits in got.items():
+        assert torch.equal(logits, torch.tensor([[7, 8]]).float()[..., None].repeat(1, 1, 3))

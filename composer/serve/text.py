@@ -165,7 +165,7 @@ def text_routes(state: ServerState) -> APIRouter:
         start = time.perf_counter()
         try:
             results = await run_in_threadpool(lambda: generator.generate_text(**checked.inputs(), **checked.settings,
-                                                                              cancel=cancel))
+                                                                              cancel=cancel, priority=checked.priority))
         except ComposerError as exc:
             state.counters.count([], time.perf_counter() - start, failed=True)
             if (late := timed_out(cancel)) is not None:
@@ -201,7 +201,8 @@ def text_routes(state: ServerState) -> APIRouter:
         tokenizer's) is an error with its status, as the SDK expects, not a 200 with an error event. The slot is
         held until the last event (or the client leaves)."""
         def begin() -> tuple[Iterator[Any], Any]:
-            pieces = state.generator.stream_text(**checked.inputs(), **checked.settings, cancel=cancel)
+            pieces = state.generator.stream_text(**checked.inputs(), **checked.settings, cancel=cancel,
+                                                 priority=checked.priority)
             return pieces, next(pieces, None)
 
         start = time.perf_counter()

@@ -16,6 +16,7 @@ another share every call.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ class _Unit:
     attention: torch.Tensor
     positions: torch.Tensor
     block: int
+    priority: int = 0
+    seq: int = 0
     result: torch.Tensor | None = None
     error: BaseException | None = None
     done: bool = False
@@ -55,11 +58,13 @@ class ForwardBatcher(UnitQueue):
         self._cv = threading.Condition()
         self._pending: list[_Unit] = []
         self._running = False
+        self._seq = itertools.count()
 
     def logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
-               block: int) -> torch.Tensor:
-        """The logits of the last `block` positions of `ids` [rows, length], run with whatever else is pending."""
-        unit = _Unit(ids, attention, positions, block)
+               block: int, priority: int = 0) -> torch.Tensor:
+        """The logits of the last `block` positions of `ids` [rows, length], run with whatever else is pending
+        (higher `priority` first, then the oldest)."""
+        unit = _Unit(ids, attention, positions, block, priority, next(self._seq))
         with self._cv:
             self._queue(unit)
             self._await(unit)
@@ -68,16 +73,18 @@ class ForwardBatcher(UnitQueue):
         return unit.result
 
     def take(self) -> list[_Unit]:
-        """(Lock held) The oldest pending units within the budgets (at least one)."""
+        """(Lock held) The pending units in pick order (higher priority first, then the oldest) while they fit the
+        budgets (at least one)."""
         chosen, rows, longest = [], 0, 0
-        for unit in self._pending:
+        for unit in sorted(self._pending, key=lambda u: (-u.priority, u.seq)):
             n, length = unit.ids.shape[0], max(longest, unit.ids.shape[1])
             if chosen and ((self.max_rows is not None and rows + n > self.max_rows)
                            or (self.max_tokens is not None and (rows + n) * length > self.max_tokens)):
                 break
             chosen.append(unit)
             rows, longest = rows + n, length
-        self._pending = self._pending[len(chosen):]
+        taken = {id(u) for u in chosen}
+        self._pending = [u for u in self._pending if id(u) not in taken]
         self._running = True
         return chosen
 

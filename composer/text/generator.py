@@ -127,7 +127,10 @@ class TextGenerator:
         return self.default_sampling.updated(**overrides)
 
     def _batch(self, prompt: Any, sampling_param: TextSamplingParam | None, cancel: CancelToken | None,
-               overrides: dict[str, Any], messages: Any = None) -> TextBatch:
+               overrides: dict[str, Any], messages: Any = None, priority: Any = 0) -> TextBatch:
+        from composer.request_check import _checked_priority
+
+        priority = _checked_priority(priority)  # (an int; refused before anything runs)
         sp = (sampling_param or self.default_sampling).updated(**overrides)
         conversations = None
         if messages is not None:
@@ -146,27 +149,30 @@ class TextGenerator:
         check_text_request(sp, self.limits)  # the prompt's own tokens: once tokenized, before any forward
         prompts = [sp.prompt] if isinstance(sp.prompt, str) else list(sp.prompt)
         generator = torch.Generator("cpu").manual_seed(sp.seed)  # what a seed means to diffusers' pipeline
-        return TextBatch(prompts=prompts, sampling=sp, generator=generator, cancel=cancel, messages=conversations)
+        return TextBatch(prompts=prompts, sampling=sp, generator=generator, cancel=cancel, messages=conversations,
+                         priority=priority)
 
     def generate_text(self, prompt: str | list[str] | None = None, *, messages: Any = None,
                       sampling_param: TextSamplingParam | None = None, cancel: CancelToken | None = None,
-                      **overrides: Any) -> TextResult | list[TextResult]:
+                      priority: int = 0, **overrides: Any) -> TextResult | list[TextResult]:
         """Text for `prompt` (a list: one result each, run as one batch with one generator, as diffusers runs a
         list), or for a chat conversation `messages` ([{"role": ..., "content": ...}, ...], or a list of them), in
         the tokenizer's chat template. `overrides` are TextSamplingParam fields (gen_length, block_length,
         num_inference_steps, temperature, top_p, top_k, threshold, editing_threshold, eos_early_stop, decoding,
-        seed, ...). `cancel`: a CancelToken; once cancelled the call raises Cancelled before the next forward."""
-        batch = self.pipeline.run(self._batch(prompt, sampling_param, cancel, overrides, messages))
+        seed, ...). `cancel`: a CancelToken; once cancelled the call raises Cancelled before the next forward.
+        `priority` (an int, higher first): where this request's forwards go among the waiting ones of requests
+        running at once (their outputs do not change)."""
+        batch = self.pipeline.run(self._batch(prompt, sampling_param, cancel, overrides, messages, priority))
         results = self._results(batch)
         return results if isinstance(batch.sampling.prompt, list) else results[0]
 
     def stream_text(self, prompt: str | list[str] | None = None, *, messages: Any = None,
                     sampling_param: TextSamplingParam | None = None, cancel: CancelToken | None = None,
-                    **overrides: Any) -> Iterator[TextPiece]:
+                    priority: int = 0, **overrides: Any) -> Iterator[TextPiece]:
         """As generate_text, yielding each prompt's newly final text after every block (a TextPiece per prompt
         that gained text), the last one per prompt with `done=True` (it has text, unless the prompt's last block
         added none). The ids are those generate_text gives. A bad request raises here, before the first piece is asked for."""
-        batch = self._batch(prompt, sampling_param, cancel, overrides, messages)
+        batch = self._batch(prompt, sampling_param, cancel, overrides, messages, priority)
         return self._stream(batch)
 
     def _stream(self, batch: TextBatch) -> Iterator[TextPiece]:

@@ -9,6 +9,7 @@ LLaDA2Pipeline folders with it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -61,6 +62,7 @@ class TextBatch:
     messages: list[list[dict[str, str]]] | None = None  # chat conversations, one a row (instead of prompts)
     generator: torch.Generator | None = None
     cancel: CancelToken | None = None
+    priority: int = 0  # higher first: its forwards go before lower ones' (ForwardBatcher)
     input_ids: torch.Tensor | None = None  # [rows, prompt tokens]
     prompt_mask: torch.Tensor | None = None  # the tokenizer's attention mask for them
     sequences: torch.Tensor | None = None  # [rows, gen_length]: the generated ids (mask ids where none came)
@@ -275,7 +277,8 @@ class BlockRefinementStage(Stage):
                 break
             if batch.cancel is not None:
                 batch.cancel.check()
-            logits = decoder.logits(self.model, window, attention, positions, block, plain=self._logits)
+            plain = functools.partial(self._logits, priority=batch.priority)
+            logits = decoder.logits(self.model, window, attention, positions, block, plain=plain)
             batch.stats.forwards += 1
             tokens, probs = refinement.sample(logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
                                               multinomial=multinomial, generator=batch.generator)
@@ -288,10 +291,12 @@ class BlockRefinementStage(Stage):
         return finished
 
     @torch.inference_mode()
-    def _logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
-        """The last `block` positions' logits of one plain forward (shared with other requests' by the batcher)."""
+    def _logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, block: int,
+                priority: int = 0) -> torch.Tensor:
+        """The last `block` positions' logits of one plain forward (shared with other requests' by the batcher,
+        higher `priority` first)."""
         if self.batcher is not None:
-            return self.batcher.logits(ids, attention, positions, block)
+            return self.batcher.logits(ids, attention, positions, block, priority)
         return self.model(ids, attention_mask=attention, position_ids=positions).logits[:, -block:, :]
 
 
