@@ -1,4 +1,5 @@
-"""`composer serve`: load one model and serve the jobs API over HTTP (docs/serving.md)."""
+"""`composer serve`: load a model (or a video model and a text model) and serve its API over HTTP
+(docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--model-path", default=None, help="diffusers model folder, hub id or short name (default: "
                    "embedded model)")
+    p.add_argument("--text-model-path", default=None, metavar="TEXT_MODEL", help="also serve this diffusion "
+                   "language model (folder, hub id or short name, e.g. tiny-dllm) beside the video model of "
+                   "--model-path, in one server: /v1/videos, /v1/streams and /v1/sessions go to the video model, "
+                   "/v1/completions and /v1/chat/completions to this one; the runtime flags are the video model's, "
+                   "the text model takes device, dtype and threads from them (docs/serving.md, \"One server, two "
+                   "models\")")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port, 1 to 65535 (default: 8000)")
     p.add_argument("--output-dir", default="outputs/serve", help="where videos and job records are kept and "
@@ -141,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         # an unknown model, or a config value of the wrong type: an error now, not in /health
         resolved = resolve_model(args.model_path, runtime_args.model_family)
         check_model_configs(resolved)
+        if args.text_model_path is not None:
+            return _serve_two(args, load, resolved, runtime, runtime_args, listening, under_torchrun)
         if getattr(resolved.pipeline_cls, "modality", "video") == "text":
             if under_torchrun:
                 raise ConfigError("serving a diffusion language model on several ranks is not supported yet: "
@@ -154,8 +163,35 @@ def run(args: argparse.Namespace) -> int:
         listening.close()
 
 
+TEXT_RUNTIME = ("device", "dtype", "threads", "progress", "trust_remote_code", "verify_values")  # beside a video model
+
+
+def _serve_two(args: argparse.Namespace, load, resolved, runtime: dict, runtime_args: RuntimeArgs,
+               listening: socket.socket, under_torchrun: bool) -> int:
+    """--text-model-path: the video model of --model-path and a text model in one server, each model checked
+    before anything loads (a text model named as the video one, or the other way round, is a ConfigError)."""
+    from composer.generator import check_model_configs, resolve_model
+
+    if under_torchrun:
+        raise ConfigError("--text-model-path: serving a diffusion language model on several ranks is not supported "
+                          "yet: launch `composer serve` without torchrun")
+    if getattr(resolved.pipeline_cls, "modality", "video") == "text":
+        raise ConfigError(f"--model-path {args.model_path}: a text model; with --text-model-path, --model-path names "
+                          "the video model (or leave it out: the embedded one)")
+    text_runtime = {k: v for k, v in runtime.items() if k in TEXT_RUNTIME}
+    text_resolved = resolve_model(args.text_model_path, None)
+    if getattr(text_resolved.pipeline_cls, "modality", "video") != "text":
+        raise ConfigError(f"--text-model-path {args.text_model_path}: a video model "
+                          f"({text_resolved.index.class_name}); it names a diffusion language model (e.g. tiny-dllm)")
+    check_model_configs(text_resolved)
+    from composer.text import TextGenerator
+
+    text_load = functools.partial(TextGenerator.from_pretrained, args.text_model_path, **text_runtime)
+    return _serve(args, load, runtime_args, listening, False, text_load=text_load)
+
+
 def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening: socket.socket,
-           under_torchrun: bool, modality: str = "video") -> int:
+           under_torchrun: bool, modality: str = "video", text_load=None) -> int:
     """One app (composer/serve/app.py) with the routes of the model's modality: video jobs (and streams and
     sessions of a causal model), or a text model's completions and chat completions (composer/serve/text.py)."""
     import uvicorn
@@ -176,7 +212,7 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
         max_body_bytes=int(args.max_upload_mb * 2**20 * 4 / 3) + 2**20,  # base64 in JSON, and the other fields
     )
     leader = _Leader(load, runtime_args.dist_timeout, _call_slots(args)) if under_torchrun else None
-    app = create_app(leader.load if leader else load, config, modality)
+    app = create_app(leader.load if leader else load, config, modality, text_load=text_load)
     if leader is not None:
         leader.stop_after(app)
         # uvicorn raises a caught SIGINT/SIGTERM again once it has shut down; rank 0 has stopped every rank by
@@ -184,7 +220,11 @@ def _serve(args: argparse.Namespace, load, runtime_args: RuntimeArgs, listening:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
     ranks = f" on {os.environ['WORLD_SIZE']} ranks" if leader else ""
-    if modality == "text":
+    if text_load is not None:
+        _check_websockets()
+        print(f"composer serve: http://{args.host}:{args.port} (a video model: the web page at /, /v1/videos; a text "
+              f"model: /v1/completions, /v1/chat/completions; API docs at /docs; jobs in {config.output_dir})")
+    elif modality == "text":
         print(f"composer serve: http://{args.host}:{args.port} (a text model: /v1/completions, /v1/chat/completions; "
               "API docs at /docs)")
     else:

@@ -1,13 +1,16 @@
-"""The FastAPI app of `composer serve`: one app over one loaded model, whatever its modality.
+"""The FastAPI app of `composer serve`: one app over one loaded model, whatever its modality, or over a video model
+and a text model together (`create_app(load, config, text_load=...)`, `composer serve --text-model-path`).
 
 `create_app` installs what every server has once (API keys, OpenAI-style errors, /health, /ready, /metrics,
-/v1/models: server.py's `build_app`), then mounts the routes of the model's modality, each group an APIRouter over
+/v1/models: server.py's `build_app`), then mounts the routes of each model's modality, each group an APIRouter over
 the same state:
     video   /v1/videos (jobs), the web page and /v1/model (page.py), and for a causal model /v1/streams
             (stream.py) and /v1/sessions (sessions.py)
     text    /v1/completions and /v1/chat/completions (text.py), their requests admitted by `Slots` (slots.py)
-Everything mutable lives on the one `ServerState` (server.py) held by the app (`app.state.composer`): the model
-(loaded in a background thread, so /health answers 503 until it is ready) and what each modality's routes keep.
+Everything mutable lives on the one `ServerState` (server.py) held by the app (`app.state.composer`): the models
+(loaded in a background thread, so /health answers 503 until they are ready) and what each modality's routes keep.
+With two models, the video routes go to the video model and the text routes to the text model; a `model` naming
+the other one is refused as a wrong name is (with a message saying which routes serve it).
 """
 
 from __future__ import annotations
@@ -49,16 +52,33 @@ __all__ = ["DESCRIPTIONS", "MAX_BODY_BYTES", "MODALITIES", "TEXT_CONCURRENT_DEFA
 logger = get_logger(__name__)
 
 
-def create_app(load: Callable[[], Any], config: ServeConfig, modality: str = "video") -> FastAPI:
+def create_app(load: Callable[[], Any], config: ServeConfig, modality: str = "video",
+               text_load: Callable[[], Any] | None = None) -> FastAPI:
     """The app serving the model `load()` returns (called once, in a background thread at startup): what every
     server has installed once (API keys, OpenAI-style errors, /health, /ready, /metrics, /v1/models: server.py's
     `build_app`), then the routes of the model's `modality`, a router per group: "video" (jobs, live streams and
-    sessions of a causal model, the web page) or "text" (completions and chat completions, composer/serve/text.py)."""
+    sessions of a causal model, the web page) or "text" (completions and chat completions, composer/serve/text.py).
+
+    `text_load` (a video `modality` only): a text model served beside the video one, loaded after it on the same
+    loading thread, with the text routes added too."""
     if modality == "text":
+        if text_load is not None:
+            raise ValueError("text_load serves a text model beside a video model: modality must be 'video'")
         from composer.serve.text import add_text_routes, text_metric_lines
 
         return build_app(load, config, modality, add_text_routes, text_metric_lines)
-    return build_app(load, config, modality, add_video_routes, _video_metric_lines)
+    if text_load is None:
+        return build_app(load, config, modality, add_video_routes, _video_metric_lines)
+    from composer.serve.text import add_text_routes, text_metric_lines
+
+    def add_routes(app: FastAPI, state: ServerState) -> None:
+        add_video_routes(app, state)
+        add_text_routes(app, state)
+
+    def metric_lines(state: ServerState) -> list[str]:  # (the text lines' names differ from the video ones')
+        return _video_metric_lines(state) + text_metric_lines(state)
+
+    return build_app(load, config, modality, add_routes, metric_lines, text_load)
 
 
 def add_video_routes(app: FastAPI, state: ServerState) -> None:
@@ -77,6 +97,9 @@ def video_routes(state: ServerState) -> APIRouter:
     """A video model's jobs: /v1/videos (create, remix, edit, extend, list, get, content, cancel, delete)."""
     router = APIRouter()
     config = state.config
+
+    def unready() -> Any:
+        return state.unready("video")  # (a text model served beside it may still be loading)
 
     def owner_of(request: Request) -> str | None:
         """The name of the API key a request came with (auth.py sets it; None without keys)."""
@@ -120,10 +143,12 @@ def video_routes(state: ServerState) -> APIRouter:
         fields (prompt, height, width, num_frames, ...), OpenAI's `size` ("WIDTHxHEIGHT"), `seconds` and `model`,
         and image / video inputs as files or base64 (`image`, `last_image`, `start_image`, `start_video`, `video`,
         or OpenAI's `input_reference`: the model's first frame or input video)."""
-        if (not_ready := state.unready()) is not None:
+        if (not_ready := unready()) is not None:
             return not_ready
         try:
             body = await read_body(request, config.max_body_bytes)
+            if (other := state.other_model(body, "video")) is not None:
+                raise other
 
             def accept() -> dict | Any:
                 checked = check_body(body, state.generator, config.limits, config.loras, config.uploads)
@@ -155,12 +180,14 @@ def video_routes(state: ServerState) -> APIRouter:
         return await derived(request, None, "extend")
 
     async def derived(request: Request, source_id: str | None, mode: str | None):
-        if (not_ready := state.unready()) is not None:
+        if (not_ready := unready()) is not None:
             return not_ready
         try:
             body = await read_body(request, config.max_body_bytes)
             if not isinstance(body, dict):
                 raise RequestProblem(f"the body must be a JSON object of request fields, not {type(body).__name__}")
+            if (other := state.other_model(body, "video")) is not None:
+                raise other
             source = None
             if source_id is None:  # edits / extensions: `video` is an upload or a reference to a completed video
                 ref = body.get("video")

@@ -8,6 +8,11 @@
     (and what every server has, composer/serve/server.py: GET /v1/models, /v1/models/{model}, /health, /ready,
     /metrics, API keys)
 
+These routes serve the state's text model (`ServerState.text_generator`): the one model of a text server, or the
+text model served beside a video model (`composer serve --text-model-path`), whose /metrics lines then name the
+text queue's gauges composer_text_queue_length, composer_text_queue_wait_seconds and composer_text_max_concurrent
+(the video ones keep the plain names).
+
 The official `openai` SDK works against it unchanged (`client.chat.completions.create(...)`, `stream=True` as
 server-sent events of the text each block makes final). composer's own settings (block_length,
 num_inference_steps or steps, threshold, decoding, top_k, editing_threshold, ...) go in the body too (the SDK's
@@ -69,9 +74,10 @@ def _cut(text: str, stop: list[str]) -> tuple[str, bool]:
 
 def text_metric_lines(state: ServerState) -> list[str]:
     """A text server's /metrics lines: requests, failures, tokens, forwards and seconds counted; requests running,
-    waiting, the slots, and how long the started ones waited."""
+    waiting, the slots, and how long the started ones waited. Beside a video model, the queue's and the slots'
+    lines are named composer_text_* (the video lines have the plain names: no name twice)."""
     counted, slots = state.counters, state.slots
-    return [
+    lines = [
         "# HELP composer_text_requests_total text requests answered (failed ones too)",
         "# TYPE composer_text_requests_total counter", f"composer_text_requests_total {counted.requests}",
         "# HELP composer_text_failures_total text requests that failed (errors, timeouts, cancelled)",
@@ -91,6 +97,13 @@ def text_metric_lines(state: ServerState) -> list[str]:
         f"composer_queue_wait_seconds_count {slots.waits}",
         "# HELP composer_max_concurrent requests that may run at once (--max-concurrent)",
         "# TYPE composer_max_concurrent gauge", f"composer_max_concurrent {slots.max_concurrent}"]
+    if state.two_models:
+        shared = ("composer_queue_length", "composer_queue_wait_seconds", "composer_max_concurrent")
+        for name in shared:
+            text_name = name.replace("composer_", "composer_text_", 1)
+            lines = [line.replace(f" {name}", f" {text_name}", 1) if line.startswith("#") else
+                     text_name + line[len(name):] if line.startswith(name) else line for line in lines]
+    return lines
 
 
 def text_routes(state: ServerState) -> APIRouter:
@@ -99,7 +112,7 @@ def text_routes(state: ServerState) -> APIRouter:
     config = state.config
 
     def model_name() -> str:
-        return str(state.generator.model_path)
+        return str(state.text_generator.model_path)
 
     def timed_out(cancel: CancelToken) -> str | None:
         """The message of a request stopped by the request timeout (None: it was not)."""
@@ -132,11 +145,13 @@ def text_routes(state: ServerState) -> APIRouter:
         return release
 
     async def handle(request: Request, chat: bool):
-        if (not_ready := state.unready()) is not None:
+        if (not_ready := state.unready("text")) is not None:  # (a video model served beside it may still load)
             return not_ready
-        generator = state.generator
+        generator = state.text_generator
         try:
             body = await read_json(request, body_limit(generator, config.max_body_bytes))
+            if (other := state.other_model(body, "text")) is not None:  # the video model's name, beside it
+                raise other
             checked = parse(body, chat, generator)
             await run_in_threadpool(fit, generator, checked)  # tokenizing: on a worker thread, holding no one
         except _Problem as exc:
@@ -161,7 +176,7 @@ def text_routes(state: ServerState) -> APIRouter:
             gone.cancel()
 
     async def complete(checked: TextRequest, chat: bool, ident: str, created: int, cancel: CancelToken):
-        generator = state.generator
+        generator = state.text_generator
         start = time.perf_counter()
         try:
             results = await run_in_threadpool(lambda: generator.generate_text(**checked.inputs(), **checked.settings,
@@ -201,7 +216,7 @@ def text_routes(state: ServerState) -> APIRouter:
         tokenizer's) is an error with its status, as the SDK expects, not a 200 with an error event. The slot is
         held until the last event (or the client leaves)."""
         def begin() -> tuple[Iterator[Any], Any]:
-            pieces = state.generator.stream_text(**checked.inputs(), **checked.settings, cancel=cancel,
+            pieces = state.text_generator.stream_text(**checked.inputs(), **checked.settings, cancel=cancel,
                                                  priority=checked.priority)
             return pieces, next(pieces, None)
 
@@ -272,7 +287,7 @@ async def _events(state: ServerState, pieces: Iterator[Any], first: Any, checked
     (the slot released, the pieces closed) runs before [DONE], or when the client leaves."""
     chat, stop = checked.chat, checked.stop
     kind = "chat.completion.chunk" if chat else "text_completion"
-    model = str(state.generator.model_path)
+    model = str(state.text_generator.model_path)
 
     def event(index: int, text: str | None, reason: str | None, first: bool = False) -> bytes:
         if chat:
@@ -305,7 +320,7 @@ async def _events(state: ServerState, pieces: Iterator[Any], first: Any, checked
                     stopped.add(row)
                 if piece.done:
                     results.append(piece)
-                    finished = cut or (piece.token_ids and piece.token_ids[-1] == state.generator.pipeline.stages[-1]
+                    finished = cut or (piece.token_ids and piece.token_ids[-1] == state.text_generator.pipeline.stages[-1]
                                        .eos_id)
                     yield event(row, None, "stop" if finished else "length")
             piece = await run_in_threadpool(next, pieces, None)
