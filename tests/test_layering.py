@@ -59,11 +59,12 @@ def test_at_most_5_up_imports_and_3_cycles_between_packages():
     graph = imports.build_graph()
     report = imports.measure(graph, layers)
     listed = "\n".join(f"{u['importer']} -> {u['imported']} (l.{u['lines']})" for u in report.up_imports)
-    assert len(report.up_imports) <= 5, f"{len(report.up_imports)} imports go up a layer:\n{listed}"
+    assert not report.up_imports, f"{len(report.up_imports)} imports go up a layer:\n{listed}"
     # every up-import is one the layers contract names (with the edit that removes it)
     assert {(u["importer"], u["imported"]) for u in report.up_imports} <= _pending_imports(), listed
     # cycles: without the imports the contracts name as pending edits, at most 3 between units (packages and the
-    # modules pyproject.toml lists), and no more between the modules of one package than today's 3 (accel/'s)
+    # modules pyproject.toml lists: self-registering configs, the num_gpus workers' generator, TextPipeline on
+    # ComposedPipeline), and none between the modules of one package
     for importer, imported in _pending_imports():
         if graph.direct_import_exists(importer=importer, imported=imported):
             graph.remove_import(importer=importer, imported=imported)
@@ -71,7 +72,7 @@ def test_at_most_5_up_imports_and_3_cycles_between_packages():
     cycles = "\n".join(f"{c['downstream']} -> {c['upstream']}: {c['imports']}" for c in after.unit_cycles)
     assert len(after.unit_cycles) <= 3, f"{len(after.unit_cycles)} cycles between packages:\n{cycles}"
     inside = "\n".join(f"{c['downstream']} -> {c['upstream']}" for c in after.package_cycles)
-    assert len(after.package_cycles) <= 3, f"{len(after.package_cycles)} cycles inside packages:\n{inside}"
+    assert not after.package_cycles, f"{len(after.package_cycles)} cycles inside packages:\n{inside}"
 
 
 def test_the_measure_sees_lazy_imports_and_layers():

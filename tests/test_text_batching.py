@@ -107,7 +107,7 @@ def test_a_higher_priority_requests_forwards_go_first_and_priorities_change_no_o
     got: dict[int, torch.Tensor] = {}
 
     def ask(first_id: int, priority: int) -> None:
-        ids = torch.tensor([[first_id, 7, 8]])
+        ids = torch.tensor([[first_id, 10 * first_id, 10 * first_id + 1]])
         got[first_id] = batcher.logits(ids, torch.ones_like(ids), torch.arange(3)[None], 2, priority)
 
     threads = [threading.Thread(target=ask, args=args) for args in ((1, 0), (2, 0), (3, 5))]
@@ -119,5 +119,6 @@ def test_a_higher_priority_requests_forwards_go_first_and_priorities_change_no_o
         t.join(30)
     core.close()
     assert model.order == [3, 1, 2]
-    for first_id, logits in got.items():
-        assert torch.equal(logits, torch.tensor([[7, 8]]).float()[..., None].repeat(1, 1, 3))
+    for first_id, logits in got.items():  # the last 2 positions of its own ids
+        own = torch.tensor([[10 * first_id, 10 * first_id + 1]]).float()[..., None].repeat(1, 1, 3)
+        assert torch.equal(logits, own), first_id

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer.accel.hooks import repeated_blocks
+from composer.accel.blocks import repeated_blocks
 from composer.attach import Handle, attach
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from composer.accel.hooks import repeated_blocks
+from composer.accel.blocks import repeated_blocks
 from composer.attach import Handle, attach
 from composer.logging import get_logger
 

@@ -176,7 +176,7 @@ class DBCacheEngineHook(EngineHook):
 
 class DBCacheHook:
     """Hook phase: `cache = dbcache` on every denoising transformer (a DualBlockCache in the model's `step_cache`
-    slot and an engine hook on each of its engines). StepCacheHook hands `cache = dbcache` here."""
+    slot and an engine hook on each of its engines), picked by the HOOKS table for `cache = dbcache`."""
 
     name = "cache"
 
@@ -190,7 +190,7 @@ class DBCacheHook:
         return cls(runtime)
 
     def apply(self, pipeline: Any) -> str:
-        from composer.accel.hooks import repeated_blocks
+        from composer.accel.blocks import repeated_blocks
 
         r = self.runtime
         threshold, source = self.threshold(pipeline)

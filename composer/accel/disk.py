@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from composer.accel.hooks import block_names
-from composer.accel.offload import BlockStore, LayerwiseOffload, TensorSlot, repeated_blocks
+from composer.accel.blocks import block_names
+from composer.accel.offload import BlockStore, LayerwiseOffload, OffloadHook, TensorSlot, repeated_blocks
 from composer.accel.transfer import Transfer
 from composer.errors import CheckpointError
 from composer.loader.components import ComposerModelLoader, _config_class_name
@@ -180,3 +180,15 @@ def load_with_blocks_on_disk(
     model.eval().requires_grad_(False)
     offload = LayerwiseOffload(model, device, prefetch=prefetch, transfer=transfer, store=DiskStore(sources))
     return model, offload
+
+
+class DiskOffloadHook(OffloadHook):
+    """`offload = disk`: the offload hook whose transformer(s) load with only their non-block weights read (the
+    blocks stream from the checkpoint on disk); the rest is layerwise offload's."""
+
+    def load_module(self, pipeline, name: str, folder, spec, dtype):
+        if name not in pipeline.denoiser_names():
+            return None
+        model, offload = load_with_blocks_on_disk(folder, pipeline.device, dtype, spec=spec)
+        self.done[name] = offload
+        return model

@@ -34,17 +34,19 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from torch import nn
-
+from composer.accel.blocks import block_names, repeated_blocks  # noqa: F401 - re-exported
 from composer.errors import ConfigError
 from composer.logging import get_logger
 
 logger = get_logger(__name__)
 
+__all__ = ["HOOKS", "ORDER", "apply_hooks", "block_names", "enabled_hooks", "repeated_blocks"]
+
 
 # Application order. A hook's module is imported only when the runtime turns it on (LoRA's pulls in peft).
-# (name, module, class, condition); a hook's position is its order key (`ORDER`).
-HOOKS: tuple[tuple[str, str, str, Callable[[Any], bool]], ...] = (
+# (name, module, class, condition); a hook's position is its order key (`ORDER`). `module` may be a function of the
+# runtime giving (module, class): the hook a setting picks among a family's (teacache / dbcache, offload / disk).
+HOOKS: tuple[tuple[str, Any, str | None, Callable[[Any], bool]], ...] = (
     # first: LoRA's PEFT layers wrap the quantized linears, offload and compile see them
     ("quantize", "composer.accel.quantize", "QuantizeHook", lambda runtime: runtime.quantize != "none"),
     ("lora", "composer.accel.lora", "LoraHook", lambda runtime: bool(runtime.lora_path)),
@@ -54,8 +56,11 @@ HOOKS: tuple[tuple[str, str, str, Callable[[Any], bool]], ...] = (
     # engines: after the backend is chosen, before offload and compile see the modules
     ("parallel", "composer.accel.parallel", "ParallelHook", lambda runtime: _parallel(runtime)),
     # step caching: the model's block loop may reuse a residual; an engine hook plans each loop's skips
-    ("cache", "composer.accel.step_cache", "StepCacheHook", lambda runtime: runtime.cache != "none"),
-    ("offload", "composer.accel.offload", "OffloadHook", lambda runtime: runtime.offload != "none"),
+    ("cache", lambda runtime: ("composer.accel.dbcache", "DBCacheHook") if runtime.cache == "dbcache"
+     else ("composer.accel.step_cache", "StepCacheHook"), None, lambda runtime: runtime.cache != "none"),
+    # disk: its own subclass (the transformer loaded with its blocks left on disk)
+    ("offload", lambda runtime: ("composer.accel.disk", "DiskOffloadHook") if runtime.offload == "disk"
+     else ("composer.accel.offload", "OffloadHook"), None, lambda runtime: runtime.offload != "none"),
     ("compile", "composer.accel.compile", "CompileHook", lambda runtime: runtime.compile != "none"),
     # always on: a request's CancelToken is checked before each block; last, so offload's block hooks run first
     ("cancel", "composer.accel.cancel", "CancelHook", lambda runtime: True),
@@ -75,40 +80,14 @@ def _parallel(runtime: Any) -> bool:
     return runtime.ulysses_degree * runtime.ring_degree * runtime.tp_size * (2 if runtime.cfg_parallel else 1) > 1
 
 
-def repeated_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """(attribute, blocks): the model's repeated transformer blocks, the non-empty nn.ModuleList named by the
-    class attribute `repeated_blocks` (default "blocks"); None when it has none. What regional compile,
-    layerwise offload and the cancel points act on.
-
-    A model with several kinds of blocks run one list after the other (HunyuanVideo: dual-stream then
-    single-stream) names them all, a tuple in run order: the blocks are then those lists' blocks in that
-    order (a new nn.ModuleList over the same modules) and the attribute is the names joined with "+" (each
-    block's own name is in `block_names`)."""
-    names = _block_list_names(model)
-    lists = [getattr(model, name, None) for name in names]
-    if not names or not all(isinstance(b, nn.ModuleList) and len(b) for b in lists):
-        return None
-    if len(lists) == 1:
-        return names[0], lists[0]
-    return "+".join(names), nn.ModuleList([block for blocks in lists for block in blocks])
-
-
-def block_names(model: nn.Module) -> list[str]:
-    """The qualified name of each of `repeated_blocks(model)`'s blocks ("blocks.0", ...), in the same order."""
-    return [f"{name}.{i}" for name in _block_list_names(model) for i in range(len(getattr(model, name)))]
-
-
-def _block_list_names(model: nn.Module) -> tuple[str, ...]:
-    name = getattr(type(model), "repeated_blocks", "blocks")
-    return tuple(name) if isinstance(name, (tuple, list)) else ((name,) if name else ())
-
-
 def enabled_hooks(runtime: Any) -> list[Any]:
     """Instances of the hooks the runtime settings turn on, in order."""
     check_combination(runtime)
     hooks = []
     for _, module, name, enabled in HOOKS:
         if enabled(runtime):
+            if callable(module):
+                module, name = module(runtime)
             cls = getattr(importlib.import_module(module), name)
             hooks.append(cls.from_runtime(runtime) if hasattr(cls, "from_runtime") else cls())
     return hooks

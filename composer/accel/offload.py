@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from composer.accel.hooks import block_names
-from composer.accel.hooks import repeated_blocks as find_repeated_blocks
+from composer.accel.blocks import block_names
+from composer.accel.blocks import repeated_blocks as find_repeated_blocks
 from composer.accel.transfer import Pending, Transfer, transfer_for
 from composer.attach import Handle, attach, current_order
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
@@ -447,7 +447,6 @@ class OffloadHook:
         self.done: dict[str, LayerwiseOffload] = {}
         self.models: ModelOffload | None = None
 
-
     @classmethod
     def from_runtime(cls, runtime) -> OffloadHook:
         return cls(runtime.offload)
@@ -455,16 +454,6 @@ class OffloadHook:
     def load_device(self, pipeline, name: str, device: torch.device) -> torch.device:
         streamed = self.mode in ("layerwise", "disk") and name in pipeline.denoiser_names()
         return torch.device("cpu") if self.mode == "model" or streamed else device
-
-    def load_module(self, pipeline, name: str, folder, spec, dtype):
-        """disk: load a composer transformer with only its non-block weights read."""
-        if self.mode != "disk" or name not in pipeline.denoiser_names():
-            return None
-        from composer.accel.disk import load_with_blocks_on_disk
-
-        model, offload = load_with_blocks_on_disk(folder, pipeline.device, dtype, spec=spec)
-        self.done[name] = offload
-        return model
 
     def apply(self, pipeline) -> str:
         if self.mode == "model":

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from composer.accel.hooks import repeated_blocks
+from composer.accel.blocks import repeated_blocks
 from composer.errors import ConfigError, ModelFormatError
 from composer.logging import get_logger
 

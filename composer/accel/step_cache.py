@@ -203,11 +203,7 @@ class StepCacheHook:
 
     @classmethod
     def from_runtime(cls, runtime: Any) -> Any:
-        """This hook for `cache = teacache`; composer.accel.dbcache's for `cache = dbcache`."""
-        if runtime.cache == "dbcache":
-            from composer.accel.dbcache import DBCacheHook
-
-            return DBCacheHook(runtime)
+        """This hook for `cache = teacache` (the HOOKS table picks composer.accel.dbcache's for `cache = dbcache`)."""
         return cls(runtime)
 
     def _coefficients(self, pipeline: Any, model: torch.nn.Module) -> tuple[float, ...]:
