@@ -1,9 +1,16 @@
-"""CallBatcher: concurrent calls of one function batched as they queue up (the VAE decode of concurrent requests).
+"""Unit queues: what the engine core runs (composer/engine/core.py).
 
-A call made while no call runs runs at once, alone. A call made while another runs waits; when the running call
-ends, every waiting call with the same key (up to `max_rows` rows) runs as one batched call. An idle batcher waits
-for partners at most `settle_s` (and at most a quarter of a recent run's time), and only while `active()` says other
-requests are running.
+`UnitQueue` is the protocol of the step scheduler (engine/scheduler.py), the decode batcher (`CallBatcher`, below)
+and the text forward batcher (text/batching.py): units queued under one condition, a policy (`due`: when the next
+batch may start; `take`: which units it holds), `execute` (the batch's one call) and `finish` (results handed back).
+The model's engine core is the only executor of every queue; `held()` gathers units so the first batch after the
+hold takes them together.
+
+CallBatcher: concurrent calls of one function (the VAE decode of concurrent requests) batched as they queue up.
+A call made while no call runs runs at once, alone; calls made while one runs wait, and the next batch takes every
+waiting call with the same key (up to `max_rows` rows). An idle batcher waits for partners at most `settle_s` (and at
+most a quarter of a recent run's time), and only while `active()` says other requests are running. Its batches run
+on the core's side lane.
 
 Under a parallel layout whose decodes hold collectives (a VAE decode split over the ranks), rank 0 plans every call:
 its batcher announces each batch (the calls' `plan_key`s: request key and position, the same on every rank) on the
@@ -51,21 +58,30 @@ class _Call:
     done: bool = False
 
 
-class Holdable:
-    """`held()` and `wait_for_units(n)` for a unit queue whose callers wait on `self._cv` for `self._pending` (the
-    decode's CallBatcher, the StepScheduler, the text ForwardBatcher): while held no call starts and the units
-    submitted meanwhile gather, so the first call after release takes them together. This is what makes "these
-    requests share a call" independent of two threads overlapping in time (tests, and callers that submit several
-    requests as one)."""
+class UnitQueue:
+    """What the step scheduler, the decode batcher and the text forward batcher share: units queued under one
+    condition `_cv`, a policy that says when a batch is due (`due`) and which units it takes (`take`), how a batch
+    runs (`execute`, no lock held) and how its units are handed back (`finish`).
 
+    Who runs the batches: the queue's `core` (composer/engine/core.py), one executor per loaded model, on its own
+    thread (`lane` "main": the device's work, in plan order) or its second lane ("side": long work such as a VAE
+    decode, so the others' steps go on meanwhile). A caller that submits from a thread waits for its unit's
+    result and never runs a batch (on a rank other than 0 of a parallel layout the core runs the batches rank 0's
+    plans name). Only a queue without a running core (used on its own) runs batches on the waiting caller's thread."""
+
+    core: Any = None  # the EngineCore running this queue's batches (set by EngineCore.attach)
+    lane: str = "main"
+    planner: Any = None  # a parallel layout's PlanChannel (composer/parallel/plan.py)
+    _running: bool = False
+
+    # -- holding: while held no batch starts and the units submitted meanwhile gather, so the first batch after
+    # release takes them together (what makes "these requests share a call" independent of two threads
+    # overlapping in time: tests, and callers that submit several requests as one)
     _holds = 0  # while above 0 no call starts
 
     def pending_count(self) -> int:
         """(Lock held) What `wait_for_units` counts: the units queued."""
         return len(self._pending)
-
-    def on_release(self) -> None:
-        """(Lock held) Called when the last hold ends, after the waiting callers were woken."""
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -78,8 +94,7 @@ class Holdable:
             with self._cv:
                 self._holds -= 1
                 self._cv.notify_all()
-                self.on_release()
-                self._wake_core()
+            self._wake_core()
 
     def wait_for_units(self, count: int, timeout: float) -> bool:
         """Wait until `pending_count()` reaches `count` (with `held()`); False on timeout."""
@@ -87,26 +102,8 @@ class Holdable:
             return self._cv.wait_for(lambda: self.pending_count() >= count, timeout)
 
     def _wake_core(self) -> None:
-        core = getattr(self, "core", None)
-        if core is not None:
-            core.wake()
-
-
-class UnitQueue(Holdable):
-    """What the step scheduler, the decode batcher and the text forward batcher share: units queued under one
-    condition `_cv`, a policy that says when a batch is due (`due`) and which units it takes (`take`), how a batch
-    runs (`execute`, no lock held) and how its units are handed back (`finish`).
-
-    Who runs the batches: the queue's `core` (composer/engine/core.py), one executor per loaded model, on its own
-    thread (`lane` "main": the device's work, in plan order) or its second lane ("side": long work such as a VAE
-    decode, so the others' steps go on meanwhile). A caller that submits from a thread waits for its unit's
-    result and never runs a batch. Only a queue without a core (a follower rank of a parallel layout, whose batches
-    rank 0's plans name, and a queue used on its own) runs batches on the waiting caller's thread."""
-
-    core: Any = None  # the EngineCore running this queue's batches (set by EngineCore.attach)
-    lane: str = "main"
-    planner: Any = None  # a parallel layout's PlanChannel (composer/parallel/plan.py)
-    _running: bool = False
+        if self.core is not None:
+            self.core.wake()
 
     # -- the policy (lock held) -------------------------------------------------------------------------
     def due(self) -> float | None:

@@ -256,7 +256,7 @@ class StepScheduler(UnitQueue):
                 self._cv.notify_all()
             self._wake_core()  # the others' step may be due now
 
-    # -- holding (Holdable): units count per request ------------------------------------------------------
+    # -- holding: units count per request ---------------------------------------------------------------
     def pending_count(self) -> int:
         return len({u.request.id for u in self._pending})
 
