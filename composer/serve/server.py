@@ -110,6 +110,7 @@ class ServerState:
         self.counters = Counters()
         # the text model first: the video model's start (after its load) sets torch's CPU threads for its jobs
         self._loads = {**({"text": text_load} if text_load is not None else {}), modality: load}
+        self._load = load  # the first model's
         self._thread = threading.Thread(target=self._load_models, name="composer-serve-load", daemon=True)
 
     @property
