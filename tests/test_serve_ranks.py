@@ -113,7 +113,9 @@ class ScriptedGenerator:
         self.lora = None
 
 
-IDLE_S = 2.5
+# the idle waits below outlast the channel's timeout (IDLE_S - 0.5 s) so only the keep-alives (0.3 s) keep the
+# followers going; 5.5 s leaves a loaded machine's slow send its time (at 2 s one timed out under a full CI run)
+IDLE_S = 6.0
 
 
 def _protocol(rank: int, world_size: int, out_dir: str) -> None:
