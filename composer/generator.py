@@ -518,7 +518,11 @@ class VideoGenerator:
             from composer.rtmp import RtmpPusher
 
             pusher = RtmpPusher(rtmp_url, sp.fps)
-        return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video, rtmp=pusher)
+        # a thread reading the stream waits for each chunk made as a task on the engine core, as an async reader
+        # does (where the pipeline's streams can be tasks; not with an RTMP push, whose failure hands the chunk
+        # over before raising)
+        core = self.core if self.pipeline.streams_as_tasks and pusher is None else None
+        return VideoStream(self.pipeline.stream(batch), batch, sp, keep_video, rtmp=pusher, core=core)
 
     def open_session(self, *, seed: int | None = None, **kwargs: Any) -> Session:
         """A causal video that lives across calls: `session.extend(prompt, num_blocks)` yields the next blocks'
@@ -753,8 +757,9 @@ class VideoStream:
     """Chunks of a video as they are made. Iterate it once; then `frames`, `stats`, `seed` describe it all."""
 
     def __init__(self, chunks: Iterator, batch: ForwardBatch, sampling: SamplingParam, keep_video: bool = True,
-                 rtmp: Any = None):
+                 rtmp: Any = None, core: Any = None):
         self._chunks = chunks
+        self._core = core  # an EngineCore: iterating waits for each chunk made as a task there (`next_task`)
         self.rtmp = rtmp  # a composer.rtmp.RtmpPusher the frames also go to (None: none)
         self._batch = batch
         self.sampling = sampling
@@ -768,6 +773,9 @@ class VideoStream:
         return self._batch.seed
 
     def __iter__(self) -> Iterator[VideoChunk]:
+        if self._core is not None:
+            yield from self._iter_on_core()
+            return
         pace = self.pace
         try:
             while True:
@@ -789,6 +797,15 @@ class VideoStream:
             pace.pause()  # ended, failed or closed: no frames are due any more
             if self.rtmp is not None and self.rtmp.running:  # failed or closed early: stop pushing now
                 self.rtmp.abort()
+
+    def _iter_on_core(self) -> Iterator[VideoChunk]:
+        """Each chunk a task on the engine core, this thread waiting for it: the chunks (and how their passes share
+        calls with other requests') are those of `next_task` on an async reader."""
+        try:
+            while (chunk := self._core.run(self.next_task(), self.context)) is not None:
+                yield chunk
+        finally:
+            self.pace.pause()
 
     def next_task(self):
         """The next chunk as a task for the generator's engine core (`gen.core.submit(stream.next_task(),

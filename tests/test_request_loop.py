@@ -388,3 +388,23 @@ def test_streams_waiting_for_kv_pages_never_hold_the_stage_threads(tiny_causal_d
         assert np.abs(got.astype(np.int16) - solo_streams[i].astype(np.int16)).max() <= 1
     stats = tight.pipeline.stage("CausalDenoisingStage").kv_pool.stats()
     assert stats.waits >= 1 and stats.peak_used_bytes == budget and stats.used_bytes == 0
+
+
+def test_a_stream_read_on_a_thread_is_made_as_tasks_on_the_core(causal, solo_streams):
+    """stream_video read by a thread: each chunk is a task on the engine core (its denoising loop advances on the
+    core's thread, not the reader's), and its frames are the stream's."""
+    generator, _ = causal
+    seen: set[str] = set()
+
+    class Where:
+        def before_step(self, info):
+            seen.add(threading.current_thread().name)
+
+    handle = generator.pipeline.engines[0].add_hook(Where())
+    try:
+        frames = np.concatenate([c.frames for c in generator.stream_video("prompt 1", seed=1, **STREAM)])
+    finally:
+        handle.remove()
+    assert seen and all(name.startswith("composer-core") for name in seen), seen
+    assert threading.current_thread().name not in seen
+    assert np.array_equal(frames, solo_streams[1])
