@@ -15,7 +15,7 @@ on the core's side lane.
 Under a parallel layout whose decodes hold collectives (a VAE decode split over the ranks), rank 0 plans every call:
 its batcher announces each batch (the calls' `plan_key`s: request key and position, the same on every rank) on the
 process's PlanChannel (composer/parallel/plan.py), in one order with the transformer calls, and the other ranks run
-exactly those batches (`run_planned`), so their collectives meet.
+exactly those batches (`take_planned` once this rank has them, `run_taken`), so their collectives meet.
 
 `module_lock(module)`: one lock per module object, shared by everything in the process that must not run a
 module's stateful calls concurrently (diffusers' Wan VAE keeps its causal cache on the module).
@@ -186,17 +186,23 @@ class UnitQueue:
     what = "a unit of a request"  # what a planned unit is, in the error when rank 0 names one this rank never gets
 
     # -- another rank than 0 of a parallel layout: rank 0's plans decide every batch ---------------------
-    def run_planned(self, plan: list) -> None:
-        """(No lock held; this rank is not 0) Take the units rank 0's plan names, in its order (waiting for this
-        rank's callers to submit them; a plan naming work this rank never gets is an error after the planner's
-        timeout, never a hang), run them as rank 0 did, hand out the results."""
-        from composer.parallel.plan import take_planned
+    def take_planned(self, plan: list) -> Any:
+        """(No lock held; this rank is not 0) The batch of the units rank 0's plan names, in its order, off the
+        queue (marked running), or None while this rank's callers have not submitted them all."""
+        from composer.parallel.plan import match_planned
 
         with self._cv:
-            units, self._pending = take_planned(self._pending, [_plain(p) for p in plan], self.plan_name, self._cv,
-                                                self.planner.timeout_s, self.what)
+            if self._running:
+                return None
+            found = match_planned(self._pending, plan, self.plan_name)
+            if found is None:
+                return None
+            units, self._pending = found
             self._running = True
-            batch = self.batch_of(units)
+            return self.batch_of(units)
+
+    def run_taken(self, batch: Any) -> None:
+        """(No lock held) Run a batch `take_planned` gave, as rank 0 did, and hand out the results."""
         try:
             self.execute(batch)
         finally:
@@ -323,8 +329,3 @@ class CallBatcher(UnitQueue):
         for call in calls:
             call.done = True
         self._cv.notify_all()
-
-
-def _plain(name: Any) -> Any:
-    """A plan entry as sent (lists after the trip through the channel) compared as the tuple it was."""
-    return tuple(_plain(v) for v in name) if isinstance(name, list) else name

@@ -42,7 +42,7 @@ from composer.logging import get_logger
 
 logger = get_logger(__name__)
 
-FOLLOW_POLL_S = 0.002  # a follower rank's core whose channel another core holds looks again this soon
+FOLLOW_POLL_S = 0.01  # a follower core waiting on a plan's units (or another core's turn) looks again this soon
 MAX_WAITERS = 1024  # threads for Blocking work that waits on other requests (made only while such work waits)
 
 
@@ -231,15 +231,20 @@ class EngineCore:
         return ran, wait
 
     def _follow(self, queues: list) -> bool | None:
-        """A rank other than 0 of a parallel layout: while any of its queues holds a unit, receive rank 0's next plan
-        and run the batch it names (whichever queue of the process it is: every rank runs the same batches in the
-        same order). True: a plan ran; False: no unit waits; None: another core of the process holds the channel.
-        A peer that failed (no plan can come) fails the waiting units."""
-        waiting = [q for q in queues if q.planner is not None and not q.planner.leader and q._pending]
-        if not waiting:
+        """A rank other than 0 of a parallel layout: while any of its queues holds a unit (or a plan received waits
+        for its units), follow rank 0's plans (PlanChannel.follow: the batch a plan names runs once this rank's
+        callers submitted its units, whichever queue of the process it is; every rank runs the same batches in the
+        same order). True: a plan ran; False: nothing to follow; None: look again soon (meanwhile the unplanned
+        queues and the tasks go on). A peer that failed (no plan can come) fails the waiting units."""
+        followers = [q for q in queues if q.planner is not None and not q.planner.leader]
+        if not followers:
+            return False
+        planner = followers[0].planner
+        waiting = [q for q in followers if q._pending]
+        if not waiting and not planner.outstanding:
             return False
         try:
-            return waiting[0].planner.follow_once(stop=lambda: not any(q._pending for q in waiting)) or None
+            return planner.follow(stop=lambda: not any(q._pending for q in followers))
         except BaseException as exc:  # noqa: BLE001 - no plan can come: nobody here goes on
             logger.warning("no plan from rank 0: %s: %s", type(exc).__name__, exc)
             for queue in queues:

@@ -5,8 +5,9 @@ Each rank's step schedulers (composer/engine/scheduler.py; one per denoising eng
 loaded) would batch and order them by that rank's own threads' timing, and ranks whose transformer calls differ
 hang in their collectives. So on rank 0 every scheduler's call is announced before it runs, one call at a time in
 the process: (scheduler index, [(request key, position), ...]) broadcast on a gloo group of its own. On every
-other rank one waiting thread at a time receives the next plan and runs it on the scheduler it names, taking that
-scheduler's pending units of the same requests at the same place (waiting for its threads to submit them). A
+other rank an engine core (one at a time) receives the next plan and runs it on the scheduler it names, taking that
+scheduler's pending units of the same requests at the same place once its threads have submitted them (the core
+goes on with unplanned work meanwhile: a decode a thread waits for before it can submit the next step). A
 request's key is a digest of its arguments (the same on every rank; two requests with equal keys make equal
 calls, so either may stand for the other). Schedulers are numbered in the order the process made them, which is
 the same on every rank (the same models loaded in the same order).
@@ -46,6 +47,7 @@ class PlanChannel:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         self.schedulers: list[Any] = []
         self._turn = threading.Lock()  # one call at a time in this process, in plan order
+        self._next: tuple[Any, list, float] | None = None  # (another rank) a plan received, waiting for its units
 
     def register(self, scheduler: Any) -> None:
         scheduler.planner = self
@@ -63,43 +65,58 @@ class PlanChannel:
             self._share((scheduler.plan_index, plan))
             run()
 
-    def follow_once(self, stop: Callable[[], bool]) -> bool:
-        """Another rank: if no other thread is receiving, receive rank 0's next plan and run it (True); False when
-        another thread has the channel. `stop()` is asked once the channel is ours: True skips receiving (the
-        caller's unit was run meanwhile)."""
+    def follow(self, stop: Callable[[], bool]) -> bool | None:
+        """Another rank (its engine cores' call, any of them): run rank 0's next plan once this rank's threads have
+        submitted every unit it names. Receives the next plan when none is outstanding and `stop()` is False (a unit
+        of this rank waits); never waits for the units themselves, so the core goes on with the work no plan orders
+        (an unplanned queue's batch, a task) meanwhile. True: a plan ran; None: look again soon (the plan's units are
+        not all there yet, or another core of this process holds the channel); False: nothing to follow. A plan whose
+        units have not all come `timeout_s` after it arrived is a WorkerError (the ranks' calls differ), never a
+        hang."""
         if not self._turn.acquire(blocking=False):
-            return False
+            return None
         try:
-            if stop():
-                return True
-            index, plan = self._share(None)
-            self.schedulers[index].run_planned(plan)
+            if self._next is None:
+                if stop():
+                    return False
+                index, plan = self._share(None)
+                self._next = (self.schedulers[index], [_plain(p) for p in plan], time.monotonic() + self.timeout_s)
+            queue, plan, deadline = self._next
+            batch = queue.take_planned(plan)
+            if batch is None:
+                if time.monotonic() > deadline:
+                    self._next = None
+                    from composer.errors import WorkerError
+
+                    raise WorkerError(f"rank 0 ran {queue.what} this rank has not made (after {self.timeout_s:.0f} "
+                                      "s): every rank must make the same generate_video / stream_video calls with the "
+                                      "same arguments")
+                return None
+            self._next = None
+            queue.run_taken(batch)
             return True
         finally:
             self._turn.release()
 
+    @property
+    def outstanding(self) -> bool:
+        """Whether a plan was received whose units this rank has not all submitted yet."""
+        return self._next is not None
 
-def take_planned(pending: list, plan: list, name_of: Callable[[Any], Any], cv: Any, timeout_s: float,
-                 what: str) -> tuple[list, list]:
-    """(`cv`'s lock held; a rank other than 0) The items of `pending` rank 0's plan names, in its order (`name_of(item)`
-    is an item's name in a plan), waiting on `cv` for this rank's threads to submit them; returns (the chosen items,
-    the rest of `pending`). A plan naming work this rank never gets is a WorkerError after `timeout_s` (the ranks'
-    calls differ), never a hang; `what` says what rank 0 ran ("a step of a request")."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        chosen: list = []
-        for name in plan:
-            match = next((item for item in pending if name_of(item) == name and all(item is not c for c in chosen)),
-                         None)
-            if match is None:
-                break
-            chosen.append(match)
-        if len(chosen) == len(plan):
-            taken = {id(item) for item in chosen}
-            return chosen, [item for item in pending if id(item) not in taken]
-        if time.monotonic() > deadline:
-            from composer.errors import WorkerError
 
-            raise WorkerError(f"rank 0 ran {what} this rank has not made (after {timeout_s:.0f} s): every rank must "
-                              "make the same generate_video / stream_video calls with the same arguments")
-        cv.wait(timeout=0.05)
+def match_planned(pending: list, plan: list, name_of: Callable[[Any], Any]) -> tuple[list, list] | None:
+    """The items of `pending` rank 0's plan names, in its order (`name_of(item)` is an item's name in a plan):
+    (the chosen items, the rest of `pending`), or None while one is missing."""
+    chosen: list = []
+    for name in plan:
+        match = next((item for item in pending if name_of(item) == name and all(item is not c for c in chosen)), None)
+        if match is None:
+            return None
+        chosen.append(match)
+    taken = {id(item) for item in chosen}
+    return chosen, [item for item in pending if id(item) not in taken]
+
+
+def _plain(name: Any) -> Any:
+    """A plan entry as sent (lists after the trip through the channel) compared as the tuple it was."""
+    return tuple(_plain(v) for v in name) if isinstance(name, list) else name

@@ -19,6 +19,18 @@ gen = VideoGenerator.from_pretrained(t2v_folder, dtype="fp32", progress=False, u
 causal = VideoGenerator.from_pretrained(causal_folder, dtype="fp32", progress=False, ulysses_degree=2,
                                         dist_timeout=60)
 results = {}
+errors = []
+
+
+def guarded(fn):
+    def run(arg):
+        try:
+            fn(arg)
+        except BaseException:  # a thread's exception would otherwise only be printed: the script must fail
+            import traceback
+
+            errors.append(f"{fn.__name__}({arg}): {traceback.format_exc()}")
+    return run
 
 
 def job(seed):
@@ -36,7 +48,7 @@ def stream(seed):
 work = [(job, 1), (job, 2), (stream, 3), (stream, 4)]
 if rank == 1:
     work.reverse()  # threads start in another order on this rank: rank 0's plan decides
-threads = [threading.Thread(target=fn, args=(arg,)) for fn, arg in work]
+threads = [threading.Thread(target=guarded(fn), args=(arg,)) for fn, arg in work]
 schedulers = gen.pipeline.engines[0].scheduler, causal.pipeline.engines[0].scheduler
 if rank == 0:  # rank 0's plans decide: held until both requests of each model queued a unit, so they share a call
     with contextlib.ExitStack() as stack:
@@ -51,6 +63,8 @@ else:
         t.start()
 for t in threads:
     t.join()
+if errors:
+    sys.exit(f"rank {rank}: " + "\n".join(errors))
 stats = [scheduler.stats for scheduler in schedulers]
 torch.save({"frames": {k: torch.from_numpy(v) for k, v in results.items()},
             "calls": [s.calls for s in stats], "units": [s.units for s in stats]}, f"{out_dir}/rank{rank}.pt")
