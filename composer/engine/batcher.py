@@ -32,6 +32,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from composer.platform.openmp import release_workers
+
 _locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _locks_guard = threading.Lock()
 
@@ -219,8 +221,12 @@ class UnitQueue:
         """(Lock held) Until `unit` is done: the core runs it (this thread only waits; on a rank other than 0 the
         core runs the batches rank 0's plans name). Without a running core (a queue used on its own, a core that
         stopped) this thread runs a batch itself when one is due."""
+        released = False
         while not unit.done:
             if self.core is not None and self.core.running and not self.core.on_core_thread():
+                if not released:  # this thread only waits: its OpenMP team would slow the core's
+                    released = True
+                    release_workers()
                 self._cv.wait(timeout=1.0)
                 continue
             if self.planner is not None and not self.planner.leader:

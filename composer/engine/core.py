@@ -39,6 +39,7 @@ import torch
 from composer.engine.loop import Blocking, ModelStep, Task
 from composer.engine.scheduler import RequestContext, running_request
 from composer.logging import get_logger
+from composer.platform.openmp import release_workers
 
 logger = get_logger(__name__)
 
@@ -105,7 +106,9 @@ class EngineCore:
         """`submit(task)` and wait for its result on this thread (a blocking call)."""
         if self.on_core_thread():
             raise RuntimeError("a blocking call was made on the engine core's own thread")
-        return self.submit(task, context).result()
+        future = self.submit(task, context)
+        release_workers()  # this thread only waits now: its OpenMP team would slow the core's (platform/openmp.py)
+        return future.result()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run `fn(*args)` on one of the core's stage threads (work a client hands the core that is not a request's
@@ -198,6 +201,7 @@ class EngineCore:
                     busy = bool(self._ready)
                 if advanced or ran or busy:
                     continue
+                release_workers()  # idle: the lanes' OpenMP teams spin only while no idle one is held
                 self._wake.wait(timeout=wait if wait is not None else 1.0)
 
     def _advance_ready(self) -> bool:
@@ -300,13 +304,19 @@ class EngineCore:
 
 
 def _blocking(item: Blocking, context: RequestContext) -> None:
-    with running_request(context), torch.inference_mode():
-        item.run_here(context)
+    try:
+        with running_request(context), torch.inference_mode():
+            item.run_here(context)
+    finally:
+        release_workers()  # a lane thread between pieces of work holds no OpenMP team (platform/openmp.py)
 
 
 def _called(fn: Callable[..., Any], args: tuple) -> Any:
-    with torch.inference_mode():
-        return fn(*args)
+    try:
+        with torch.inference_mode():
+            return fn(*args)
+    finally:
+        release_workers()
 
 
 def _logged(work: Callable[[], None]) -> None:
@@ -315,6 +325,8 @@ def _logged(work: Callable[[], None]) -> None:
             work()
     except Exception:  # noqa: BLE001 - a batch's error went to its units
         logger.exception("a batch on the side lane failed")
+    finally:
+        release_workers()
 
 
 def unit_queues(pipeline: Any) -> list:
