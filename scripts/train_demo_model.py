@@ -32,8 +32,9 @@ from demo import train as T  # noqa: E402
 from demo import vae as V  # noqa: E402
 
 STAGES = ("vae", "data", "t2v", "causal", "save")
-QUICK = dict(vae_image_steps=10, vae_crop_steps=6, vae_full_steps=2, num_clips=64, num_causal_clips=32, dit_steps=30,
-             causal_steps=20, dit_batch=8, causal_batch=4)
+
+QUICK = dict(vae_image_steps=6, vae_crop_steps=4, vae_full_steps=2, num_clips=24, num_causal_clips=12, dit_steps=12,
+             causal_steps=8, dit_batch=8, causal_batch=4)
 
 
 def parse_args() -> argparse.Namespace:

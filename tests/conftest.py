@@ -153,3 +153,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                         "them (tests/conftest.py)")
         for seconds, nodeid in long:
             terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
+
+
+# -- the order test files are handed out in --------------------------------------------------------------------
+# `make test-all` gives whole files to 3 processes (pytest-xdist --dist loadfile) in collection order. Collected
+# alphabetically, the files heavy with slow tests (subprocess launches, torchrun, the scripts' own runs) came last
+# and one process ran them alone for minutes while the others sat idle. The heaviest files go first (longest work
+# first): a file weighs its slow tests (each counted as SLOW_WEIGHT quick ones) plus its quick tests; the order
+# inside a file, and so its fixtures' life, is unchanged.
+SLOW_WEIGHT = 10
+
+
+def pytest_collection_modifyitems(config, items):
+    weight: dict[str, int] = {}
+    for item in items:
+        path = str(item.path)
+        weight[path] = weight.get(path, 0) + (SLOW_WEIGHT if item.get_closest_marker("slow") else 1)
+    first_seen = {path: i for i, path in reversed(list(enumerate(str(item.path) for item in items)))}
+    items.sort(key=lambda item: (-weight[str(item.path)], first_seen[str(item.path)]))
