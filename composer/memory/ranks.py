@@ -8,9 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from composer.errors import MemoryBudgetError
 from composer.logging import get_logger
 from composer.memory.plan import HEADROOM, OFFLOAD_ORDER, MemoryPlan, device_peak
@@ -34,11 +31,7 @@ def agree_plan(state: Any, predictor: MemoryPredictor, plan_here: Callable[[], M
     except MemoryBudgetError as exc:
         own, error = None, exc
         mine = [FAILED, 0, 0]
-    # over the default group (NCCL on GPUs: tensors on the rank's device; gloo: the host)
-    sent = torch.tensor(mine, dtype=torch.int64, device=state.device)
-    gathered = [torch.empty_like(sent) for _ in range(state.world_size)]
-    dist.all_gather(gathered, sent)
-    ranks = [[int(v) for v in t.tolist()] for t in gathered]
+    ranks = [[int(v) for v in entry] for entry in state.gather(mine)]  # the ranks' one load-time agreement call
     failed = [r for r, entry in enumerate(ranks) if entry[0] == FAILED]
     if failed:
         if error is not None:

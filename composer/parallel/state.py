@@ -188,6 +188,13 @@ class ParallelState:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank (each rank's memory plan): every rank must call it
+        together."""
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
 
 EXIT_BARRIER_S = 10  # how long a rank leaving waits for its peers to leave too (gloo)
 _STATE: ParallelState | None = None

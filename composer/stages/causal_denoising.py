@@ -464,12 +464,9 @@ class CausalDenoisingStage(Stage):
             raise InvalidInputError("nothing to generate: every segment has 0 blocks")
         batch.latents = torch.cat(state.video, dim=2) if state.video else None
 
-    def _next_block(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState) -> LatentBlock | None:
-        """Advance `state` by one block (reading segments and starting rollouts as needed); None when done."""
-        return drive(self._next_block_task(batch, plan, state))
-
     def _next_block_task(self, batch: ForwardBatch, plan: CausalPlan, state: CausalState):
-        """`_next_block` as a task: yields each pass's unit and each blocking piece (text encoding, KV pages)."""
+        """Advance `state` by one block (reading segments and starting rollouts as needed; None when done), as a task:
+        yields each pass's unit and each blocking piece (text encoding, KV pages)."""
         state.live = True
         try:
             return (yield from self._advance_task(batch, plan, state))
