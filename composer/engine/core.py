@@ -39,11 +39,12 @@ import torch
 from composer.engine.loop import Blocking, ModelStep, Task
 from composer.engine.scheduler import RequestContext, running_request
 from composer.logging import get_logger
+from composer.parallel.plan import Follow
 from composer.platform.openmp import release_workers
 
 logger = get_logger(__name__)
 
-FOLLOW_POLL_S = 0.01  # a follower core waiting on a plan's units (or another core's turn) looks again this soon
+FOLLOW_POLL_S = 0.01  # a follower core whose plan channel another core of the process holds looks again this soon
 MAX_WAITERS = 1024  # threads for Blocking work that waits on other requests (made only while such work waits)
 
 
@@ -217,9 +218,9 @@ class EngineCore:
         ran, wait = False, None
         queues = self.attach()
         followed = self._follow(queues)
-        if followed:
+        if followed is Follow.RAN:
             return True, None
-        if followed is None:  # another core of this process is receiving the next plan: look again soon
+        if followed is Follow.BUSY:  # another core of this process is receiving or running a plan: look again soon
             wait = FOLLOW_POLL_S
         for queue in queues:
             try:
@@ -234,19 +235,19 @@ class EngineCore:
                 wait = left if wait is None else min(wait, left)
         return ran, wait
 
-    def _follow(self, queues: list) -> bool | None:
+    def _follow(self, queues: list) -> Follow:
         """A rank other than 0 of a parallel layout: while any of its queues holds a unit (or a plan received waits
         for its units), follow rank 0's plans (PlanChannel.follow: the batch a plan names runs once this rank's
         callers submitted its units, whichever queue of the process it is; every rank runs the same batches in the
-        same order). True: a plan ran; False: nothing to follow; None: look again soon (meanwhile the unplanned
-        queues and the tasks go on). A peer that failed (no plan can come) fails the waiting units."""
+        same order). Meanwhile the unplanned queues and the tasks go on; a unit queued wakes its core, which runs
+        the plan if it was waiting for it. A peer that failed (no plan can come) fails the waiting units."""
         followers = [q for q in queues if q.planner is not None and not q.planner.leader]
         if not followers:
-            return False
+            return Follow.NOTHING
         planner = followers[0].planner
         waiting = [q for q in followers if q._pending]
         if not waiting and not planner.outstanding:
-            return False
+            return Follow.NOTHING
         try:
             return planner.follow(stop=lambda: not any(q._pending for q in followers))
         except BaseException as exc:  # noqa: BLE001 - no plan can come: nobody here goes on
@@ -254,7 +255,7 @@ class EngineCore:
             for queue in queues:
                 if queue.planner is not None:
                     queue.fail_pending(exc)
-            return True
+            return Follow.RAN
 
     def _side_lane(self, work: Callable[[], None]) -> None:
         assert self._side is not None

@@ -15,6 +15,7 @@ the same on every rank (the same models loaded in the same order).
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,15 @@ def plan_channel(timeout_s: float) -> PlanChannel:
         if _channel is None or _channel.world_group is not dist.group.WORLD:  # a new process group: a new channel
             _channel = PlanChannel(timeout_s)
         return _channel
+
+
+class Follow(enum.Enum):
+    """What `PlanChannel.follow` did."""
+
+    RAN = "a plan's batch ran"
+    NOTHING = "no plan outstanding and no unit of this rank waits"
+    WAITING = "a plan waits for units this rank's threads have not queued yet (a unit queued wakes its core)"
+    BUSY = "another core of this process holds the channel (look again soon)"
 
 
 class PlanChannel:
@@ -65,20 +75,18 @@ class PlanChannel:
             self._share((scheduler.plan_index, plan))
             run()
 
-    def follow(self, stop: Callable[[], bool]) -> bool | None:
+    def follow(self, stop: Callable[[], bool]) -> Follow:
         """Another rank (its engine cores' call, any of them): run rank 0's next plan once this rank's threads have
         submitted every unit it names. Receives the next plan when none is outstanding and `stop()` is False (a unit
         of this rank waits); never waits for the units themselves, so the core goes on with the work no plan orders
-        (an unplanned queue's batch, a task) meanwhile. True: a plan ran; None: look again soon (the plan's units are
-        not all there yet, or another core of this process holds the channel); False: nothing to follow. A plan whose
-        units have not all come `timeout_s` after it arrived is a WorkerError (the ranks' calls differ), never a
-        hang."""
+        (an unplanned queue's batch, a task) meanwhile. A plan whose units have not all come `timeout_s` after it
+        arrived is a WorkerError (the ranks' calls differ), never a hang."""
         if not self._turn.acquire(blocking=False):
-            return None
+            return Follow.BUSY
         try:
             if self._next is None:
                 if stop():
-                    return False
+                    return Follow.NOTHING
                 index, plan = self._share(None)
                 self._next = (self.schedulers[index], [_plain(p) for p in plan], time.monotonic() + self.timeout_s)
             queue, plan, deadline = self._next
@@ -91,10 +99,10 @@ class PlanChannel:
                     raise WorkerError(f"rank 0 ran {queue.what} this rank has not made (after {self.timeout_s:.0f} "
                                       "s): every rank must make the same generate_video / stream_video calls with the "
                                       "same arguments")
-                return None
+                return Follow.WAITING
             self._next = None
             queue.run_taken(batch)
-            return True
+            return Follow.RAN
         finally:
             self._turn.release()
 
