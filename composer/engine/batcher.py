@@ -224,9 +224,14 @@ class UnitQueue:
         released = False
         while not unit.done:
             if self.core is not None and self.core.running and not self.core.on_core_thread():
-                if not released:  # this thread only waits: its OpenMP team would slow the core's
-                    released = True
-                    release_workers()
+                if not released:  # this thread only waits: its OpenMP team would slow the core's (not under the
+                    released = True  # lock: freeing a team joins its threads, and the core takes batches under it)
+                    self._cv.release()
+                    try:
+                        release_workers()
+                    finally:
+                        self._cv.acquire()
+                    continue  # the unit may be done meanwhile
                 self._cv.wait(timeout=1.0)
                 continue
             if self.planner is not None and not self.planner.leader:
