@@ -1,0 +1,185 @@
+"""Where the host's time goes while N causal streams run at once on one generator (launch-bound steps on a GPU).
+
+N streams (`stream_video`, different prompts and seeds) run at once on a warmed pool of N threads, `--repeats` times;
+printed: each run's seconds and frames/s (best and median). Optional:
+- `--sample`: a sampling profile of every thread during the last run (every 5 ms, each thread's innermost composer
+  frame and the function it is in): which thread is busy, and where; the engine core's share waiting shows how
+  much of the time the device's work, not the host, is the limit;
+- `--cprofile`: Python's profiler on the engine core's executor thread and its side lane (whole run, by own time);
+- `--no-release`: the engine core's threads keep their OpenMP teams (composer/platform/openmp.py), for an A/B.
+
+    python benchmarks/host_profile.py --device cuda --dtype bf16 --n 8 --sample
+    python benchmarks/host_profile.py --n 2 --stream-frames 9 --repeats 1 --cprofile     # CPU, small
+
+The throughput figures of record are benchmarks/concurrency.py's (same requests, with their sequential baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import concurrency  # noqa: E402
+
+
+class Sampler:
+    """Every `interval` s, each thread's innermost composer frame and its leaf function, counted per thread."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.samples: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.totals: collections.Counter = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.is_set():
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name = names.get(ident, "?")
+                if name.startswith("ThreadPoolExecutor"):  # the benchmark's own pool: one row for all its threads
+                    name = "stream threads"
+                ours = frame
+                while ours is not None and "/composer/" not in ours.f_code.co_filename:
+                    ours = ours.f_back
+                key = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+                if ours is not None and ours is not frame:
+                    key = f"{os.path.basename(ours.f_code.co_filename)}:{ours.f_code.co_name}:{ours.f_lineno} -> {key}"
+                self.samples[name][key] += 1
+                self.totals[name] += 1
+            time.sleep(self.interval)
+
+    def report(self, top: int = 12) -> str:
+        lines = []
+        for name, n in self.totals.most_common():
+            lines.append(f"-- thread {name}: {n} samples")
+            lines += [f"   {c / n:6.1%}  {key}" for key, c in self.samples[name].most_common(top)]
+        return "\n".join(lines)
+
+
+def profile_core(profiles: dict[str, cProfile.Profile]):
+    """Run the engine core's executor loop and its side lane's work under cProfile (one profile each); returns the
+    function that puts the originals back."""
+    import composer.engine.core as core_module
+
+    loop, logged = core_module.EngineCore._loop, core_module._logged
+
+    def profiled(name, fn):
+        def run(*a):
+            profile = profiles.setdefault(name, cProfile.Profile())
+            profile.enable()
+            try:
+                return fn(*a)
+            finally:
+                profile.disable()
+        return run
+
+    core_module.EngineCore._loop = profiled("engine core", loop)
+    core_module._logged = profiled("side lane", logged)
+
+    def restore() -> None:
+        core_module.EngineCore._loop, core_module._logged = loop, logged
+    return restore
+
+
+def no_release():
+    """The engine core's threads keep their OpenMP teams; returns the function that puts the release back."""
+    import composer.engine.batcher as batcher_module
+    import composer.engine.core as core_module
+
+    saved = core_module.release_workers, batcher_module.release_workers
+    core_module.release_workers = batcher_module.release_workers = lambda: False
+
+    def restore() -> None:
+        core_module.release_workers, batcher_module.release_workers = saved
+    return restore
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="shapes-causal", help="a causal model folder / name")
+    p.add_argument("--n", type=int, default=8, help="streams at once")
+    p.add_argument("--stream-frames", type=int, default=33)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--api", choices=["threads", "tasks"], default="threads")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--sample", action="store_true", help="sample every thread's stack during the last run")
+    p.add_argument("--cprofile", action="store_true", help="cProfile the engine core's thread and its side lane")
+    p.add_argument("--no-release", action="store_true", help="the core's threads keep their OpenMP teams")
+    args = p.parse_args(argv)
+    restores = [no_release()] if args.no_release else []
+    profiles: dict[str, cProfile.Profile] = {}
+    if args.cprofile:
+        restores.append(profile_core(profiles))
+    try:
+        run(args, profiles)
+    finally:
+        for restore in restores:
+            restore()
+    return 0
+
+
+def run(args: argparse.Namespace, profiles: dict[str, cProfile.Profile]) -> None:
+    from composer import VideoGenerator
+
+    runtime = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v}
+    gen = VideoGenerator.from_pretrained(args.model, progress=False, **runtime)
+    request = argparse.Namespace(api=args.api, stream_frames=args.stream_frames)
+    pool = ThreadPoolExecutor(max_workers=args.n)
+    concurrency.warm_pool(pool, args.n, gen, concurrency.one_stream, request)
+    for profile in profiles.values():  # count the timed runs only
+        profile.clear()
+    times, sampler = [], None
+    for r in range(args.repeats):
+        sampler = Sampler() if args.sample and r == args.repeats - 1 else None
+        start = time.perf_counter()
+        if sampler is not None:
+            with sampler:
+                results = [f.result() for f in [pool.submit(concurrency.one_stream, gen, i, request)
+                                                for i in range(args.n)]]
+        else:
+            results = [f.result() for f in [pool.submit(concurrency.one_stream, gen, i, request) for i in range(args.n)]]
+        times.append(time.perf_counter() - start)
+    pool.shutdown()
+    frames = sum(len(r["frames"]) for r in results)
+    print(f"{args.n} streams at once ({args.api} API, OpenMP release {'off' if args.no_release else 'on'}), "
+          f"{frames} frames a run: runs " + ", ".join(f"{t:.3f}" for t in times)
+          + f" s; best {frames / min(times):.1f} frames/s, median {frames / statistics.median(times):.1f} frames/s",
+          flush=True)
+    for name, profile in profiles.items():
+        buf = io.StringIO()
+        pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(25)
+        print(f"-- cProfile, {name} (the timed runs), by own time")
+        print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
+    if sampler is not None:
+        print(sampler.report())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
