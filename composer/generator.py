@@ -26,7 +26,7 @@ from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
 from composer.engine.core import EngineCore, unit_queues
-from composer.engine.loop import Blocking, drive, wait_for
+from composer.engine.loop import Admit, Blocking, drive, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.images import refuse_image_knobs
@@ -319,9 +319,8 @@ class VideoGenerator:
         if share is not None:
             admission = self.memory_guard.admission
             reservation = admission.try_reserve(share, priority)
-            if reservation is None:  # others hold the memory: wait, off a request loop's own threads
-                reservation = yield from wait_for(Blocking(lambda: admission.reserve(share, priority, cancel),
-                                                           waits=True))
+            if reservation is None:  # others hold the memory: the core holds its ticket (no thread waits)
+                reservation = yield from wait_for(Admit(admission, share, priority, cancel))
         try:
             return (yield from self._reserved_task(sp, videos, segments, cancel, priority, context, reservation))
         finally:

@@ -18,7 +18,8 @@ from helpers import held
 from composer import VideoGenerator
 from composer.cancel import CancelToken
 from composer.engine.core import EngineCore
-from composer.engine.loop import Blocking, ModelStep, drive, wait_for
+from composer.admission import AdmissionQueue
+from composer.engine.loop import Admit, Blocking, ModelStep, drive, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.errors import Cancelled, InvalidInputError
 
@@ -274,6 +275,72 @@ def test_a_loop_refuses_what_it_cannot_wait_for():
         loop.submit(task(), RequestContext())
 
 
+def until(condition, timeout: float = 30.0) -> bool:
+    """Wait (up to `timeout`) for a state the core reaches on its own thread."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class Tokens(AdmissionQueue):
+    """A test queue: `capacity` tokens; a ticket's need is how many it takes."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.free = capacity
+
+    def _grant(self, ticket):
+        if ticket.need > self.free:
+            return None
+        self.free -= ticket.need
+        return ticket.need
+
+    def give_back(self, n: int) -> None:
+        with self._cv:
+            self.free += n
+            self._notify()
+
+
+def test_tasks_waiting_for_admission_hold_no_thread_and_go_in_priority_order():
+    """Tasks yield `Admit` on a queue with one token: the engine core holds their tickets (no thread waits for
+    them), grants them in priority then arrival order as the token comes back, and a cancelled waiting task ends
+    with Cancelled, its ticket withdrawn, without blocking the others."""
+    queue, core, order = Tokens(1), EngineCore(lambda: [], stage_threads=1), []
+    release = {name: threading.Event() for name in "abcde"}
+
+    def task(name, priority, cancel=None):
+        got = yield from wait_for(Admit(queue, 1, priority, cancel))
+        order.append(name)
+        yield from wait_for(Blocking(lambda: release[name].wait(30), waits=True))  # holds the token until released
+        queue.give_back(got)
+        return name
+
+    first = core.submit(task("a", 0), RequestContext())
+    assert until(lambda: order == ["a"])
+    cancel = CancelToken()
+    futures = {"b": core.submit(task("b", 0), RequestContext()),
+               "c": core.submit(task("c", 5), RequestContext(priority=5)),
+               "d": core.submit(task("d", 0, cancel), RequestContext(cancel=cancel)),
+               "e": core.submit(task("e", 0), RequestContext())}
+    assert until(lambda: queue.waiting == 4)
+    assert len(core._waiters._threads) == 1  # only a's held work: the four waiting tasks hold no thread
+    cancel.cancel()
+    with pytest.raises(Cancelled):
+        futures["d"].result(timeout=30)
+    assert queue.waiting == 3
+    for name in "acbe":
+        release[name].set()
+    assert first.result(timeout=30) == "a" and [futures[n].result(timeout=30) for n in "cbe"] == ["c", "b", "e"]
+    assert order == ["a", "c", "b", "e"] and queue.free == 1
+    release["f"] = threading.Event()
+    release["f"].set()
+    assert drive(task("f", 0)) == "f" and queue.free == 1  # on a thread (drive), the thread itself waits
+    core.close()
+
+
 def test_stage_threads_must_be_a_positive_integer():
     from composer.errors import ConfigError
     from composer.runtime import RuntimeArgs
@@ -374,8 +441,8 @@ def test_session_extends_as_tasks_continue_as_the_linear_stream(causal):
 
 def test_streams_waiting_for_kv_pages_never_hold_the_stage_threads(tiny_causal_dir, causal, solo_streams):
     """A KV budget for one stream and one stage thread: three streams read as tasks. The two that wait for pages
-    wait off the stage thread (Blocking.waits), so the one holding the pages can still decode its chunks and
-    finish; each then runs exactly as alone."""
+    wait in the pool's queue on the engine core (`Admit`), holding no thread, so the one holding the pages can
+    still decode its chunks and finish; each then runs exactly as alone."""
     generator, _ = causal
     need = generator.stream_video("prompt 0", seed=0, **STREAM)
     list(need)
@@ -388,6 +455,8 @@ def test_streams_waiting_for_kv_pages_never_hold_the_stage_threads(tiny_causal_d
         assert np.abs(got.astype(np.int16) - solo_streams[i].astype(np.int16)).max() <= 1
     stats = tight.pipeline.stage("CausalDenoisingStage").kv_pool.stats()
     assert stats.waits >= 1 and stats.peak_used_bytes == budget and stats.used_bytes == 0
+    waiters = tight.core._waiters
+    assert waiters is None or not waiters._threads  # no thread ever waited for pages on a stream's behalf
 
 
 def test_a_stream_read_on_a_thread_is_made_as_tasks_on_the_core(causal, solo_streams):

@@ -36,7 +36,6 @@ device for its attention, as `KVCache(offload=True)` does.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import weakref
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 
+from composer.admission import AdmissionQueue, Ticket
 from composer.cache.kv_cache import KVCache, KVCacheSpec
 from composer.errors import InvalidInputError
 from composer.platform import platform_for
@@ -166,7 +166,7 @@ class _Arena:
 
     def release(self, pages: list[int]) -> None:
         self.unref(pages)
-        self.pool._changed()  # outside the arena's lock: the pool's lock comes first where both are taken
+        self.pool.changed()  # outside the arena's lock: the pool's lock comes first where both are taken
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Pages `dst` := pages `src` (keys and values, every layer). The caller holds the lock."""
@@ -210,8 +210,24 @@ class KVPoolStats:
     swapped_bytes: int = 0  # keys/values on the host now
 
 
-class KVPool:
-    """The pages of one model's causal sessions, under one memory budget (see the module docstring).
+@dataclass(frozen=True)
+class PageNeed:
+    """What a ticket of the pool asks for: `count` pages of `arena` for `caches` new caches (0: a cache coming back
+    from host memory)."""
+
+    arena: Any  # _Arena
+    count: int
+    caches: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.arena.page_bytes
+
+
+class KVPool(AdmissionQueue):
+    """The pages of one model's causal sessions, under one memory budget (see the module docstring): an admission
+    queue (composer/admission.py) whose grant is (page ids, whether they are one run). A task waits for pages with
+    `Admit(pool, pool.need(...), priority, cancel)` on the engine core; a thread in `take`.
 
     `budget`: bytes; a float in (0, 1] for that fraction of the device's free memory when the pool is made; None
     for no limit (pages are still pooled and reused, nothing waits).
@@ -220,13 +236,10 @@ class KVPool:
     def __init__(self, budget: int | float | None = None, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.budget_bytes = resolve_budget(budget, self.device)
+        super().__init__()
         self._arenas: dict[tuple, _Arena] = {}
-        self._cv = threading.Condition()
-        self._queue: list[tuple[int, int, int]] = []  # (-priority, seq, id) of waiting requests
-        self._seq = itertools.count()
         self._sessions = 0
         self._peak = 0
-        self._waits = 0
         self.swaps = 0  # caches moved to host memory (since the pool was made)
         self.swapped_bytes = 0  # keys/values on the host now
 
@@ -255,46 +268,42 @@ class KVPool:
         return max(0, (self.budget_bytes - sum(a.capacity * a.page_bytes for a in others)) // arena.page_bytes)
 
     # -- admission -----------------------------------------------------------------------------------------
-    def take(self, arena: _Arena, count: int, priority: int = 0, cancel: Any = None, caches: int = 1,
-             ) -> tuple[list[int], bool]:
-        """Allocate `count` pages of `arena` for `caches` new caches, waiting (in priority, then arrival order) until
-        the budget has room. Raises InvalidInputError when `count` pages exceed the whole budget."""
-        need = count * arena.page_bytes
-        if self.budget_bytes is not None and need > self.budget_bytes:
+    def need(self, arena: _Arena, count: int, caches: int = 1) -> PageNeed:
+        """What `count` pages of `arena` for `caches` new caches ask of the pool. Raises InvalidInputError when they
+        exceed the whole budget (such a request would wait for ever)."""
+        need = PageNeed(arena, count, caches)
+        if self.budget_bytes is not None and need.nbytes > self.budget_bytes:
             raise InvalidInputError(
-                f"this stream's KV cache needs {_fmt(need)} ({count} pages of {_fmt(arena.page_bytes)}) but "
+                f"this stream's KV cache needs {_fmt(need.nbytes)} ({count} pages of {_fmt(arena.page_bytes)}) but "
                 f"kv_cache_memory is {_fmt(self.budget_bytes)}: raise kv_cache_memory, or use a shorter rollout "
                 "(rollout_blocks) or a smaller resolution"
             )
-        ticket = (-priority, next(self._seq), id(threading.current_thread()))
-        with self._cv:
-            self._queue.append(ticket)
-            self._queue.sort()
-            waited = False
-            try:
-                while not (self._queue[0] == ticket and self._fits(need)):
-                    if self._queue[0] == ticket and self._make_room(need, priority):
-                        continue
-                    if not waited:
-                        waited = True
-                        self._waits += 1
-                        from composer.logging import get_logger
+        return need
 
-                        get_logger(__name__).info(
-                            "a stream waits for KV pages: it needs %s, %s of %s in use; %d ahead of it",
-                            _fmt(need), _fmt(self.used_bytes()), _fmt(self.budget_bytes or 0),
-                            self._queue.index(ticket),
-                        )
-                    self._cv.wait(timeout=0.1)
-                    if cancel is not None:
-                        cancel.check()
-                pages, contiguous = arena.allocate(count)
-                self._sessions += caches
-                self._peak = max(self._peak, self.used_bytes())
-                return pages, contiguous
-            finally:
-                self._queue.remove(ticket)
-                self._cv.notify_all()
+    def take(self, arena: _Arena, count: int, priority: int = 0, cancel: Any = None, caches: int = 1,
+             ) -> tuple[list[int], bool]:
+        """Allocate `count` pages of `arena` for `caches` new caches, this thread waiting (in priority, then arrival
+        order) until the budget has room. Raises InvalidInputError when `count` pages exceed the whole budget."""
+        return self.wait_for(self.need(arena, count, caches), priority, cancel, owner=id(threading.current_thread()))
+
+    def _grant(self, ticket: Ticket) -> tuple[list[int], bool] | None:
+        need: PageNeed = ticket.need
+        while not self._fits(need.nbytes):
+            if not self._make_room(need.nbytes, ticket.priority):
+                return None
+        pages, contiguous = need.arena.allocate(need.count)
+        self._sessions += need.caches
+        self._peak = max(self._peak, self.used_bytes())
+        return pages, contiguous
+
+    def _waiting(self, ticket: Ticket) -> None:
+        from composer.logging import get_logger
+
+        get_logger(__name__).info(
+            "a stream waits for KV pages: it needs %s, %s of %s in use; %d ahead of it", _fmt(ticket.need.nbytes),
+            _fmt(self.used_bytes()), _fmt(self.budget_bytes or 0),
+            self._queue.index(ticket) if ticket in self._queue else 0,
+        )
 
     def _make_room(self, need: int, priority: int) -> bool:
         """Move idle caches of lower priority than `priority` to host memory (lowest priority first, then the
@@ -310,24 +319,15 @@ class KVPool:
     def _fits(self, need: int) -> bool:
         return self.budget_bytes is None or self.used_bytes() + need <= self.budget_bytes
 
-    def position(self, thread: threading.Thread | None = None) -> int | None:
+    def position(self, thread: Any = None) -> int | None:  # type: ignore[override]
         """A thread's place in the admission queue (0: next; default: the calling thread's), None when it is not
         waiting."""
-        me = id(thread if thread is not None else threading.current_thread())
-        with self._cv:
-            for i, (_, _, who) in enumerate(self._queue):
-                if who == me:
-                    return i
-        return None
+        return super().position(id(thread if thread is not None else threading.current_thread()))
 
     def _closed_session(self) -> None:
         with self._cv:
             self._sessions -= 1
-            self._cv.notify_all()
-
-    def _changed(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
+            self._notify()
 
     def reset_peak(self) -> None:
         """Start `peak_used_bytes` over from the bytes in use now (to measure one stretch of traffic)."""
@@ -426,20 +426,35 @@ class PagedKVCache(KVCache):
                 offload: bool = False, priority: int = 0, cancel: Any = None) -> list[PagedKVCache]:
         """Caches admitted together (one request's guidance branches): one wait for all their pages, so two
         requests never each hold part of what they need while both wait for the rest. The specs differ at most in
-        rows and frames (one arena)."""
-        if len(specs) <= 1:
-            return [cls(s, dtype, device, pool, offload, priority, cancel) for s in specs]
+        rows and frames (one arena). This thread waits; a task asks `page_need` and waits on the engine core."""
+        if not specs:
+            return []
+        need = cls.page_need(specs, dtype, device, pool, offload)
+        start = time.perf_counter()
+        grant = pool.wait_for(need, priority, cancel, owner=id(threading.current_thread()))
+        return cls.granted(specs, dtype, device, pool, offload, grant, priority, cancel, time.perf_counter() - start)
+
+    @classmethod
+    def page_need(cls, specs: list[KVCacheSpec], dtype: torch.dtype, device: torch.device | str, pool: KVPool,
+                  offload: bool = False) -> PageNeed:
+        """What the caches of `specs` ask of `pool` together (raises InvalidInputError when it is more than the
+        whole budget)."""
         arena = pool.arena(specs[0], dtype, torch.device(device), offload)
         if any(pool.arena(s, dtype, torch.device(device), offload) is not arena for s in specs):
             raise ValueError("PagedKVCache.several: the caches' pages must have one shape")
-        sizes = [s.batch_size * s.slots for s in specs]
-        start = time.perf_counter()
-        pages, _ = pool.take(arena, sum(sizes), priority, cancel, caches=len(specs))
-        waited = time.perf_counter() - start
+        return pool.need(arena, sum(s.batch_size * s.slots for s in specs), caches=len(specs))
+
+    @classmethod
+    def granted(cls, specs: list[KVCacheSpec], dtype: torch.dtype, device: torch.device | str, pool: KVPool,
+                offload: bool, grant: tuple[list[int], bool], priority: int = 0, cancel: Any = None,
+                waited_s: float = 0.0) -> list[PagedKVCache]:
+        """The caches of `specs` over the pages `pool` granted to their `page_need`."""
+        pages, _ = grant
         out, first = [], 0
-        for s, size in zip(specs, sizes):
-            out.append(cls(s, dtype, device, pool, offload, _pages=pages[first:first + size]))
-            out[-1].waited_s = waited
+        for s in specs:
+            size = s.batch_size * s.slots
+            out.append(cls(s, dtype, device, pool, offload, priority, cancel, _pages=pages[first:first + size]))
+            out[-1].waited_s = waited_s
             first += size
         return out
 
@@ -520,7 +535,7 @@ class PagedKVCache(KVCache):
                 arena.unref(src.tolist())
                 dropped += len(src)
         if dropped:
-            self.pool._changed()
+            self.pool.changed()
 
     # -- host memory under pressure ----------------------------------------------------------------------
     def swap_out(self) -> bool:
@@ -541,15 +556,24 @@ class PagedKVCache(KVCache):
             self.pool.swapped_bytes += self.nbytes
         return True
 
+    def resume_need(self) -> PageNeed | None:
+        """What coming back from host memory asks of the pool (None: the cache is resident)."""
+        if self.swapped is None:
+            return None
+        return self.pool.need(self.arena, self.spec.batch_size * self.spec.slots, caches=0)
+
     @torch.inference_mode()
-    def resume(self) -> None:
-        """Back from host memory, if it went there: new pages (waiting for the pool's room like a new stream,
-        never an out-of-memory error), the keys/values copied back. A no-op for a resident cache."""
+    def resume(self, grant: tuple[list[int], bool] | None = None) -> None:
+        """Back from host memory, if it went there: new pages (`grant`, the pool's answer to `resume_need`; None:
+        this thread waits for the pool's room like a new stream, never an out-of-memory error), the keys/values
+        copied back. A no-op for a resident cache."""
         self.idle = False
         if self.swapped is None:
             return
         rows, slots = self.spec.batch_size, self.spec.slots
-        pages, _ = self.pool.take(self.arena, rows * slots, self.priority, self.cancel, caches=0)
+        if grant is None:
+            grant = self.pool.take(self.arena, rows * slots, self.priority, self.cancel, caches=0)
+        pages, _ = grant
         arena = self.arena
         with arena.lock:
             idx = torch.tensor(pages, dtype=torch.long)
@@ -576,7 +600,7 @@ class PagedKVCache(KVCache):
                 self.arena.unref(self.table[self.table != self.own].tolist())
                 self.table = self.own.clone()
                 self._foreign = 0
-            self.pool._changed()
+            self.pool.changed()
 
     @property
     def nbytes(self) -> int:

@@ -18,7 +18,9 @@ A request is either a *task* (a generator yielding `ModelStep` and `Blocking` wa
 no thread holds between its units, or code on a caller's thread whose units wait in their queue (`submit` blocks
 that thread until the core has run the unit): the batches are the same either way, so a request's output does not
 depend on how it was submitted. Blocking work (text encoding, writing a file) runs on the core's stage threads
-(`stage_threads`), held only while it runs. Nothing waits inside the core on behalf of a request.
+(`stage_threads`), held only while it runs. A task that waits for admission (a memory reservation, KV pages, a
+place on the pipeline: `Admit`) leaves its ticket with the core, which polls it when its queue changes (its cancel
+token within CANCEL_POLL_S). Nothing waits inside the core on behalf of a request.
 
 Parallel layouts: rank 0's core runs its queues' batches and announces each one on the process's PlanChannel first
 (composer/parallel/plan.py); on the other ranks the core receives rank 0's next plan whenever a unit waits and runs
@@ -36,7 +38,8 @@ from typing import Any
 
 import torch
 
-from composer.engine.loop import Blocking, ModelStep, Task
+from composer.admission import CANCEL_POLL_S
+from composer.engine.loop import Admit, Blocking, ModelStep, Task
 from composer.engine.scheduler import RequestContext, running_request
 from composer.logging import get_logger
 from composer.parallel.plan import Follow
@@ -71,6 +74,8 @@ class EngineCore:
         self._wake = threading.Event()
         self._ready: deque[_Task] = deque()
         self._tasks: set[_Task] = set()
+        self._admitting: list[tuple[_Task, Admit]] = []  # tasks whose ticket waits in an admission queue
+        self._admission_changed = False  # a queue they wait on changed since they were last polled
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._waiters: ThreadPoolExecutor | None = None
@@ -158,7 +163,7 @@ class EngineCore:
                 return
             start = self._on_device
             self._pool = ThreadPoolExecutor(self.stage_threads, thread_name_prefix=f"{self.name}-stage", initializer=start)
-            # work that waits on other requests (Blocking.waits): never on the stage threads they need
+            # blocking work that waits on the outside world (Blocking.waits): never on the stage threads
             self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"{self.name}-wait", initializer=start)
             self._side = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-side", initializer=start)
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -194,12 +199,15 @@ class EngineCore:
         with torch.inference_mode():
             while True:
                 self._wake.clear()
+                self._admit_waiting()
                 advanced = self._advance_ready()
                 ran, wait = self._run_due()
                 with self._lock:
                     if self._closed and not self._tasks:
                         return
                     busy = bool(self._ready)
+                    if self._admitting:  # a waiting ticket's cancel is seen within CANCEL_POLL_S
+                        wait = CANCEL_POLL_S if wait is None else min(wait, CANCEL_POLL_S)
                 if advanced or ran or busy:
                     continue
                 release_workers()  # idle: the lanes' OpenMP teams spin only while no idle one is held
@@ -212,6 +220,39 @@ class EngineCore:
         for entry in ready:
             self._advance(entry)
         return bool(ready)
+
+    def _admit_waiting(self) -> None:
+        """Poll every waiting ticket (its queue's order decides: only a head is granted); a granted or cancelled
+        task is resumed with its grant or its error."""
+        with self._lock:
+            waiting = list(self._admitting)
+        if not waiting:
+            return
+        changed, self._admission_changed = self._admission_changed, False
+        done = []
+        for entry, item in waiting:
+            try:
+                granted = False
+                if changed:
+                    granted, item.result = item.queue.poll(item.ticket)
+                if not granted and item.cancel is not None:
+                    item.cancel.check()
+            except BaseException as exc:  # noqa: BLE001 - cancelled (or the policy failed): the task's error
+                item.queue.withdraw(item.ticket)
+                item.result, item.error, granted = None, exc, True
+            if granted:
+                done.append((entry, item))
+        if done:
+            with self._lock:
+                for pair in done:
+                    self._admitting.remove(pair)
+            for entry, _ in done:
+                self._resume(entry)
+
+    def _queue_changed(self) -> None:
+        """(Any thread, an admission queue's lock held: never blocks.) A queue a ticket of ours waits in may grant."""
+        self._admission_changed = True
+        self._wake.set()
 
     def _run_due(self) -> tuple[bool, float | None]:
         """Run every batch that is due; (whether one started, the shortest wait until one may be)."""
@@ -284,6 +325,12 @@ class EngineCore:
 
                 scheduler.enqueue(item.latents, item.timestep, item.branches, item.merged, item.kind, entry.context,
                                   item.step, on_done=done)
+            elif isinstance(item, Admit):
+                item.queue.listen(self._queue_changed)  # a release there wakes this core, which polls the ticket
+                item.ticket = item.queue.ticket(item.need, item.priority, owner=entry.context)
+                with self._lock:
+                    self._admitting.append((entry, item))
+                self._queue_changed()
             elif isinstance(item, Blocking):
                 assert self._pool is not None and self._waiters is not None
                 work = (self._waiters if item.waits else self._pool).submit(_blocking, item, entry.context)

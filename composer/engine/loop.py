@@ -19,8 +19,10 @@ pipeline whose requests cannot be tasks (model offload, a parallel layout) runs 
 - a ModelStep is queued on its engine's scheduler (`StepScheduler.enqueue`), and the core runs the scheduler's
   batches: compatible units of every task (and of any thread waiting on a unit meanwhile) share transformer calls,
   so each output is the one a lone call makes;
-- a Blocking (text encoding, the VAE decode, waiting for KV pages, writing a file) runs on the core's stage threads
-  (`stage_threads`), which a task holds only while that work runs;
+- a Blocking (text encoding, the VAE decode, writing a file) runs on the core's stage threads (`stage_threads`),
+  which a task holds only while that work runs;
+- an Admit (a memory reservation, KV pages, a place on the pipeline: composer/admission.py) is a ticket the core
+  holds and polls when its queue changes: no thread waits for it;
 - each resumption runs with the task's RequestContext as the thread's request (its cancel token, its priority) and
   under `torch.inference_mode`.
 
@@ -42,7 +44,6 @@ from composer.logging import get_logger
 logger = get_logger(__name__)
 
 Task = Generator[Any, Any, Any]
-MAX_WAITERS = 1024  # threads for Blocking work that waits on other requests (made only while such work waits)
 
 
 class Wait:
@@ -115,6 +116,23 @@ class Blocking(Wait):
 
     def _run(self, request: RequestContext) -> Any:
         return self.fn()
+
+
+@dataclass(eq=False)
+class Admit(Wait):
+    """A task waits for a grant of an admission queue (composer/admission.py: a memory reservation, KV pages, a
+    place on the pipeline), in the queue's priority and arrival order. The engine core holds its ticket and polls
+    it whenever the queue changes: no thread waits for it. Driven on a thread, the thread waits (`queue.wait`).
+    A cancel of `cancel` meanwhile ends the wait with Cancelled."""
+
+    queue: Any  # composer.admission.AdmissionQueue
+    need: Any
+    priority: int = 0
+    cancel: Any = None
+    ticket: Any = None
+
+    def _run(self, request: RequestContext) -> Any:
+        return self.queue.wait_for(self.need, self.priority, self.cancel, owner=request)
 
 
 def drive(task: Task, request: RequestContext | None = None) -> Any:

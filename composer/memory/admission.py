@@ -27,17 +27,14 @@ out of a batch, as max_batch_tokens does.
 
 from __future__ import annotations
 
-import itertools
-import threading
 from dataclasses import dataclass
 from typing import Any
 
+from composer.admission import AdmissionQueue, Ticket
 from composer.logging import get_logger
 from composer.memory.predict import RequestMemory, fmt_bytes
 
 logger = get_logger(__name__)
-
-WAIT_POLL_S = 0.1  # a waiting request checks its cancel token this often
 
 
 @dataclass(frozen=True)
@@ -88,51 +85,39 @@ class AdmissionStats:
     in_flight: int  # excess of the transformer calls running now
 
 
-class MemoryAdmission:
-    """Admits requests against one budget (see the module); the step schedulers ask it about their calls."""
+class MemoryAdmission(AdmissionQueue):
+    """Admits requests against one budget (see the module): a queue of `MemoryShare`s (composer/admission.py: in
+    priority, then arrival order; a task waits on the engine core, a thread in `reserve`) whose grant is a
+    `Reservation`. The step schedulers ask it about their calls."""
 
     def __init__(self, room: int, weights: int = 0):
+        super().__init__()
         self.room = int(room)
         self.weights = int(weights)
-        self._cv = threading.Condition()
         self._running: list[Reservation] = []
-        self._queue: list[tuple[int, int]] = []  # (-priority, seq) of the waiting requests, in admission order
-        self._seq = itertools.count()
-        self._waits = 0
         self._in_flight: dict[int, int] = {}  # id(scheduler) -> its running call's excess
 
     # -- requests ------------------------------------------------------------------------------------------
+    def _grant(self, ticket: Ticket) -> Reservation | None:
+        share = ticket.need
+        return self._admit(share, ticket.priority) if self._fits(share) else None
+
+    def _waiting(self, ticket: Ticket) -> None:
+        share = ticket.need
+        more = f" ({fmt_bytes(share.excess)} more in its transformer calls)" if share.excess > 0 else ""
+        logger.info("a request waits for memory: it needs %s%s; %s of %s is reserved by %d running; %d ahead of it",
+                    fmt_bytes(share.held), more, fmt_bytes(self._reserved()), fmt_bytes(self.room),
+                    len(self._running), self._queue.index(ticket) if ticket in self._queue else 0)
+
     def try_reserve(self, share: MemoryShare, priority: int = 0) -> Reservation | None:
         """The reservation if `share` fits now and nobody waits ahead of it (never waits); else None."""
-        with self._cv:
-            if self._queue and self._queue[0][0] <= -priority or not self._fits(share):
-                return None
-            return self._admit(share, priority)
+        return self.take_now(share, priority)
 
     def reserve(self, share: MemoryShare, priority: int = 0, cancel: Any = None) -> Reservation:
-        """Wait until `share` fits beside the running requests and every request before it (higher priority, or as
-        high and earlier) is admitted; raises Cancelled when `cancel` is cancelled meanwhile."""
-        ticket = (-priority, next(self._seq))
-        with self._cv:
-            self._queue.append(ticket)
-            self._queue.sort()
-            waited = False
-            try:
-                while not (self._queue[0] == ticket and self._fits(share)):
-                    if not waited:
-                        waited = True
-                        self._waits += 1
-                        more = f" ({fmt_bytes(share.excess)} more in its transformer calls)" if share.excess > 0 else ""
-                        logger.info("a request waits for memory: it needs %s%s; %s of %s is reserved by %d running; "
-                                    "%d ahead of it", fmt_bytes(share.held), more, fmt_bytes(self._reserved()),
-                                    fmt_bytes(self.room), len(self._running), self._queue.index(ticket))
-                    self._cv.wait(timeout=WAIT_POLL_S)
-                    if cancel is not None:
-                        cancel.check()
-                return self._admit(share, priority)
-            finally:
-                self._queue.remove(ticket)
-                self._cv.notify_all()
+        """Wait on this thread until `share` fits beside the running requests and every request before it (higher
+        priority, or as high and earlier) is admitted; raises Cancelled when `cancel` is cancelled meanwhile. (A
+        task waits with `Admit(admission, share, priority, cancel)` instead, holding no thread.)"""
+        return self.wait_for(share, priority, cancel)
 
     def release(self, reservation: Reservation) -> None:
         with self._cv:
@@ -140,7 +125,7 @@ class MemoryAdmission:
                 return
             reservation.released = True
             self._running.remove(reservation)
-            self._cv.notify_all()
+            self._notify()
 
     def _admit(self, share: MemoryShare, priority: int) -> Reservation:
         reservation = Reservation(self, share, priority)
@@ -188,7 +173,7 @@ class MemoryAdmission:
     def ended(self, scheduler: Any) -> None:
         with self._cv:
             self._in_flight.pop(id(scheduler), None)
-            self._cv.notify_all()
+            self._notify()
 
     # -- what /metrics shows --------------------------------------------------------------------------------
     def stats(self) -> AdmissionStats:

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 
 from composer.accel.hooks import apply_hooks, configure_engine, enabled_hooks
+from composer.admission import AdmissionQueue, Ticket
 from composer.attach import Attachments
 from composer.batch import ForwardBatch
 from composer.cancel import CancelToken
 from composer.configs.base import PipelineConfig
 from composer.engine import DenoisingEngine
 from composer.engine.batcher import module_lock
-from composer.engine.loop import Blocking, drive, is_wait, wait_for
+from composer.engine.loop import Admit, Blocking, drive, is_wait, wait_for
 from composer.engine.scheduler import RequestContext, calling_requests, current_request, running_request
 from composer.errors import UnsupportedError
 from composer.loader.components import ComponentLoader
@@ -363,9 +364,11 @@ class ComposedPipeline:
         return f"{type(self).__name__}({self.folder}, stages: {stages})"
 
 
-class RequestGate:
+class RequestGate(AdmissionQueue):
     """Who may run on a pipeline: any number of requests at once (one at a time when `serial`), and, between
     requests, exclusive work that changes the model (switching LoRA adapters) once every running request is done.
+    An admission queue (composer/admission.py) whose grant is a place: requests that must wait get theirs in
+    arrival order; a task waits on the engine core (`Admit`), a thread in `request()`.
 
     A stream whose reader holds its latest piece (it sends it to a slow client, or a session waits for its next
     extend) is *parked*: it still holds its place (`running`, what exclusive work waits for), but once parked
@@ -374,51 +377,61 @@ class RequestGate:
     calls; one that is back within the grace still joins them)."""
 
     def __init__(self, serial: bool = False, refuse_overlap: bool = False, park_grace_s: float = 0.05):
+        super().__init__()
         self.serial = serial or refuse_overlap
         self.refuse_overlap = refuse_overlap
         self.park_grace_s = park_grace_s
-        self._cv = threading.Condition()
-        self._active: dict[int, int] = {}  # thread id -> requests it holds
+        self._active: dict[Any, int] = {}  # a thread's id or a task's key -> places it holds
         self._parked: dict[int, float] = {}  # a parked stream (id of its iterator) -> since when (time.monotonic)
         self._exclusive = False
 
+    def _grant(self, ticket: Ticket) -> bool | None:
+        key = ticket.need
+        if self._must_wait(key):
+            return None
+        self._active[key] = self._active.get(key, 0) + 1
+        return True
+
     @contextmanager
     def request(self, key: Any = None) -> Iterator[None]:
-        """Hold a place for a request: this thread's (or `key`'s: a task, which no thread holds)."""
+        """Hold a place for a request: this thread's (or `key`'s: a task, which no thread holds); this thread
+        waits for it."""
         me = threading.get_ident() if key is None else key
-        with self._cv:
-            self._refuse_overlap(me)
-            while self._must_wait(me):
-                self._cv.wait()
-            self._active[me] = self._active.get(me, 0) + 1
+        if not self.try_enter(me):
+            self.wait_for(me, owner=me)
         try:
             yield
         finally:
             self.leave(me)
 
     def enter_task(self, key: Any, slot: ExitStack):
-        """As a task: a place for `key` (None: this thread), held until `slot` closes. Taken at once when that needs
-        no waiting; otherwise the wait is blocking work that waits on others (off the engine core's stage threads)."""
-        if key is not None and self.try_enter(key):
-            slot.callback(self.leave, key)
+        """As a task: a place for `key` (None: the thread that runs the task's), held until `slot` closes. Taken at
+        once when that needs no waiting; otherwise a task's key waits in the queue on the engine core (`Admit`), no
+        thread held; a thread's waits on that thread."""
+        if key is None:
+            yield from wait_for(Blocking(lambda: slot.enter_context(self.request(None)), waits=True))
             return
-        yield from wait_for(Blocking(lambda: slot.enter_context(self.request(key)), waits=True))
+        if not self.try_enter(key):
+            yield from wait_for(Admit(self, key))
+        slot.callback(self.leave, key)
 
     def try_enter(self, key: Any) -> bool:
-        """Take a place for `key` if that needs no waiting (True; `leave(key)` gives it back), else False."""
+        """Take a place for `key` if that needs no waiting (True; `leave(key)` gives it back), else False: a key
+        that holds a place already takes another at once (unless exclusive work waits), a new one when nobody waits
+        ahead of it and the gate lets it in."""
         with self._cv:
             self._refuse_overlap(key)
-            if self._must_wait(key):
-                return False
-            self._active[key] = self._active.get(key, 0) + 1
-            return True
+            if key in self._active and not self._exclusive:
+                self._active[key] += 1
+                return True
+            return self.take_now(key) is not None
 
     def leave(self, key: Any) -> None:
         with self._cv:
             self._active[key] -= 1
             if not self._active[key]:
                 del self._active[key]
-            self._cv.notify_all()
+            self._notify()
 
     def _must_wait(self, me: Any) -> bool:
         return self._exclusive or (self.serial and bool(self._active) and me not in self._active)
@@ -448,7 +461,7 @@ class RequestGate:
         finally:
             with self._cv:
                 self._exclusive = False
-                self._cv.notify_all()
+                self._notify()
 
     @property
     def running(self) -> int:

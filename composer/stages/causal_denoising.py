@@ -42,7 +42,7 @@ from composer.batch import ForwardBatch, LatentBlock, RequestStats
 from composer.cache import KVCache, KVCacheSpec
 from composer.cache.kv_pool import KVPool, PagedKVCache
 from composer.engine import ClassifierFreeGuidance, DenoisingEngine, FewStepFlow, ModelInputs
-from composer.engine.loop import Blocking, ModelStep, drive, is_wait, wait_for
+from composer.engine.loop import Admit, Blocking, ModelStep, drive, is_wait, wait_for
 from composer.engine.scheduler import current_request
 from composer.errors import InvalidInputError
 from composer.logging import progress_bar
@@ -193,6 +193,18 @@ class CausalState:
                 else:
                     cache.resume()
 
+    def resume_task(self):
+        """`park(False)` as a task: a cache that went to host memory waits for the pool's room on the engine core
+        (composer/engine/loop.py `Admit`), holding no thread."""
+        for cache in _unique(self.rollout.caches or []) if self.rollout is not None else []:
+            need = cache.resume_need() if cache is not None and hasattr(cache, "resume_need") else None
+            if need is not None:
+                grant = cache.pool.take_now(need, cache.priority)
+                if grant is None:
+                    grant = yield from wait_for(Admit(cache.pool, need, cache.priority, cache.cancel))
+                cache.resume(grant)
+        self.park(False)
+
     @property
     def swapped(self) -> bool:
         """Whether a cache of the rollout went to host memory (going on then waits for the pool's room)."""
@@ -341,10 +353,10 @@ class CausalDenoisingStage(Stage):
         return batch
 
     # -- the sampler ---------------------------------------------------------------------------------
-    def _new_caches(self, batch_size: int, branches: int, capacity: int, tokens_per_frame: int,
-                    ) -> list[KVCache | None]:
-        """One cache per guidance branch (batched branches share one holding all their rows), pages of the
-        stage's KVPool: making one waits until the pool's budget has room (admission)."""
+    def _new_caches(self, batch_size: int, branches: int, capacity: int, tokens_per_frame: int):
+        """As a task: one cache per guidance branch (batched branches share one holding all their rows), pages of
+        the stage's KVPool, the branches' pages in one admission (composer/admission.py): when the pool's budget has
+        no room the task waits on the engine core (`Admit`), holding no thread. Returns list[KVCache | None]."""
         cfg = self.transformer.config
         window, sink = self.window
         heads, tokens = cfg.num_attention_heads, tokens_per_frame
@@ -366,8 +378,16 @@ class CausalDenoisingStage(Stage):
         owned = [0] if batched else [i for i in range(branches) if self.engine.owns_branch(i)]
         rows = batch_size * branches if batched else batch_size
         # the branches' pages in one admission: a request never holds one branch's cache while waiting for another
-        made = PagedKVCache.several([spec(rows)] * len(owned), self.transformer.dtype, self.transformer.device,
-                                    self.kv_pool, offload=self.kv_cache_offload, priority=priority, cancel=cancel)
+        specs, pool, dtype, device = [spec(rows)] * len(owned), self.kv_pool, self.transformer.dtype, self.transformer.device
+        made: list = []
+        if specs:
+            need = PagedKVCache.page_need(specs, dtype, device, pool, self.kv_cache_offload)
+            start = time.perf_counter()
+            grant = pool.take_now(need, priority)
+            if grant is None:  # other streams hold the room: wait in the pool's queue, on the engine core
+                grant = yield from wait_for(Admit(pool, need, priority, cancel))
+            made = PagedKVCache.granted(specs, dtype, device, pool, self.kv_cache_offload, grant, priority, cancel,
+                                        time.perf_counter() - start)
         if batched:
             return made * branches
         caches: list[KVCache | None] = [None] * branches
@@ -454,10 +474,7 @@ class CausalDenoisingStage(Stage):
                     break
                 state.park(True)  # suspended between blocks: an idle stream's KV pages may go to host memory
                 yield block  # (a session between extends, a slow reader) for a higher-priority stream
-                if state.swapped:  # its pages come back, waiting for the pool's room: work that waits on others
-                    yield from wait_for(Blocking(lambda: state.park(False), waits=True))
-                else:
-                    state.park(False)
+                yield from state.resume_task()  # pages that went to host memory come back (waiting for room)
         finally:
             state.close_rollout()  # finished, failed or closed: the KV pages go back to the pool
         if state.block_index == 0 and batch.start_latents is None:
@@ -566,8 +583,7 @@ class CausalDenoisingStage(Stage):
         prefill = time.perf_counter() - start
         caches = reused
         if plan.use_kv_cache and caches is None:
-            caches = yield from wait_for(Blocking(  # may wait until other streams free the pool's room
-                lambda: self._new_caches(bsz, branches, prefix + blocks * n, tpf), waits=True))
+            caches = yield from self._new_caches(bsz, branches, prefix + blocks * n, tpf)  # may wait for room
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(c.nbytes for c in _unique(caches) if c))
         stats.rollouts += 1
         start = time.perf_counter()
