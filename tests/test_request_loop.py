@@ -16,9 +16,9 @@ import torch
 from helpers import held
 
 from composer import VideoGenerator
+from composer.admission import AdmissionQueue
 from composer.cancel import CancelToken
 from composer.engine.core import EngineCore
-from composer.admission import AdmissionQueue
 from composer.engine.loop import Admit, Blocking, ModelStep, drive, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.errors import Cancelled, InvalidInputError
