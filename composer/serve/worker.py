@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from composer.admission import AdmissionQueue, Ticket
 from composer.cancel import CancelToken
 from composer.engine.engine import EngineHook, StepInfo
 from composer.engine.scheduler import current_request
@@ -125,9 +126,11 @@ def concurrency_for(generator: Any, asked: int | None) -> tuple[int, str | None]
     return wanted, None
 
 
-class Worker:
+class Worker(AdmissionQueue):
     """Runs queued jobs on `generator` (anything with VideoGenerator's generate_video), up to `max_concurrent`
-    at once (None: 4 when the generator's pipeline lets requests share it, else 1)."""
+    at once (None: 4 when the generator's pipeline lets requests share it, else 1). Its queue is an admission queue
+    (composer/admission.py: a ticket per job, in priority then arrival order, only the head started) whose policy
+    is the slots and the adapter set (`_grant`)."""
 
     def __init__(self, generator: Any, store: JobStore, max_queue: int, request_timeout: float | None,
                  loras: Sequence[LoraOption] = (), max_concurrent: int | None = None):
@@ -140,10 +143,8 @@ class Worker:
         self.max_concurrent, why = concurrency_for(generator, max_concurrent)
         if why:
             logger.info("%s", why)
-        self._cv = threading.Condition()  # guards everything below and `_lora`
-        self._waiting: list[Job] = []  # queued jobs, in arrival order
-        self._arrival: dict[str, int] = {}
-        self._arrivals = 0
+        super().__init__()  # the queue's lock (`_cv`) guards everything below and `_lora`
+        self._tickets: dict[str, Ticket] = {}  # job id -> its ticket while it is queued
         self._tokens: dict[str, CancelToken] = {}
         self._runs: dict[str, _Run] = {}  # job id -> the running job
         self._streams: dict[str, Any] = {}  # job id -> StreamSession, for live streams
@@ -188,8 +189,7 @@ class Worker:
     @property
     def queue_length(self) -> int:
         """Jobs waiting in the queue."""
-        with self._cv:
-            return len(self._waiting)
+        return self.waiting
 
     @property
     def running(self) -> int:
@@ -227,16 +227,13 @@ class Worker:
     def submit(self, job: Job, stream: Any = None) -> None:
         """Queue `job` (QueueFull when the queue is full); `stream`: a live stream's StreamSession."""
         with self._cv:
-            if len(self._waiting) >= self.max_queue:
+            if len(self._queue) >= self.max_queue:
                 raise QueueFull
             self._tokens[job.id] = CancelToken()
             if stream is not None:
                 self._streams[job.id] = stream
-            self._arrival[job.id] = self._arrivals
-            self._arrivals += 1
             self._queued_at[job.id] = time.monotonic()
-            self._waiting.append(job)
-            self._cv.notify_all()
+            self._tickets[job.id] = self.ticket(job, job.priority, owner=job.id)
         self._pump()  # it starts now, on this thread, if a slot is free: no dispatcher thread in between
 
     def jobs_ahead(self, job: Job) -> int:
@@ -244,13 +241,13 @@ class Worker:
         earlier), plus the running ones when they hold every slot, or when an adapter switch must wait for them
         (`job`, or one before it, needs other adapters than the active ones)."""
         with self._cv:
-            if job not in self._waiting:
+            ticket = self._tickets.get(job.id)
+            if ticket is None or ticket not in self._queue:
                 return 0
-            key = self._order(job)
-            before = [j for j in self._waiting if self._order(j) < key]
-            switch = any(j.lora != self._lora for j in [*before, job])
+            before = self._queue.index(ticket)
+            switch = any(t.need.lora != self._lora for t in self._queue[:before + 1])
             blocked = len(self._runs) >= self.max_concurrent or (self._runs and switch)
-            return len(before) + (len(self._runs) if blocked else 0)
+            return before + (len(self._runs) if blocked else 0)
 
     def cancel(self, job: Job) -> bool:
         """Cancel a queued job (it leaves the queue) or a running one (it stops at the next block); False when
@@ -260,12 +257,12 @@ class Worker:
             if token is None or job.status not in (QUEUED, IN_PROGRESS):
                 return False
             token.cancel("cancelled by the client")
-            queued = job in self._waiting
+            ticket = self._tickets.get(job.id)
+            queued = ticket is not None and ticket in self._queue
             if queued:
-                self._waiting.remove(job)
+                self.withdraw(ticket)
                 self._forget(job)
                 self.store.update(job, status=CANCELLED, completed_at=time.time(), error=None)
-                self._cv.notify_all()
         if queued:
             self._end_stream(job)
             self._pump()  # the job behind it may be runnable now
@@ -311,43 +308,40 @@ class Worker:
             handle.remove()
 
     # -- starting and ending jobs -----------------------------------------------------------------------
-    def _order(self, job: Job) -> tuple[int, int]:
-        return -job.priority, self._arrival[job.id]
-
     def _forget(self, job: Job) -> None:
         self._tokens.pop(job.id, None)
-        self._arrival.pop(job.id, None)
+        self._tickets.pop(job.id, None)
         self._queued_at.pop(job.id, None)
 
-    def _runnable(self) -> Job | None:
-        """The next job in line, if it may start now: a slot is free, and the model has its adapters or nothing
-        runs (it switches)."""
-        if self._switching or not self._waiting or len(self._runs) >= self.max_concurrent:
+    def _grant(self, ticket: Ticket) -> tuple[_Run, bool] | None:
+        """(The queue's head, its lock held) Start the job if it may start now: a slot is free, no adapter switch
+        is under way, and the model has its adapters or nothing runs (then it switches them first, and no job starts
+        meanwhile). The grant: (its run, whether it must switch the adapters first)."""
+        job: Job = ticket.need
+        if self._stopping.is_set() or self._switching or len(self._runs) >= self.max_concurrent:
             return None
-        head = min(self._waiting, key=self._order)
-        return head if head.lora == self._lora or not self._runs else None
+        if job.lora != self._lora and self._runs:
+            return None
+        queued = self._queued_at.pop(job.id, None)
+        if queued is not None:
+            self.queue_wait_sum += time.monotonic() - queued
+            self.queue_waits += 1
+        switch = job.lora != self._lora
+        self._switching = switch  # the others wait for it: no job may start on the old adapters
+        run = _Run(job, self._tokens[job.id])
+        self._runs[job.id] = run
+        self._by_token[id(run.token)] = run
+        self._tickets.pop(job.id, None)
+        self.store.update(job, status=IN_PROGRESS, started_at=time.time())
+        return run, switch
 
     def _take(self) -> tuple[_Run, bool] | None:
-        """The job that may start now, taken off the queue: (its run, whether it must switch the adapters first);
-        None when none may (no slot, a switch under way, an empty queue, the server stopping)."""
+        """The job at the head of the queue, started if it may start now (`_grant`), else None."""
         with self._cv:
-            if self._stopping.is_set():
+            if not self._queue:
                 return None
-            job = self._runnable()
-            if job is None:
-                return None
-            self._waiting.remove(job)
-            queued = self._queued_at.pop(job.id, None)
-            if queued is not None:
-                self.queue_wait_sum += time.monotonic() - queued
-                self.queue_waits += 1
-            switch = job.lora != self._lora
-            self._switching = switch  # the others wait for it: no job may start on the old adapters
-            run = _Run(job, self._tokens[job.id])
-            self._runs[job.id] = run
-            self._by_token[id(run.token)] = run
-            self.store.update(job, status=IN_PROGRESS, started_at=time.time())
-            return run, switch
+            granted, grant = self.poll(self._queue[0])
+            return grant if granted else None
 
     def _pump(self) -> None:
         """Start every job that may start now, on the calling thread (the request that queued one, the end of a
@@ -388,7 +382,7 @@ class Worker:
             self._runs.pop(run.job.id, None)
             self._by_token.pop(id(run.token), None)
             self._forget(run.job)
-            self._cv.notify_all()
+            self._notify()
         self._pump()  # its slot may start the next job
 
     def _start_timer(self, run: _Run) -> threading.Timer | None:
