@@ -128,22 +128,17 @@ class UnitQueue:
         raise NotImplementedError
 
     # -- who runs it ----------------------------------------------------------------------------------
-    def poll(self, lane: Callable[[Callable[[], None]], None] | None = None) -> float | None:
-        """The executor's call: start the batch that is due now (0.0), else say how long until one may be (None:
-        nothing to run, or a batch is running: its end wakes the executor). `lane(fn)`: where a "side" queue's batch
-        runs (the core's second lane); without it the batch runs here."""
+    def next_batch(self) -> tuple[Any, float | None]:
+        """The scheduler's question (EngineCore.schedule): (the batch due now, taken off the queue and the queue
+        marked running; or None, with how long until one may be: None when nothing can run, or a batch runs and its
+        end wakes the executor). Nothing runs here."""
         if self.planner is not None and not self.planner.leader:
-            return None  # a follower's batches are the ones rank 0 names (EngineCore._follow runs them)
+            return None, None  # a follower's batches are the ones rank 0 names (EngineCore._follow runs them)
         with self._cv:
             wait = self.due()
             if wait != 0.0:
-                return wait
-            batch = self.take()
-        if lane is None or self.lane == "main":
-            self._run_batch(batch)
-        else:
-            lane(lambda: self._run_batch(batch))
-        return 0.0
+                return None, wait
+            return self.take(), 0.0
 
     def _run_batch(self, batch: Any) -> None:
         try:

@@ -10,8 +10,9 @@ units it holds (priorities, deadlines, compatibility, row, token and memory budg
 `finish()` hands results back. The core's executor thread is the one place those batches run:
 
     loop   advance every task whose wait is over (its Python generator, up to its next wait)
-           poll every queue: a due batch runs now, on the core's thread ("main" lane: the device's work, in order)
-           or on its second lane ("side": long work such as a VAE decode, so the others' steps go on meanwhile)
+           schedule: every queue's policy gives the batch due now (taken off its queue), nothing runs yet
+           execute: each batch runs on the core's thread ("main" lane: the device's work, in order) or on its
+           second lane ("side": long work such as a VAE decode, so the others' steps go on meanwhile)
            sleep until a unit is queued, a batch ends or a queue's wait is over
 
 A request is either a *task* (a generator yielding `ModelStep` and `Blocking` waits: composer/engine/loop.py), which
@@ -255,26 +256,45 @@ class EngineCore:
         self._wake.set()
 
     def _run_due(self) -> tuple[bool, float | None]:
-        """Run every batch that is due; (whether one started, the shortest wait until one may be)."""
-        ran, wait = False, None
+        """One iteration of the executor: `schedule()` then `execute()`; (whether a batch started, the shortest wait
+        until one may be)."""
         queues = self.attach()
         followed = self._follow(queues)
         if followed is Follow.RAN:
             return True, None
+        plan, wait = self.schedule(queues)
         if followed is Follow.BUSY:  # another core of this process is receiving or running a plan: look again soon
-            wait = FOLLOW_POLL_S
+            wait = FOLLOW_POLL_S if wait is None else min(wait, FOLLOW_POLL_S)
+        self.execute(plan)
+        return bool(plan), wait
+
+    def schedule(self, queues: list) -> tuple[list[tuple[Any, Any]], float | None]:
+        """Decide this iteration, running nothing: every queue's batch that is due now (its policy: priorities,
+        deadlines, compatible units, row / token / memory budgets; taken off its queue), in the queues' order; and
+        the shortest wait until another may be due (None: until something wakes the core)."""
+        plan, wait = [], None
         for queue in queues:
             try:
-                left = queue.poll(lane=self._side_lane)
+                batch, left = queue.next_batch()
             except Exception as exc:  # noqa: BLE001 - a bug in a queue's policy: its units fail, the loop goes on
                 logger.exception("a unit queue failed")
                 queue.fail_pending(exc)
-                left = None
-            if left == 0.0:
-                ran = True
+                continue
+            if batch is not None:
+                plan.append((queue, batch))
             elif left is not None:
                 wait = left if wait is None else min(wait, left)
-        return ran, wait
+        return plan, wait
+
+    def execute(self, plan: list[tuple[Any, Any]]) -> None:
+        """Run the batches `schedule` took: the device's work here, in order ("main" lane); a "side" queue's (a VAE
+        decode) on the side lane, so the others' steps go on meanwhile. Each batch's end hands its units back and
+        wakes the core."""
+        for queue, batch in plan:
+            if queue.lane == "main":
+                queue._run_batch(batch)
+            else:
+                self._side_lane(lambda queue=queue, batch=batch: queue._run_batch(batch))
 
     def _follow(self, queues: list) -> Follow:
         """A rank other than 0 of a parallel layout: while any of its queues holds a unit (or a plan received waits
