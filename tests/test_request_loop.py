@@ -223,12 +223,22 @@ def test_whole_videos_of_a_causal_model_run_as_tasks(tiny_causal_dir, one_thread
         assert np.abs(got.frames.astype(np.int16) - want[s].frames.astype(np.int16)).max() <= 1
 
 
-def test_a_serial_pipelines_requests_run_on_a_thread(tiny_wan_dir, one_thread):
+def test_a_serial_pipelines_requests_are_tasks_one_at_a_time(tiny_wan_dir, one_thread):
+    """Model offload runs requests one at a time: they are tasks on the engine core all the same (the core runs the
+    running one's steps itself, there being no step scheduler); the others wait for their place in the gate's queue
+    holding no thread, and each video is the one a call alone makes."""
     generator = VideoGenerator.from_pretrained(tiny_wan_dir, progress=False, offload="model")
-    assert generator.pipeline.concurrency == "serial" and not generator.pipeline.runs_tasks
-    want = generator.generate_video("a cat", seed=3, **KW)
-    got = generator.submit_video("a cat", seed=3, **KW).result(timeout=300)
-    assert np.array_equal(got.frames, want.frames)
+    assert generator.pipeline.concurrency == "serial" and generator.pipeline.runs_tasks
+    want = {seed: generator.generate_video("a cat", seed=seed, **KW) for seed in (3, 4, 5)}
+    gate = generator.pipeline.gate
+    with gate.exclusive("a test"):  # nobody may start: the three tasks queue for their places
+        futures = {seed: generator.submit_video("a cat", seed=seed, **KW) for seed in (3, 4, 5)}
+        assert until(lambda: gate.waiting == 3)
+        waiters = generator.core._waiters
+        assert waiters is None or not waiters._threads  # the waiting requests hold no thread
+    for seed, future in futures.items():
+        assert np.array_equal(future.result(timeout=300).frames, want[seed].frames)
+    assert gate.running == 0
 
 
 def test_a_wait_raises_its_error_where_the_task_reads_it():
@@ -262,13 +272,13 @@ def test_a_loop_refuses_what_it_cannot_wait_for():
     with pytest.raises(TypeError, match="expected ModelStep or Blocking"):
         future.result(timeout=30)
 
-    class NoScheduler:
-        scheduler = None
+    class Planned:  # a parallel layout's engine: rank 0 plans its calls, which tasks cannot take part in
+        scheduler = type("Scheduler", (), {"planner": object()})()
 
     def model_task():
-        yield ModelStep(NoScheduler(), torch.zeros(1), torch.zeros(1), [], None, "step", None)
+        yield ModelStep(Planned(), torch.zeros(1), torch.zeros(1), [], None, "step", None)
 
-    with pytest.raises(RuntimeError, match="step scheduler"):
+    with pytest.raises(RuntimeError, match="cannot be planned"):
         loop.submit(model_task(), RequestContext()).result(timeout=30)
     loop.close()
     with pytest.raises(RuntimeError, match="closed"):

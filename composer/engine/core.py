@@ -336,8 +336,14 @@ class EngineCore:
         try:
             if isinstance(item, ModelStep):
                 scheduler = item.engine.scheduler
-                if scheduler is None or scheduler.planner is not None:
-                    raise RuntimeError("a task's transformer unit needs its engine's step scheduler (not planned)")
+                if scheduler is None:  # a serial pipeline (one request at a time): its step runs here, now
+                    with running_request(entry.context):
+                        item.run_here(entry.context)
+                    self._resume(entry)
+                    return
+                if scheduler.planner is not None:
+                    raise RuntimeError("a task's transformer unit cannot be planned by rank 0 (a parallel layout's "
+                                       "requests run on threads)")
 
                 def done(unit, item=item) -> None:
                     item.result, item.error = unit.result, unit.error

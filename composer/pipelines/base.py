@@ -288,11 +288,12 @@ class ComposedPipeline:
     @property
     def runs_tasks(self) -> bool:
         """Whether this pipeline's requests can run as tasks on the engine core (composer/engine/core.py), holding no
-        thread between their transformer units: a pipeline whose requests share it (batch or interleave mode) on one
-        process. A serial pipeline's requests and a parallel layout's (rank 0 plans the calls; every rank's threads
-        follow) run on a thread each instead."""
-        return (self.concurrency in ("batch", "interleave") and not self.gate.serial
-                and all(e.scheduler is not None and e.scheduler.planner is None for e in self.engines))
+        thread between their transformer units: on one process, a pipeline whose requests share it (batch or
+        interleave mode) or run one at a time (serial: model offload; the others wait for their place at the gate in
+        its queue, and the one running has its steps run by the core directly). A parallel layout's requests (rank 0
+        plans the calls; every rank's threads follow) run on a thread each instead."""
+        return (not self.gate.refuse_overlap
+                and all(e.scheduler is None or e.scheduler.planner is None for e in self.engines))
 
     @property
     def streams_as_tasks(self) -> bool:
@@ -304,13 +305,11 @@ class ComposedPipeline:
     def forward_task(self, batch: ForwardBatch):
         """`forward` as a task: the denoising stages yield their transformer units (each step's), every other
         stage runs as one Blocking piece of work (on the engine core: a stage thread, held only while it runs; driven
-        on a thread: inline). The request holds its place at the gate throughout: a task (a background request)
-        under its own key, a request driven on a thread under the thread's."""
+        on a thread: inline). The request holds its place at the gate throughout, under its own key (a serial
+        pipeline's requests and those arriving during an adapter switch wait for it in the gate's queue)."""
         context = self.request_context(batch)
-        key = ("task", id(batch)) if context.background else None
         with ExitStack() as slot, running_request(context):
-            # a place at the gate may wait (an adapter switch): as blocking work, never on a loop's thread
-            yield from self.gate.enter_task(key, slot)
+            yield from self.gate.enter_task(("task", id(batch)), slot)
             for stage in self.stages:
                 self.check_cancelled()
                 if stage.skips(batch):  # nothing to do for this request: its modules need not visit the device
@@ -405,12 +404,9 @@ class RequestGate(AdmissionQueue):
             self.leave(me)
 
     def enter_task(self, key: Any, slot: ExitStack):
-        """As a task: a place for `key` (None: the thread that runs the task's), held until `slot` closes. Taken at
-        once when that needs no waiting; otherwise a task's key waits in the queue on the engine core (`Admit`), no
-        thread held; a thread's waits on that thread."""
-        if key is None:
-            yield from wait_for(Blocking(lambda: slot.enter_context(self.request(None)), waits=True))
-            return
+        """As a task: a place for `key` (a request's own), held until `slot` closes. Taken at once when that needs
+        no waiting; otherwise the key waits in the queue (`Admit`: on the engine core, no thread held; driven on a
+        thread, that thread waits)."""
         if not self.try_enter(key):
             yield from wait_for(Admit(self, key))
         slot.callback(self.leave, key)

@@ -4,7 +4,7 @@ The HTTP loop only queues and reads records; it never waits on generation. One d
 A video job on a generator whose requests run as tasks (`pipeline.runs_tasks`: one process, requests sharing the
 model) is submitted with `submit_video`: no thread waits for it between its denoising steps, and a finishing
 thread writes its file when it ends. Other jobs (a live stream, a job that must switch the LoRA adapters first, a
-causal or serial or multi-rank generator) run on a thread of their own (on several ranks, each job's call
+multi-rank generator) run on a thread of their own (on several ranks, each job's call
 runs on every rank at once with the others': composer/parallel/ranks.py). The generator's step scheduler
 (composer/engine/scheduler.py) batches the denoising steps of the jobs that run together. The queue is ordered by `priority` (higher first), then by arrival. A job's CancelToken stops it at
 the next transformer block (DELETE, or the request timeout); any exception fails that job alone and its thread
