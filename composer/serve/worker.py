@@ -1,16 +1,17 @@
 """The worker: jobs from a bounded priority queue run on the generator, up to `max_concurrent` at once.
 
-The HTTP loop only queues and reads records; it never waits on generation. One dispatcher thread starts the jobs.
-A video job on a generator whose requests run as tasks (`pipeline.runs_tasks`: one process, requests sharing the
-model) is submitted with `submit_video`: no thread waits for it between its denoising steps, and a finishing
-thread writes its file when it ends. Other jobs (a live stream, a job that must switch the LoRA adapters first, a
-multi-rank generator) run on a thread of their own (on several ranks, each job's call
-runs on every rank at once with the others': composer/parallel/ranks.py). The generator's step scheduler
-(composer/engine/scheduler.py) batches the denoising steps of the jobs that run together. The queue is ordered by `priority` (higher first), then by arrival. A job's CancelToken stops it at
-the next transformer block (DELETE, or the request timeout); any exception fails that job alone and its thread
-goes on with the next. A live stream (serve/stream.py) is a job too, submitted with its StreamSession: a worker
-thread runs it with stream_video, handing each chunk to the session (which waits while its client is behind:
-only that thread waits) and writing it to the file.
+The HTTP loop only queues and reads records; it never waits on generation. The queue is an admission queue
+(composer/admission.py): a ticket per job, ordered by `priority` (higher first), then by arrival; the head starts
+when a slot is free and the model has its adapters (`_grant`), on the thread that queued it or ended the job before
+it (no dispatcher thread). On one process a video job is a task on the generator's engine core (`submit_video`): no
+thread waits for it between its denoising steps, and its file and record are written on the core's stage threads.
+A live stream (serve/stream.py) is a job too, submitted with its StreamSession: each chunk a task on the core (or
+made on a stream thread where the pipeline cannot), handed to the session, which resumes the stream once its client
+has read (no thread waits while the client is behind), and written to the file. A job that must switch the LoRA
+adapters first has the switch run on the core's stage threads, then starts the same way. On several ranks each job
+runs on a thread of its own (its call runs on every rank at once with the others': composer/parallel/ranks.py).
+A job's CancelToken stops it at the next transformer block (DELETE, or the request timeout); any exception fails
+that job alone.
 
 LoRA adapters are the model's, shared by every running job: the jobs whose adapter set is the active one run
 together; when the next job in line needs another set, no further job starts until the running ones have
@@ -364,17 +365,44 @@ class Worker(AdmissionQueue):
             self._pumping.on = False
 
     def _start(self, run: _Run, switch: bool) -> None:
-        if not switch and run.job.id not in self._streams and self.runs_tasks:
-            self._start_task(run)
-            return
-        if not switch and run.job.id in self._streams and self.streams_unthreaded:
-            self._stream_pool.submit(self._start_stream, run)
+        stream = run.job.id in self._streams
+        if (self.runs_tasks and not stream) or (stream and self.streams_unthreaded):
+            if switch:  # the adapters first (no job runs now, none starts meanwhile), as work on the core's threads
+                self._off_loop(self._switch_then_start, run)
+            elif stream:
+                self._stream_pool.submit(self._start_stream, run)
+            else:
+                self._start_task(run)
             return
         thread = threading.Thread(target=self._thread_job, args=(run, switch), daemon=True,
                                   name=f"composer-serve-job-{run.job.id[:12]}")
         with self._cv:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
+
+    def _switch_then_start(self, run: _Run) -> None:
+        """Switch the adapters to the job's, then start it as its kind starts (a task, a stream); a switch that
+        fails fails this job alone."""
+        try:
+            self._switch_lora(run.job.lora)
+        except Exception as exc:  # noqa: BLE001 - this job fails, the server goes on (the next switch retries)
+            self._conclude(run.job, run.token, exc)
+            self._end_stream(run.job)
+            self._release(run)
+            return
+        if run.job.id in self._streams:
+            self._start_stream(run)
+        else:
+            self._start_task(run)
+
+    def _off_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` off the calling thread (which may be the engine core's or the event loop's): on the
+        core's stage threads (or our own pool without a core)."""
+        if self._core is not None:
+            self._core.call(fn, *args)
+        else:
+            assert self._finisher is not None
+            self._finisher.submit(fn, *args)
 
     def _release(self, run: _Run) -> None:
         """The job is over: its slot is free."""
@@ -437,13 +465,8 @@ class Worker(AdmissionQueue):
         future.add_done_callback(lambda f: self._finish_later(self._finish_task, run, f, timer))
 
     def _finish_later(self, fn: Callable[..., None], *args: Any) -> None:
-        """(A done callback, on the engine core's thread: keep it short) Record the job's end off that thread: on the
-        core's stage threads (or our own pool without a core)."""
-        if self._core is not None:
-            self._core.call(fn, *args)
-        else:
-            assert self._finisher is not None
-            self._finisher.submit(fn, *args)
+        """(A done callback, on the engine core's thread: keep it short) Record the job's end off that thread."""
+        self._off_loop(fn, *args)
 
     def _finish_task(self, run: _Run, future: Any, timer: threading.Timer | None) -> None:
         job, token = run.job, run.token
