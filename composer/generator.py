@@ -816,7 +816,7 @@ class VideoStream:
             if chunk is None:
                 self.pace.pause()
                 if self.rtmp is not None:  # ffmpeg's flush may wait on the network: off the loop's thread
-                    yield from wait_for(Blocking(self.rtmp.close, waits=True))
+                    yield from wait_for(Blocking(self.rtmp.close))
                 return None
             self._delivered(chunk)
         except BaseException:

@@ -230,12 +230,11 @@ def test_a_serial_pipelines_requests_are_tasks_one_at_a_time(tiny_wan_dir, one_t
     generator = VideoGenerator.from_pretrained(tiny_wan_dir, progress=False, offload="model")
     assert generator.pipeline.concurrency == "serial" and generator.pipeline.runs_tasks
     want = {seed: generator.generate_video("a cat", seed=seed, **KW) for seed in (3, 4, 5)}
-    gate = generator.pipeline.gate
+    gate, threads = generator.pipeline.gate, len(threading.enumerate())
     with gate.exclusive("a test"):  # nobody may start: the three tasks queue for their places
         futures = {seed: generator.submit_video("a cat", seed=seed, **KW) for seed in (3, 4, 5)}
         assert until(lambda: gate.waiting == 3)
-        waiters = generator.core._waiters
-        assert waiters is None or not waiters._threads  # the waiting requests hold no thread
+        assert len(threading.enumerate()) == threads  # the waiting requests hold no thread
     for seed, future in futures.items():
         assert np.array_equal(future.result(timeout=300).frames, want[seed].frames)
     assert gate.running == 0
@@ -324,7 +323,7 @@ def test_tasks_waiting_for_admission_hold_no_thread_and_go_in_priority_order():
     def task(name, priority, cancel=None):
         got = yield from wait_for(Admit(queue, 1, priority, cancel))
         order.append(name)
-        yield from wait_for(Blocking(lambda: release[name].wait(30), waits=True))  # holds the token until released
+        yield from wait_for(Blocking(lambda: release[name].wait(30)))  # holds the token (and the stage thread)
         queue.give_back(got)
         return name
 
@@ -336,7 +335,7 @@ def test_tasks_waiting_for_admission_hold_no_thread_and_go_in_priority_order():
                "d": core.submit(task("d", 0, cancel), RequestContext(cancel=cancel)),
                "e": core.submit(task("e", 0), RequestContext())}
     assert until(lambda: queue.waiting == 4)
-    assert len(core._waiters._threads) == 1  # only a's held work: the four waiting tasks hold no thread
+    assert len(core._pool._threads) == 1  # the one stage thread, a's: the four waiting tasks hold no thread
     cancel.cancel()
     with pytest.raises(Cancelled):
         futures["d"].result(timeout=30)
@@ -465,8 +464,7 @@ def test_streams_waiting_for_kv_pages_never_hold_the_stage_threads(tiny_causal_d
         assert np.abs(got.astype(np.int16) - solo_streams[i].astype(np.int16)).max() <= 1
     stats = tight.pipeline.stage("CausalDenoisingStage").kv_pool.stats()
     assert stats.waits >= 1 and stats.peak_used_bytes == budget and stats.used_bytes == 0
-    waiters = tight.core._waiters
-    assert waiters is None or not waiters._threads  # no thread ever waited for pages on a stream's behalf
+    assert not [t for t in threading.enumerate() if "-wait" in t.name]  # nothing waited for pages on a thread
 
 
 def test_a_stream_read_on_a_thread_is_made_as_tasks_on_the_core(causal, solo_streams):

@@ -49,7 +49,6 @@ from composer.platform.openmp import release_workers
 logger = get_logger(__name__)
 
 FOLLOW_POLL_S = 0.01  # a follower core whose plan channel another core of the process holds looks again this soon
-MAX_WAITERS = 1024  # threads for Blocking work that waits on other requests (made only while such work waits)
 
 
 @dataclass(eq=False)
@@ -79,7 +78,6 @@ class EngineCore:
         self._admission_changed = False  # a queue they wait on changed since they were last polled
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._waiters: ThreadPoolExecutor | None = None
         self._side: ThreadPoolExecutor | None = None
         self._closed = False
         # a CUDA device's index is per thread: the core's threads work on the model's device (a rank's own GPU)
@@ -153,7 +151,7 @@ class EngineCore:
         self._wake.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=timeout)
-        for pool in (self._pool, self._waiters, self._side):
+        for pool in (self._pool, self._side):
             if pool is not None:
                 pool.shutdown(wait=False)
 
@@ -164,8 +162,6 @@ class EngineCore:
                 return
             start = self._on_device
             self._pool = ThreadPoolExecutor(self.stage_threads, thread_name_prefix=f"{self.name}-stage", initializer=start)
-            # blocking work that waits on the outside world (Blocking.waits): never on the stage threads
-            self._waiters = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix=f"{self.name}-wait", initializer=start)
             self._side = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-side", initializer=start)
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
@@ -358,8 +354,8 @@ class EngineCore:
                     self._admitting.append((entry, item))
                 self._queue_changed()
             elif isinstance(item, Blocking):
-                assert self._pool is not None and self._waiters is not None
-                work = (self._waiters if item.waits else self._pool).submit(_blocking, item, entry.context)
+                assert self._pool is not None
+                work = self._pool.submit(_blocking, item, entry.context)
                 work.add_done_callback(lambda _: self._resume(entry))
             else:
                 raise TypeError(f"a task yielded {type(item).__name__}; expected ModelStep or Blocking")

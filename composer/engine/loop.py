@@ -107,12 +107,11 @@ class ModelStep(Wait):
 
 @dataclass(eq=False)
 class Blocking(Wait):
-    """A task waits for `fn()` (work that is not a transformer unit: a stage, a file write). `waits`: `fn` may wait
-    for other requests to make progress (a place at the gate during an adapter switch, KV pages under a memory
-    budget): the engine core runs it off its stage threads, which those requests need to finish."""
+    """A task waits for `fn()` (work that is not a transformer unit: a stage, a file write), which runs on the
+    engine core's stage threads. It must not wait for other requests (they may need those threads): waiting for a
+    shared resource is an `Admit`."""
 
     fn: Callable[[], Any]
-    waits: bool = False
 
     def _run(self, request: RequestContext) -> Any:
         return self.fn()
