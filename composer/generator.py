@@ -284,11 +284,11 @@ class VideoGenerator:
         """Start `generate_video(prompt, ...)` and return at once: a `concurrent.futures.Future` of its result.
         Bad input raises here, before anything starts.
 
-        On a pipeline that requests share, on one process (`pipeline.runs_tasks`), the request is a task on the
-        generator's request loop (composer/engine/loop.py): no thread waits for it between its steps, its steps are
-        batched with every other request's, and its stages other than denoising run on the loop's stage threads
-        (`RuntimeArgs.stage_threads`) only while they work. Elsewhere (model offload, several ranks) it runs on a
-        thread of its own. The future's result is `generate_video`'s; a `Cancelled` (its
+        On one process (`pipeline.runs_tasks`) the request is a task on the generator's engine core
+        (composer/engine/loop.py): no thread waits for it between its steps, its steps are batched with every other
+        request's (under model offload, requests run one at a time, the others waiting in the gate's queue), and its
+        stages other than denoising run on the core's stage threads (`RuntimeArgs.stage_threads`) only while they
+        work. On several ranks it runs on a thread of its own. The future's result is `generate_video`'s; a `Cancelled` (its
         `cancel` token) or any error of the request is the future's exception."""
         request, priority, share = self._checked(prompt, sampling_param, segments, overrides, priority)
         sp, videos, segments = request.sampling, request.videos, request.segments

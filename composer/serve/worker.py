@@ -422,7 +422,7 @@ class Worker(AdmissionQueue):
         return timer
 
     def _thread_job(self, run: _Run, switch: bool) -> None:
-        """A job on a thread of its own (a stream, an adapter switch, a generator without tasks)."""
+        """A job on a thread of its own (a generator whose requests are not tasks: several ranks)."""
         self._local.run = run
         try:
             self._run(run, switch)
