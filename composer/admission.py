@@ -14,8 +14,9 @@ Two ways to wait, for the same queue and the same order:
 listeners (the engine cores holding tickets) are woken.
 
 Used by composer.memory.admission (`MemoryAdmission`: requests against a memory budget), composer.cache.kv_pool
-(`KVPool`: a causal stream's KV pages) and composer.pipelines.base (`RequestGate`: a place on the pipeline, and
-the barrier of an adapter switch).
+(`KVPool`: a causal stream's KV pages), composer.pipelines.base (`RequestGate`: a place on the pipeline, and the
+barrier of an adapter switch), and the server's queues: serve/worker.py (`Worker`: video jobs, their slots and
+adapter sets) and serve/slots.py (`Slots`: the text routes, whose waiters are asyncio futures).
 """
 
 from __future__ import annotations
@@ -157,8 +158,3 @@ class AdmissionQueue:
         with self._cv:
             return len(self._queue)
 
-    @property
-    def waits(self) -> int:
-        """Tickets that were not granted at once, since the queue was made."""
-        with self._cv:
-            return self._waits
