@@ -54,6 +54,7 @@ class _Call:
     rows: int
     seq: int
     plan_key: Any = None  # the call's identity on every rank of a parallel layout (planned batchers)
+    priority: int = 0
     arrived: float = 0.0
     result: Any = None
     error: BaseException | None = None
@@ -245,13 +246,17 @@ class UnitQueue:
 
 class CallBatcher(UnitQueue):
     """`submit(key, payload, rows)` -> `run_batch([payload, ...])[i]`, batching calls of equal keys that queue up
-    while another runs (see the module docstring). `lock`: held around every run (a module's lock). Its batches
-    run on its core's second lane ("side"): a decode does not hold up the other requests' steps."""
-
-    lane = "side"
+    while another runs (see the module docstring). `lock`: held around every run (a module's lock). `lane`: where
+    the core runs its batches ("side", the decodes': a decode does not hold up the other requests' steps; "main",
+    the text forwards'). `by_priority`: a batch starts with the highest-priority call (else the oldest); `fits(rows,
+    calls, call)`: a budget beside `max_rows` that a call must fit to join (the text forwards' padded tokens)."""
 
     def __init__(self, run_batch: Callable[[list[Any]], list[Any]], lock: Any = None, max_rows: int | None = None,
-                 settle_s: float = 0.0, active: Callable[[], int] | None = None):
+                 settle_s: float = 0.0, active: Callable[[], int] | None = None, lane: str = "side",
+                 by_priority: bool = False, fits: Callable[[int, list[Any], Any], bool] | None = None):
+        self.lane = lane
+        self.by_priority = by_priority
+        self.fits = fits
         self.run_batch = run_batch
         self.lock = lock
         self.max_rows = max_rows
@@ -269,9 +274,9 @@ class CallBatcher(UnitQueue):
         self.planner: Any = None
         self.plan_index: int | None = None
 
-    def submit(self, key: Any, payload: Any, rows: int = 1, plan_key: Any = None) -> Any:
+    def submit(self, key: Any, payload: Any, rows: int = 1, plan_key: Any = None, priority: int = 0) -> Any:
         """`plan_key`: what names this call on every rank (a request key and a position), for planned batchers."""
-        call = _Call(key, payload, rows, next(self._seq), plan_key, arrived=time.monotonic())
+        call = _Call(key, payload, rows, next(self._seq), plan_key, priority, arrived=time.monotonic())
         with self._cv:
             self._queue(call)
             self._await(call)
@@ -289,11 +294,13 @@ class CallBatcher(UnitQueue):
         return 0.0
 
     def take(self) -> tuple[list[_Call], float]:
-        first = self._pending[0]
+        order = sorted(self._pending, key=lambda c: (-c.priority, c.seq)) if self.by_priority else self._pending
+        first = order[0]
         chosen, rows = [first], first.rows
         if first.key is not None:
-            for call in self._pending[1:]:
-                if call.key == first.key and (self.max_rows is None or rows + call.rows <= self.max_rows):
+            for call in order[1:]:
+                if (call.key == first.key and (self.max_rows is None or rows + call.rows <= self.max_rows)
+                        and (self.fits is None or self.fits(rows, chosen, call))):
                     chosen.append(call)
                     rows += call.rows
         taken = {id(c) for c in chosen}

@@ -3,9 +3,9 @@ one padded call.
 
 Requests run their own loops (their own generators, draws and commits), each on its thread; a step's forward is a
 unit handed to the pipeline's `ForwardBatcher`, whose calls the pipeline's engine core runs (composer/engine/core.py:
-the request's thread only waits for its logits). A call takes every pending unit (oldest
-first, up to `max_rows` rows: the runtime's `max_batch_size`; `max_tokens`: `max_batch_tokens`, rows x padded
-length), the others wait for their logits. Rows of different lengths are padded on the right: each keeps its own
+the request's thread only waits for its logits). It is one of the core's CallBatchers (the VAE decodes are another):
+a call takes the pending units in order (higher priority first, then the oldest) while they fit `max_rows` rows (the
+runtime's `max_batch_size`) and `max_tokens` (`max_batch_tokens`, rows x padded length); the others wait. Rows of different lengths are padded on the right: each keeps its own
 positions, the padding is masked out of every row's attention, and a row's logits are its own positions' (a causal
 model never sees the padding after it; a bidirectional one has it masked). So a request's ids are its solo run's
 (tests/test_text_batching.py checks them equal; the logits agree to float rounding).
@@ -16,26 +16,11 @@ another share every call.
 
 from __future__ import annotations
 
-import itertools
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
-from composer.engine.batcher import UnitQueue
-
-
-@dataclass(eq=False)
-class _Unit:
-    ids: torch.Tensor  # [rows, length]
-    attention: torch.Tensor
-    positions: torch.Tensor
-    block: int
-    priority: int = 0
-    seq: int = 0
-    result: torch.Tensor | None = None
-    error: BaseException | None = None
-    done: bool = False
+from composer.engine.batcher import CallBatcher
 
 
 @dataclass
@@ -47,83 +32,54 @@ class BatchStats:
     extras: dict = field(default_factory=dict)
 
 
-class ForwardBatcher(UnitQueue):
+class ForwardBatcher(CallBatcher):
+    """The text model's forwards as calls of one CallBatcher (composer/engine/batcher.py): every pending forward is
+    compatible (rows are padded), the highest priority goes first, and a call holds at most `max_rows` rows and
+    `max_tokens` padded tokens. Its batches run on the core's main lane."""
+
     def __init__(self, model: torch.nn.Module, pad_id: int, max_rows: int | None = None,
                  max_tokens: int | None = None):
+        super().__init__(self._forward, max_rows=max_rows, lane="main", by_priority=True, fits=self._fits)
         self.model = model
         self.pad_id = pad_id
-        self.max_rows = max_rows
         self.max_tokens = max_tokens
         self.stats = BatchStats()
-        self._cv = threading.Condition()
-        self._pending: list[_Unit] = []
-        self._running = False
-        self._seq = itertools.count()
 
     def logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
                block: int, priority: int = 0) -> torch.Tensor:
         """The logits of the last `block` positions of `ids` [rows, length], run with whatever else is pending
         (higher `priority` first, then the oldest)."""
-        unit = _Unit(ids, attention, positions, block, priority, next(self._seq))
-        with self._cv:
-            self._queue(unit)
-            self._await(unit)
-        if unit.error is not None:
-            raise unit.error
-        return unit.result
+        return self.submit("forward", (ids, attention, positions, block), rows=ids.shape[0], priority=priority)
 
-    def take(self) -> list[_Unit]:
-        """(Lock held) The pending units in pick order (higher priority first, then the oldest) while they fit the
-        budgets (at least one)."""
-        chosen, rows, longest = [], 0, 0
-        for unit in sorted(self._pending, key=lambda u: (-u.priority, u.seq)):
-            n, length = unit.ids.shape[0], max(longest, unit.ids.shape[1])
-            if chosen and ((self.max_rows is not None and rows + n > self.max_rows)
-                           or (self.max_tokens is not None and (rows + n) * length > self.max_tokens)):
-                break
-            chosen.append(unit)
-            rows, longest = rows + n, length
-        taken = {id(u) for u in chosen}
-        self._pending = [u for u in self._pending if id(u) not in taken]
-        self._running = True
-        return chosen
-
-    def execute(self, units: list[_Unit]) -> None:
-        self._run(units)
-
-    def finish(self, units: list[_Unit]) -> None:
-        self._running = False
-        for u in units:
-            u.done = True
-        self._cv.notify_all()
+    def _fits(self, rows: int, chosen: list, call) -> bool:
+        if self.max_tokens is None:
+            return True
+        length = max(c.payload[0].shape[1] for c in [*chosen, call])
+        return (rows + call.rows) * length <= self.max_tokens
 
     @torch.inference_mode()
-    def _run(self, units: list[_Unit]) -> None:
+    def _forward(self, payloads: list[tuple]) -> list[torch.Tensor]:
         try:
-            if len(units) == 1:
-                u = units[0]
-                out = self.model(u.ids, attention_mask=u.attention, position_ids=u.positions).logits
-                u.result = out[:, -u.block:, :]
-            else:
-                length = max(u.ids.shape[1] for u in units)
-                ids = torch.cat([_pad(u.ids, length, self.pad_id) for u in units])
-                attention = torch.cat([_pad(u.attention, length, 0) for u in units])
-                positions = torch.cat([_pad(u.positions, length, 0) for u in units])
-                out = self.model(ids, attention_mask=attention, position_ids=positions).logits
-                row = 0
-                for u in units:
-                    n, end = u.ids.shape[0], u.ids.shape[1]
-                    u.result = out[row:row + n, end - u.block:end, :]
-                    row += n
-        except BaseException as exc:  # noqa: BLE001 - every unit of the call gets it
-            for u in units:
-                u.error = exc
+            if len(payloads) == 1:
+                ids, attention, positions, block = payloads[0]
+                return [self.model(ids, attention_mask=attention, position_ids=positions).logits[:, -block:, :]]
+            length = max(p[0].shape[1] for p in payloads)
+            ids = torch.cat([_pad(p[0], length, self.pad_id) for p in payloads])
+            attention = torch.cat([_pad(p[1], length, 0) for p in payloads])
+            positions = torch.cat([_pad(p[2], length, 0) for p in payloads])
+            out = self.model(ids, attention_mask=attention, position_ids=positions).logits
+            results, row = [], 0
+            for p_ids, _, _, block in payloads:
+                n, end = p_ids.shape[0], p_ids.shape[1]
+                results.append(out[row:row + n, end - block:end, :])
+                row += n
+            return results
         finally:
             stats = self.stats
             stats.calls += 1
-            stats.units += len(units)
-            stats.batched_units += len(units) if len(units) > 1 else 0
-            stats.largest = max(stats.largest, len(units))
+            stats.units += len(payloads)
+            stats.batched_units += len(payloads) if len(payloads) > 1 else 0
+            stats.largest = max(stats.largest, len(payloads))
 
 
 def _pad(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
