@@ -44,6 +44,8 @@ Parts (sizes as on the GPU; `--tiny` shrinks the models and videos, same code):
   with `memory_budget = 10e9`: the plan it picks for the 1.3B at 480p 81 frames and the peak a real request reaches.
 - dllm: the diffusion-LM decoding strategies on the embedded tiny-dllm against the exact path (forwards per token,
   tokens/s, accuracy on 300 held-out problems) and batch 1/8/32 throughput (benchmarks/dllm.py).
+- host-profile: 8 shapes-causal streams at once on threads, 5 timed runs, with a sampling profile of every thread and
+  cProfile of the engine core's thread and side lane (benchmarks/host_profile.py): where the host's time goes.
 
 Speed does not depend on the weights' values: random weights give the same seconds as a real checkpoint. Quality
 figures (PSNR, differences) of approximate paths on random weights say little; docs/ quote them as such.
@@ -103,6 +105,8 @@ PARTS: dict[str, tuple[int, str]] = {
     "memory": (200, "the memory predictor vs measured peaks (1.3B, 480p and 720p) and offload = auto under 10 GB"),
     "dllm": (90, "diffusion-LM decoding strategies on tiny-dllm vs the exact path: forwards/token, tokens/s, "
                  "accuracy; batch 1/8/32 throughput"),
+    "host-profile": (120, "8 shapes-causal streams at once on threads, 5 runs: where the host's time goes (a sampling "
+                          "profile of every thread, cProfile of the engine core's thread and side lane)"),
 }
 
 
@@ -878,6 +882,16 @@ def part_dllm(args) -> dict:
     return {"report": res.stdout[-3000:]}
 
 
+def part_host_profile(args) -> dict:
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "host_profile.py"), "--device", args.device,
+           "--dtype", args.dtype, "--sample", "--cprofile"]
+    cmd += ["--n", "2", "--stream-frames", "9", "--repeats", "1"] if args.tiny else ["--n", "8", "--repeats", "5"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=PARTS["host-profile"][0] * args.budget_scale)
+    if res.returncode:
+        raise RuntimeError(f"host_profile.py exited {res.returncode}: {(res.stderr or res.stdout)[-2000:]}")
+    return {"report": res.stdout[-12000:]}
+
+
 PART_FUNCS = {
     "dit-1.3b": lambda a: part_dit(a, "1.3b"),
     "dit-14b": lambda a: part_dit(a, "14b"),
@@ -895,6 +909,7 @@ PART_FUNCS = {
     "offload-disk-1.3b": part_offload_disk,
     "memory": part_memory,
     "dllm": part_dllm,
+    "host-profile": part_host_profile,
 }
 
 

@@ -14,3 +14,17 @@ def test_host_profile_times_the_streams_and_profiles_the_core_threads(capsys):
     assert "transformer.py" in out  # the core's thread ran the transformer's calls
     threads = re.findall(r"-- thread (\S+): (\d+) samples", out)
     assert "composer-core" in dict(threads) and "stream threads" in out  # the core's thread and the callers' pool
+
+
+def test_the_gpu_suite_runs_it_as_its_host_profile_part(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    suite = Path(host_profile.__file__).with_name("gpu_suite.py")
+    run = subprocess.run([sys.executable, str(suite), "--tiny", "--only", "host-profile", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_suite.json").read_text())["results"]["host-profile"]
+    assert result["status"] == "ok" and "-- cProfile, engine core" in result["report"], result
