@@ -6,7 +6,10 @@ printed: each run's seconds and frames/s (best and median). Optional:
   frame and the function it is in): which thread is busy, and where; the engine core's share waiting shows how
   much of the time the device's work, not the host, is the limit;
 - `--cprofile`: Python's profiler on the engine core's executor thread and its side lane (whole run, by own time);
-- `--no-release`: the engine core's threads keep their OpenMP teams (composer/platform/openmp.py), for an A/B.
+- `--no-release`: the engine core's threads keep their OpenMP teams (composer/platform/openmp.py), for an A/B;
+- `--settle-ms`: how long a ready call may wait for requests outside a loop to join it, for an A/B.
+Also printed: the step scheduler's calls and the time its ready calls were held back for partners, and the decode
+batcher's calls.
 
     python benchmarks/host_profile.py --device cuda --dtype bf16 --n 8 --sample
     python benchmarks/host_profile.py --n 2 --stream-frames 9 --repeats 1 --cprofile     # CPU, small
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import cProfile
 import io
 import os
@@ -132,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample", action="store_true", help="sample every thread's stack during the last run")
     p.add_argument("--cprofile", action="store_true", help="cProfile the engine core's thread and its side lane")
     p.add_argument("--no-release", action="store_true", help="the core's threads keep their OpenMP teams")
+    p.add_argument("--settle-ms", type=float, default=None,
+                   help="how long a ready call (a step, a decode) may wait for requests outside a loop to join it "
+                        "(default: the queues' own, 5 ms and at most a quarter of a recent call), for an A/B")
     args = p.parse_args(argv)
     restores = [no_release()] if args.no_release else []
     profiles: dict[str, cProfile.Profile] = {}
@@ -147,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, profiles: dict[str, cProfile.Profile]) -> None:
     from composer import VideoGenerator
+    from composer.engine.core import unit_queues
 
     runtime = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v}
     gen = VideoGenerator.from_pretrained(args.model, progress=False, **runtime)
@@ -155,6 +163,13 @@ def run(args: argparse.Namespace, profiles: dict[str, cProfile.Profile]) -> None
     concurrency.warm_pool(pool, args.n, gen, concurrency.one_stream, request)
     for profile in profiles.values():  # count the timed runs only
         profile.clear()
+    schedulers = [e.scheduler for e in gen.pipeline.engines if e.scheduler is not None]
+    decoders = [q for q in unit_queues(gen.pipeline) if q not in schedulers]
+    if args.settle_ms is not None:
+        for queue in [*schedulers, *decoders]:
+            queue.settle_s = args.settle_ms / 1e3
+    before = [dataclasses.replace(s.stats) for s in schedulers]
+    decoded = [(q.calls, q.batched_calls) for q in decoders]
     times, sampler = [], None
     for r in range(args.repeats):
         sampler = Sampler() if args.sample and r == args.repeats - 1 else None
@@ -172,6 +187,15 @@ def run(args: argparse.Namespace, profiles: dict[str, cProfile.Profile]) -> None
           f"{frames} frames a run: runs " + ", ".join(f"{t:.3f}" for t in times)
           + f" s; best {frames / min(times):.1f} frames/s, median {frames / statistics.median(times):.1f} frames/s",
           flush=True)
+    for scheduler, start in zip(schedulers, before):
+        st = scheduler.stats
+        print(f"step scheduler, the timed runs: {st.calls - start.calls} calls for {st.units - start.units} units "
+              f"({st.batched_units - start.batched_units} shared a call); ready calls held back "
+              f"{st.settle_seconds - start.settle_seconds:.3f} s for requests outside a loop (settle_s)")
+    for queue, (calls, batched) in zip(decoders, decoded):
+        print(f"{type(queue).__name__} ({queue.lane} lane), the timed runs: {queue.calls - calls} calls, "
+              f"{queue.batched_calls - batched} of them batched with another; a run {queue.run_seconds * 1e3:.1f} ms "
+              "(running average)")
     for name, profile in profiles.items():
         buf = io.StringIO()
         pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(25)
