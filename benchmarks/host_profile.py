@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import cProfile
+import dataclasses
 import io
 import os
 import pstats
