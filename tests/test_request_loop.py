@@ -484,3 +484,36 @@ def test_a_stream_read_on_a_thread_is_made_as_tasks_on_the_core(causal, solo_str
     assert seen and all(name.startswith("composer-core") for name in seen), seen
     assert threading.current_thread().name not in seen
     assert np.array_equal(frames, solo_streams[1])
+
+
+def test_a_ready_step_does_not_wait_for_requests_whose_decode_is_queued(causal):
+    """A ready transformer call waits a moment (settle_s) only for requests that may queue a unit soon: the busy
+    requests less those whose VAE decode is queued or running (they cannot join before it ends). Waiting for them
+    cost 8 streams a quarter of their frames/s on the CPU (docs/scheduling.md)."""
+    generator, _ = causal
+    pipeline = generator.pipeline
+    decoder = next(s.batcher for s in pipeline.stages if getattr(s, "batcher", None) is not None)
+    gate = pipeline.gate
+    keys = [("test", i) for i in range(3)]
+    for key in keys:
+        assert gate.try_enter(key)
+    errors = []
+
+    def decode():
+        try:
+            decoder.submit("a key no decode has", object())  # never runs the VAE: the payload is not latents
+        except Exception as exc:  # noqa: BLE001 - what the payload makes the decode raise
+            errors.append(exc)
+
+    try:
+        with decoder.held():
+            assert pipeline._in_denoising() == 3 and decoder.in_flight() == 0
+            thread = threading.Thread(target=decode)
+            thread.start()
+            assert until(lambda: decoder.in_flight() == 1)
+            assert pipeline._in_denoising() == 2  # the decoding request is not waited for
+        thread.join(timeout=60)
+        assert decoder.in_flight() == 0 and len(errors) == 1
+    finally:
+        for key in keys:
+            gate.leave(key)

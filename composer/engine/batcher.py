@@ -268,6 +268,7 @@ class CallBatcher(UnitQueue):
         self._cv = threading.Condition()
         self._pending: list[_Call] = []
         self._running = False
+        self._current: list[_Call] = []  # the calls of the batch running now
         self._seq = itertools.count()
         # A parallel layout's PlanChannel when the calls hold collectives (set by the parallel hook): rank 0 plans
         # each batch, the other ranks run the batches it names.
@@ -305,8 +306,13 @@ class CallBatcher(UnitQueue):
                     rows += call.rows
         taken = {id(c) for c in chosen}
         self._pending = [c for c in self._pending if id(c) not in taken]
-        self._running = True
+        self._running, self._current = True, chosen
         return chosen, time.perf_counter()
+
+    def in_flight(self) -> int:
+        """Calls queued or running now (each a request's: those requests are busy here, not in a denoising loop).
+        Read without the lock: a hint for another queue's policy."""
+        return len(self._pending) + len(self._current)
 
     def units_of(self, batch: tuple[list[_Call], float]) -> list[_Call]:
         return batch[0]
@@ -315,6 +321,7 @@ class CallBatcher(UnitQueue):
         return call.plan_key
 
     def batch_of(self, calls: list[_Call]) -> tuple[list[_Call], float]:
+        self._current = calls
         return calls, time.perf_counter()
 
     what = "a decode of a video"
@@ -333,7 +340,7 @@ class CallBatcher(UnitQueue):
     def finish(self, batch: tuple[list[_Call], float]) -> None:
         """(Lock held) Hand out a batch's results and wake its callers."""
         calls, started = batch
-        self._running = False
+        self._running, self._current = False, []
         elapsed = time.perf_counter() - started
         self.run_seconds = elapsed if not self.calls else 0.8 * self.run_seconds + 0.2 * elapsed
         self.calls += len(calls)

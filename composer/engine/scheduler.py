@@ -15,8 +15,9 @@ scheduler is the policy of a unit queue (composer/engine/batcher.py `UnitQueue`)
     hand out  each unit its rows; guidance is combined by each request with its own scale
 
 A step starts only when every request inside a denoising loop has its next unit ready (or after `gather_s`), and,
-while other requests of the pipeline are elsewhere (decoding, between a stream's blocks), a little later (`settle_s`,
-at most a quarter of a recent call's time), so requests that run in step converge on one call per step. Priorities act at unit boundaries: a higher-priority
+while other requests of the pipeline may queue a unit soon (`active_requests`: the busy ones less those whose decode
+is queued or running), a little later (`settle_s`, at most a quarter of a recent call's time), so requests that run
+in step converge on one call per step. Priorities act at unit boundaries: a higher-priority
 request's unit is picked first and a running call is never interrupted, so nothing is recomputed. A realtime
 stream (RequestContext.target_fps) carries a deadline, when its next frames are due; once it has come, the stream's
 units go before the other units of its priority (never before a higher priority): `pick_order`.

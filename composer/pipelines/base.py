@@ -150,12 +150,20 @@ class ComposedPipeline:
             engine.enable_scheduler(batching=self.concurrency == "batch", max_batch_size=self.runtime.max_batch_size,
                                     max_batch_tokens=self.runtime.max_batch_tokens,
                                     bucketed=self.runtime.compile != "none",
-                                    active_requests=lambda: self.gate.busy)
+                                    active_requests=self._in_denoising)
             for hook in self.hooks:
                 if hasattr(hook, "configure_scheduler"):
                     hook.configure_scheduler(engine.scheduler, self.runtime)
         self.engines.append(engine)
         return engine
+
+    def _in_denoising(self) -> int:
+        """The requests that may queue a transformer unit soon (what a ready call waits a moment for, `settle_s`):
+        the busy ones (composer/pipelines/base.py RequestGate) less those whose VAE decode is queued or running
+        (they cannot join a call before their decode ends)."""
+        decoding = sum(getattr(stage.batcher, "in_flight", lambda: 0)() for stage in self.stages
+                       if getattr(stage, "batcher", None) is not None)
+        return self.gate.busy - decoding
 
     def remove_hooks(self, name: str | None = None) -> list[str]:
         """Take hook `name` off (None: every hook, the last in order first): what it attached is detached and what
