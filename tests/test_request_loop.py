@@ -231,10 +231,16 @@ def test_a_serial_pipelines_requests_are_tasks_one_at_a_time(tiny_wan_dir, one_t
     assert generator.pipeline.concurrency == "serial" and generator.pipeline.runs_tasks
     want = {seed: generator.generate_video("a cat", seed=seed, **KW) for seed in (3, 4, 5)}
     gate, threads = generator.pipeline.gate, len(threading.enumerate())
-    with gate.exclusive("a test"):  # nobody may start: the three tasks queue for their places
+    cancel = CancelToken()
+    with gate.exclusive("a test"):  # nobody may start: the tasks queue for their places
         futures = {seed: generator.submit_video("a cat", seed=seed, **KW) for seed in (3, 4, 5)}
-        assert until(lambda: gate.waiting == 3)
+        doomed = generator.submit_video("a dog", seed=6, cancel=cancel, **KW)
+        assert until(lambda: gate.waiting == 4)
         assert len(threading.enumerate()) == threads  # the waiting requests hold no thread
+        cancel.cancel()  # a queued request's cancel ends its wait at once, its place never taken
+        with pytest.raises(Cancelled):
+            doomed.result(timeout=30)
+        assert gate.waiting == 3
     for seed, future in futures.items():
         assert np.array_equal(future.result(timeout=300).frames, want[seed].frames)
     assert gate.running == 0

@@ -416,7 +416,8 @@ class RequestGate(AdmissionQueue):
         no waiting; otherwise the key waits in the queue (`Admit`: on the engine core, no thread held; driven on a
         thread, that thread waits)."""
         if not self.try_enter(key):
-            yield from wait_for(Admit(self, key))
+            request = current_request()  # its cancel token ends the wait (Cancelled), its place never taken
+            yield from wait_for(Admit(self, key, cancel=request.cancel if request is not None else None))
         slot.callback(self.leave, key)
 
     def try_enter(self, key: Any) -> bool:
