@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 CANCEL_POLL_S = 0.1  # a thread waiting on a queue checks its cancel token this often
@@ -39,8 +39,7 @@ class Ticket:
     priority: int
     seq: int
     owner: Any = None
-    waited: bool = False  # whether it was not granted at once (counted once in `waits`)
-    queue: AdmissionQueue | None = field(default=None, repr=False)
+    waited: bool = False  # whether it was not granted at once (counted once in `_waits`)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -70,7 +69,7 @@ class AdmissionQueue:
     # -- asking --------------------------------------------------------------------------------------------
     def ticket(self, need: Any, priority: int = 0, owner: Any = None) -> Ticket:
         """A new ticket in the queue (its place: after every ticket of a higher or the same priority)."""
-        ticket = Ticket(need, int(priority), next(self._seq), owner, queue=self)
+        ticket = Ticket(need, int(priority), next(self._seq), owner)
         with self._cv:
             self._queue.append(ticket)
             self._queue.sort(key=lambda t: t.key)
@@ -97,7 +96,7 @@ class AdmissionQueue:
         with self._cv:
             if self._queue and self._queue[0].priority >= priority:  # someone of this priority or a higher one waits
                 return None
-            return self._grant(Ticket(need, int(priority), -1, queue=self))
+            return self._grant(Ticket(need, int(priority), -1))
 
     def wait(self, ticket: Ticket, cancel: Any = None) -> Any:
         """Block this thread until `ticket` is granted; its grant. Raises Cancelled (the ticket withdrawn) when

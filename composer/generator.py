@@ -26,7 +26,7 @@ from composer.batch import ForwardBatch, RequestStats, VideoChunk
 from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
 from composer.engine.core import EngineCore, unit_queues
-from composer.engine.loop import Admit, Blocking, drive, wait_for
+from composer.engine.loop import Blocking, admitted, drive, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.images import refuse_image_knobs
@@ -317,10 +317,8 @@ class VideoGenerator:
         reservation to its end."""
         reservation = None
         if share is not None:
-            admission = self.memory_guard.admission
-            reservation = admission.try_reserve(share, priority)
-            if reservation is None:  # others hold the memory: the core holds its ticket (no thread waits)
-                reservation = yield from wait_for(Admit(admission, share, priority, cancel))
+            # others hold the memory: the core holds its ticket meanwhile (no thread waits)
+            reservation = yield from admitted(self.memory_guard.admission, share, priority, cancel)
         try:
             return (yield from self._reserved_task(sp, videos, segments, cancel, priority, context, reservation))
         finally:

@@ -134,6 +134,15 @@ class Admit(Wait):
         return self.queue.wait_for(self.need, self.priority, self.cancel, owner=request)
 
 
+def admitted(queue: Any, need: Any, priority: int = 0, cancel: Any = None):
+    """In a task: `grant = yield from admitted(queue, need, priority, cancel)`: the grant at once when nobody waits
+    ahead and the policy gives it now (`take_now`), else after waiting in the queue (`Admit`)."""
+    grant = queue.take_now(need, priority)
+    if grant is None:
+        grant = yield from wait_for(Admit(queue, need, priority, cancel))
+    return grant
+
+
 def drive(task: Task, request: RequestContext | None = None) -> Any:
     """Run `task` to its end on this thread (each thing it waits for is done here, now); its return value."""
     from composer.engine.scheduler import current_request

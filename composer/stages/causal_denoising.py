@@ -42,7 +42,7 @@ from composer.batch import ForwardBatch, LatentBlock, RequestStats
 from composer.cache import KVCache, KVCacheSpec
 from composer.cache.kv_pool import KVPool, PagedKVCache
 from composer.engine import ClassifierFreeGuidance, DenoisingEngine, FewStepFlow, ModelInputs
-from composer.engine.loop import Admit, Blocking, ModelStep, drive, is_wait, wait_for
+from composer.engine.loop import Blocking, ModelStep, admitted, drive, is_wait, wait_for
 from composer.engine.scheduler import current_request
 from composer.errors import InvalidInputError
 from composer.logging import progress_bar
@@ -199,10 +199,7 @@ class CausalState:
         for cache in _unique(self.rollout.caches or []) if self.rollout is not None else []:
             need = cache.resume_need() if cache is not None and hasattr(cache, "resume_need") else None
             if need is not None:
-                grant = cache.pool.take_now(need, cache.priority)
-                if grant is None:
-                    grant = yield from wait_for(Admit(cache.pool, need, cache.priority, cache.cancel))
-                cache.resume(grant)
+                cache.resume((yield from admitted(cache.pool, need, cache.priority, cache.cancel)))
         self.park(False)
 
     @property
@@ -383,9 +380,7 @@ class CausalDenoisingStage(Stage):
         if specs:
             need = PagedKVCache.page_need(specs, dtype, device, pool, self.kv_cache_offload)
             start = time.perf_counter()
-            grant = pool.take_now(need, priority)
-            if grant is None:  # other streams hold the room: wait in the pool's queue, on the engine core
-                grant = yield from wait_for(Admit(pool, need, priority, cancel))
+            grant = yield from admitted(pool, need, priority, cancel)  # other streams may hold the room
             made = PagedKVCache.granted(specs, dtype, device, pool, self.kv_cache_offload, grant, priority, cancel,
                                         time.perf_counter() - start)
         if batched:
