@@ -274,7 +274,7 @@ def test_a_loop_refuses_what_it_cannot_wait_for():
         yield "nothing"
 
     future = loop.submit(task(), RequestContext())
-    with pytest.raises(TypeError, match="expected ModelStep or Blocking"):
+    with pytest.raises(TypeError, match="expected a Wait"):
         future.result(timeout=30)
 
     class Planned:  # a parallel layout's engine: rank 0 plans its calls, which tasks cannot take part in

@@ -1,13 +1,14 @@
 """The text routes' admission (composer/serve/slots.py, composer/serve/text.py): --max-concurrent requests run, the
 others wait for a slot, higher `priority` first then by arrival; --max-queue waiting is the most (one more: video's
 429); --request-timeout cancels a request that runs past it (504, OpenAI's error shape). Held requests are held by
-events (a gated generate_text), and every step waits for a state the server reports, never for time to pass."""
+events (a gated submit_text), and every step waits for a state the server reports, never for time to pass."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -93,11 +94,21 @@ class Gated:
             if cancel.cancelled:
                 raise Cancelled(f"request cancelled ({cancel.reason})")
 
-    def generate_text(self, prompt=None, *, cancel=None, **kwargs):
+    def submit_text(self, prompt=None, *, cancel=None, **kwargs):
         self.order.append(prompt)
-        if prompt == GATED:
-            self._hold(cancel)
-        return self._generator.generate_text(prompt, cancel=cancel, **kwargs)
+        if prompt != GATED:
+            return self._generator.submit_text(prompt, cancel=cancel, **kwargs)
+        future = Future()
+
+        def held() -> None:  # the gated request: held (on a thread of the test's), then run as any other
+            try:
+                self._hold(cancel)
+                future.set_result(self._generator.generate_text(prompt, cancel=cancel, **kwargs))
+            except Exception as exc:  # noqa: BLE001 - the request's error
+                future.set_exception(exc)
+
+        threading.Thread(target=held, daemon=True).start()
+        return future
 
     def stream_text(self, prompt=None, *, cancel=None, **kwargs):
         pieces = self._generator.stream_text(prompt, cancel=cancel, **kwargs)

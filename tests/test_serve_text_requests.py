@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from concurrent.futures import Future
 
 import pytest
 
@@ -129,14 +130,23 @@ class HeldText:
     def __getattr__(self, name):
         return getattr(self._generator, name)
 
-    def generate_text(self, prompt=None, *, cancel=None, **kwargs):
+    def submit_text(self, prompt=None, *, cancel=None, **kwargs):
         if prompt != GATED:
-            return self._generator.generate_text(prompt, cancel=cancel, **kwargs)
-        self.entered.set()
-        while not cancel.cancelled:
-            assert not self.cancelled.wait(0.01)
-        self.cancelled.set()
-        cancel.check()
+            return self._generator.submit_text(prompt, cancel=cancel, **kwargs)
+        future = Future()
+
+        def hold() -> None:
+            self.entered.set()
+            while not cancel.cancelled:
+                assert not self.cancelled.wait(0.01)
+            self.cancelled.set()
+            try:
+                cancel.check()
+            except Exception as exc:  # noqa: BLE001 - the request's error, as the pipeline's
+                future.set_exception(exc)
+
+        threading.Thread(target=hold, daemon=True).start()
+        return future
 
 
 GATED = "9 9 9 ="

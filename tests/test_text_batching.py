@@ -90,6 +90,8 @@ def test_a_higher_priority_requests_forwards_go_first_and_priorities_change_no_o
     """Units queued while the batcher is held: with one row a call, the higher priority's forward runs first, then
     the others oldest first; each unit's logits are its own forward's whatever the order."""
     from composer.engine.core import EngineCore
+    from composer.engine.loop import wait_for
+    from composer.engine.scheduler import RequestContext
     from composer.text.batching import ForwardBatcher
 
     class Logits(torch.nn.Module):
@@ -106,19 +108,42 @@ def test_a_higher_priority_requests_forwards_go_first_and_priorities_change_no_o
     core = EngineCore(lambda: [batcher], stage_threads=1)
     got: dict[int, torch.Tensor] = {}
 
-    def ask(first_id: int, priority: int) -> None:
+    def ask(first_id: int, priority: int):  # a request's task: it waits for one forward
         ids = torch.tensor([[first_id, 10 * first_id, 10 * first_id + 1]])
-        got[first_id] = batcher.logits(ids, torch.ones_like(ids), torch.arange(3)[None], 2, priority)
+        got[first_id] = yield from wait_for(batcher.forward(ids, torch.ones_like(ids), torch.arange(3)[None], 2,
+                                                            priority))
 
-    threads = [threading.Thread(target=ask, args=args) for args in ((1, 0), (2, 0), (3, 5))]
+    futures = []
     with batcher.held():
-        for i, t in enumerate(threads):
-            t.start()
+        for i, args in enumerate(((1, 0), (2, 0), (3, 5))):
+            futures.append(core.submit(ask(*args), RequestContext(priority=args[1])))
             assert batcher.wait_for_units(i + 1, 30)  # queued in this order
-    for t in threads:
-        t.join(30)
+    for future in futures:
+        future.result(30)
     core.close()
     assert model.order == [3, 1, 2]
     for first_id, logits in got.items():  # the last 2 positions of its own ids
         own = torch.tensor([[10 * first_id, 10 * first_id + 1]]).float()[..., None].repeat(1, 1, 3)
         assert torch.equal(logits, own), first_id
+
+
+def test_text_requests_are_tasks_of_the_engine_core_no_thread_waits_for_them():
+    """submit_text: each request is a task of the model's engine core (its tokenizing on the core's stage threads,
+    its forwards queued on the batcher), so requests at once add no thread of their own; each result equals its
+    solo generate_text, and a stream read piece by piece gives the same ids."""
+    gen = TextGenerator.from_pretrained(None, progress=False)  # the embedded tiny-dllm
+    asks = [("1 2 3 + 4 5 6 =", 1), ("7 + 5", 2), ("0 4 7 + 5 9 1 =", 3)]
+    solo = [gen.generate_text(p, gen_length=8, seed=s) for p, s in asks]
+    batcher = gen.pipeline.batcher
+    outside = {t.ident for t in threading.enumerate() if not t.name.startswith(gen.core.name)}
+    with batcher.held():
+        futures = [gen.submit_text(p, gen_length=8, seed=s, priority=i) for i, (p, s) in enumerate(asks)]
+        assert batcher.wait_for_units(len(asks), 60)  # every request's first forward is queued, none has run
+        assert gen.core.active == len(asks)
+        extra = [t.name for t in threading.enumerate()
+                 if t.ident not in outside and not t.name.startswith(gen.core.name)]
+        assert not extra, extra  # no thread waits on a request's behalf
+    together = [f.result(120) for f in futures]
+    assert [r.token_ids for r in together] == [r.token_ids for r in solo]
+    pieces = list(gen.stream_text(asks[0][0], gen_length=8, seed=asks[0][1]))
+    assert pieces[-1].done and pieces[-1].token_ids == solo[0].token_ids

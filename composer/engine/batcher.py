@@ -32,7 +32,10 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from composer.logging import get_logger
 from composer.platform.openmp import release_workers
+
+logger = get_logger(__name__)
 
 _locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _locks_guard = threading.Lock()
@@ -59,6 +62,7 @@ class _Call:
     result: Any = None
     error: BaseException | None = None
     done: bool = False
+    on_done: Callable[[_Call], None] | None = None  # a task's (enqueue): called once done, the queue's lock held
 
 
 class UnitQueue:
@@ -285,6 +289,16 @@ class CallBatcher(UnitQueue):
             raise call.error
         return call.result
 
+    def enqueue(self, key: Any, payload: Any, rows: int = 1, plan_key: Any = None, priority: int = 0, *,
+                on_done: Callable[[_Call], None]) -> _Call:
+        """As `submit`, without waiting: `on_done(call)` once it has run (its `result` or `error` set), on the thread
+        that ran it (a task of the engine core: composer/engine/loop.py `Queued`)."""
+        call = _Call(key, payload, rows, next(self._seq), plan_key, priority, arrived=time.monotonic(),
+                     on_done=on_done)
+        with self._cv:
+            self._queue(call)
+        return call
+
     def due(self) -> float | None:
         if self._running or self._holds or not self._pending:
             return None
@@ -348,4 +362,9 @@ class CallBatcher(UnitQueue):
             self.batched_calls += len(calls)
         for call in calls:
             call.done = True
+            if call.on_done is not None:
+                try:
+                    call.on_done(call)
+                except Exception:  # noqa: BLE001 - a waiter's callback must not break the batch's other calls
+                    logger.exception("a call's completion callback failed")
         self._cv.notify_all()

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from composer.admission import CANCEL_POLL_S
-from composer.engine.loop import Admit, Blocking, ModelStep, Task
+from composer.engine.loop import Admit, Blocking, ModelStep, Queued, Task
 from composer.engine.scheduler import RequestContext, running_request
 from composer.logging import get_logger
 from composer.parallel.plan import Follow
@@ -347,6 +347,12 @@ class EngineCore:
 
                 scheduler.enqueue(item.latents, item.timestep, item.branches, item.merged, item.kind, entry.context,
                                   item.step, on_done=done)
+            elif isinstance(item, Queued):
+                def answered(call, item=item) -> None:
+                    item.result, item.error = call.result, call.error
+                    self._resume(entry)
+
+                item.queue.enqueue(*item.args, on_done=answered)
             elif isinstance(item, Admit):
                 item.queue.listen(self._queue_changed)  # a release there wakes this core, which polls the ticket
                 item.ticket = item.queue.ticket(item.need, item.priority, owner=entry.context)
@@ -358,7 +364,8 @@ class EngineCore:
                 work = self._pool.submit(_blocking, item, entry.context)
                 work.add_done_callback(lambda _: self._resume(entry))
             else:
-                raise TypeError(f"a task yielded {type(item).__name__}; expected ModelStep or Blocking")
+                raise TypeError(f"a task yielded {type(item).__name__}; expected a Wait (ModelStep, Queued, Blocking, "
+                                "Admit)")
         except BaseException as exc:  # noqa: BLE001 - the wait could not start: the task ends with the error
             with running_request(entry.context):
                 entry.gen.close()

@@ -106,6 +106,19 @@ class ModelStep(Wait):
 
 
 @dataclass(eq=False)
+class Queued(Wait):
+    """A task waits for a unit of a unit queue other than a step scheduler (a text model's forward: its
+    ForwardBatcher, a CallBatcher): `queue.enqueue(*args, on_done=...)` on the engine core, which runs the queue's
+    batches; driven on a thread, `queue.submit(*args)` (the thread waits for the core to run it)."""
+
+    queue: Any  # composer.engine.batcher.CallBatcher
+    args: tuple
+
+    def _run(self, request: RequestContext) -> Any:
+        return self.queue.submit(*self.args)
+
+
+@dataclass(eq=False)
 class Blocking(Wait):
     """A task waits for `fn()` (work that is not a transformer unit: a stage, a file write), which runs on the
     engine core's stage threads. It must not wait for other requests (they may need those threads): waiting for a
@@ -154,5 +167,5 @@ def drive(task: Task, request: RequestContext | None = None) -> Any:
             return stop.value
         if not isinstance(item, Wait):
             task.close()
-            raise TypeError(f"a task yielded {type(item).__name__}; expected ModelStep or Blocking")
+            raise TypeError(f"a task yielded {type(item).__name__}; expected a Wait (ModelStep, Queued, Blocking, Admit)")
         item.run_here(request or current_request() or RequestContext())

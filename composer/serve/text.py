@@ -179,8 +179,8 @@ def text_routes(state: ServerState) -> APIRouter:
         generator = state.text_generator
         start = time.perf_counter()
         try:
-            results = await run_in_threadpool(lambda: generator.generate_text(**checked.inputs(), **checked.settings,
-                                                                              cancel=cancel, priority=checked.priority))
+            results = await asyncio.wrap_future(generator.submit_text(  # a task of the model's core: no thread waits
+                **checked.inputs(), **checked.settings, cancel=cancel, priority=checked.priority))
         except ComposerError as exc:
             state.counters.count([], time.perf_counter() - start, failed=True)
             if (late := timed_out(cancel)) is not None:

@@ -1,9 +1,9 @@
 """Text requests share model forwards: each refinement step's forward of every request running at once goes into
 one padded call.
 
-Requests run their own loops (their own generators, draws and commits), each on its thread; a step's forward is a
-unit handed to the pipeline's `ForwardBatcher`, whose calls the pipeline's engine core runs (composer/engine/core.py:
-the request's thread only waits for its logits). It is one of the core's CallBatchers (the VAE decodes are another):
+Requests run their own loops (their own generators, draws and commits), each a task of the model's engine core
+(composer/engine/core.py); a step's forward is a unit the task waits for (`Queued`) on the pipeline's
+`ForwardBatcher`, whose calls the core runs, so no thread waits for a request's logits. It is one of the core's CallBatchers (the VAE decodes are another):
 a call takes the pending units in order (higher priority first, then the oldest) while they fit `max_rows` rows (the
 runtime's `max_batch_size`) and `max_tokens` (`max_batch_tokens`, rows x padded length); the others wait. Rows of different lengths are padded on the right: each keeps its own
 positions, the padding is masked out of every row's attention, and a row's logits are its own positions' (a causal
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from composer.engine.batcher import CallBatcher
+from composer.engine.loop import Queued
 
 
 @dataclass
@@ -45,11 +46,11 @@ class ForwardBatcher(CallBatcher):
         self.max_tokens = max_tokens
         self.stats = BatchStats()
 
-    def logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
-               block: int, priority: int = 0) -> torch.Tensor:
-        """The logits of the last `block` positions of `ids` [rows, length], run with whatever else is pending
-        (higher `priority` first, then the oldest)."""
-        return self.submit("forward", (ids, attention, positions, block), rows=ids.shape[0], priority=priority)
+    def forward(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, block: int,
+                priority: int = 0) -> Queued:
+        """What a request's task waits for: the logits of the last `block` positions of `ids` [rows, length], run
+        with whatever else is pending (higher `priority` first, then the oldest)."""
+        return Queued(self, ("forward", (ids, attention, positions, block), ids.shape[0], None, priority))
 
     def _fits(self, rows: int, chosen: list, call) -> bool:
         if self.max_tokens is None:

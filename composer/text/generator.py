@@ -14,6 +14,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ import torch
 
 from composer import seeds
 from composer.cancel import CancelToken
+from composer.engine.loop import drive
+from composer.engine.scheduler import RequestContext, running_request
 from composer.errors import UnsupportedError
 from composer.logging import get_logger
 from composer.runtime import RuntimeArgs, apply_threads
@@ -162,9 +165,7 @@ class TextGenerator:
         seed, ...). `cancel`: a CancelToken; once cancelled the call raises Cancelled before the next forward.
         `priority` (an int, higher first): where this request's forwards go among the waiting ones of requests
         running at once (their outputs do not change)."""
-        batch = self.pipeline.run(self._batch(prompt, sampling_param, cancel, overrides, messages, priority))
-        results = self._results(batch)
-        return results if isinstance(batch.sampling.prompt, list) else results[0]
+        return self._finished(self._run(self._batch(prompt, sampling_param, cancel, overrides, messages, priority)))
 
     def stream_text(self, prompt: str | list[str] | None = None, *, messages: Any = None,
                     sampling_param: TextSamplingParam | None = None, cancel: CancelToken | None = None,
@@ -182,7 +183,7 @@ class TextGenerator:
         gen_length = batch.sampling.gen_length
         shown = [""] * batch.rows
         done = [False] * batch.rows
-        for final in self.pipeline.stream(batch):
+        for final in self._pieces(batch):
             for row in range(batch.rows):
                 if done[row]:
                     continue
@@ -198,6 +199,54 @@ class TextGenerator:
             if not done[row]:
                 yield TextPiece(row, text[len(shown[row]):] if text.startswith(shown[row]) else text, text, ids,
                                 True, batch.stats)
+
+    def submit_text(self, prompt: str | list[str] | None = None, *, messages: Any = None,
+                    sampling_param: TextSamplingParam | None = None, cancel: CancelToken | None = None,
+                    priority: int = 0, **overrides: Any) -> Future:
+        """As generate_text, without waiting: a Future of its result (or results), the request a task of the model's
+        engine core (no thread waits for it). A bad request raises here, before anything runs."""
+        batch = self._batch(prompt, sampling_param, cancel, overrides, messages, priority)
+        if not self.pipeline.runs_tasks:  # a parallel layout: its one request at a time, on a thread of its own
+            return self.core.call(lambda: self._finished(self._run(batch)))
+        pieces = self.pipeline.stream(batch)
+        outcome: Future = Future()
+        outcome.set_running_or_notify_cancel()  # it stops through `cancel`, never by dropping its future
+
+        def ended(done: Future) -> None:
+            if done.exception() is not None:
+                outcome.set_exception(done.exception())
+            else:
+                outcome.set_result(self._finished(batch))
+
+        self.core.submit(self.pipeline.run_task(batch), pieces.context).add_done_callback(ended)
+        return outcome
+
+    def _run(self, batch: TextBatch) -> TextBatch:
+        """The request to its end: a task of the engine core (this thread waits), or, under a parallel layout (one
+        request at a time, the same on every rank), driven on this thread."""
+        task = self.pipeline.run_task(batch)
+        context = RequestContext(priority=batch.priority, cancel=batch.cancel)
+        if self.pipeline.runs_tasks:
+            return self.core.run(task, context)
+        with running_request(context):
+            return drive(task, context)
+
+    def _pieces(self, batch: TextBatch) -> Iterator[int]:
+        """The count of final tokens after each block: each block a task of the engine core (this thread waits for
+        it), or read on this thread under a parallel layout."""
+        pieces = self.pipeline.stream(batch)
+        if not self.pipeline.runs_tasks:
+            yield from pieces
+            return
+        try:
+            while (final := self.core.run(pieces.next_task(), pieces.context)) is not None:
+                yield final
+        finally:
+            pieces.close()
+
+    def _finished(self, batch: TextBatch) -> TextResult | list[TextResult]:
+        results = self._results(batch)
+        return results if isinstance(batch.sampling.prompt, list) else results[0]
 
     def _results(self, batch: TextBatch) -> list[TextResult]:
         eos = self.pipeline.stages[-1].eos_id

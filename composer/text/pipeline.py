@@ -9,19 +9,19 @@ LLaDA2Pipeline folders with it.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from composer.cancel import CancelToken
+from composer.engine.loop import Blocking, drive, is_wait, wait_for
+from composer.engine.scheduler import RequestContext
 from composer.logging import get_logger
-from composer.pipelines.base import ComposedPipeline, RequestGate
-from composer.stages.base import Stage, tokenizer_lock
+from composer.pipelines.base import ComposedPipeline, RequestGate, _RequestIterator
+from composer.stages.base import Stage, drives_task, tokenizer_lock
 from composer.stages.validators import VerificationResult
 from composer.text import refinement, strategies
 from composer.text.batching import ForwardBatcher
@@ -164,9 +164,10 @@ def warn_unknown_tokens(tokenizer: Any, batch: TextBatch) -> None:
 
 
 class BlockRefinementStage(Stage):
-    """The block refinement loop (composer/text/refinement.py) over the model: `forward` runs it whole, `blocks`
-    yields after every block. Requests run it at once, each on its thread; their forwards meet in the batcher
-    (composer/text/batching.py)."""
+    """The block refinement loop (composer/text/refinement.py) over the model. `steps` is the loop as a task
+    (composer/engine/loop.py) that also yields the count of final tokens after every block; `forward_task` runs it
+    whole; `blocks` drives it on the calling thread, yielding the counts. Requests run it at once, each a task of the
+    engine core; their plain forwards meet in the batcher (composer/text/batching.py)."""
 
     concurrent = True
 
@@ -183,14 +184,20 @@ class BlockRefinementStage(Stage):
         self.eos_id = eos_id
         self.device = device
 
+    @drives_task
     def forward(self, batch: TextBatch) -> TextBatch:
-        for _ in self.blocks(batch):
-            pass
+        return drive(self.forward_task(batch))
+
+    def forward_task(self, batch: TextBatch):
+        for item in self.steps(batch):
+            if is_wait(item):
+                yield item
         return batch
 
-    def blocks(self, batch: TextBatch) -> Iterator[int]:
-        """Refine block after block; yields the number of generated tokens that are final after each block (the
-        batch's `sequences` hold them)."""
+    def steps(self, batch: TextBatch):
+        """Refine block after block, as a task: yields what it waits for (each plain forward, `Queued` on the
+        batcher) and, after each block, the number of generated tokens that are final (the batch's `sequences` hold
+        them)."""
         sp = batch.sampling
         block = sp.block_length or self.block_length
         gen_length = sp.gen_length
@@ -225,8 +232,8 @@ class BlockRefinementStage(Stage):
                 prompt_positions[:min(prompt_length - first, block)] = True
             step = post_steps = 0
             if not decoder.exact:
-                finished = self._fast_block(batch, decoder, window, window_attention, window_positions, block,
-                                            finished, prompt_length, multinomial, early_stop)
+                finished = yield from self._fast_block(batch, decoder, window, window_attention, window_positions,
+                                                       block, finished, prompt_length, multinomial, early_stop)
             while decoder.exact:
                 if batch.cancel is not None:
                     batch.cancel.check()
@@ -234,7 +241,7 @@ class BlockRefinementStage(Stage):
                 had_masks = bool((current == self.mask_id).any())
                 if not had_masks:
                     post_steps += 1
-                logits = self._logits(window, window_attention, window_positions, block)
+                logits = yield from self._logits(window, window_attention, window_positions, block, batch.priority)
                 batch.stats.forwards += 1
                 tokens, probs = refinement.sample(
                     logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, multinomial=multinomial,
@@ -263,7 +270,6 @@ class BlockRefinementStage(Stage):
                 break
         batch.stats.seconds = time.perf_counter() - start
 
-    @torch.inference_mode()
     def _fast_block(self, batch: TextBatch, decoder: strategies.Decoder, window: torch.Tensor,
                     attention: torch.Tensor, positions: torch.Tensor, block: int, finished: torch.Tensor,
                     prompt_length: int, multinomial: bool, early_stop: bool) -> torch.Tensor:
@@ -277,8 +283,11 @@ class BlockRefinementStage(Stage):
                 break
             if batch.cancel is not None:
                 batch.cancel.check()
-            plain = functools.partial(self._logits, priority=batch.priority)
-            logits = decoder.logits(self.model, window, attention, positions, block, plain=plain)
+            if decoder.plain_forward:  # a plain forward: shared with other requests'
+                logits = yield from self._logits(window, attention, positions, block, batch.priority)
+            else:
+                with torch.inference_mode():
+                    logits = decoder.logits(self.model, window, attention, positions, block)
             batch.stats.forwards += 1
             tokens, probs = refinement.sample(logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
                                               multinomial=multinomial, generator=batch.generator)
@@ -290,14 +299,14 @@ class BlockRefinementStage(Stage):
                                                     mask_id=self.mask_id, prompt_length=prompt_length)
         return finished
 
-    @torch.inference_mode()
     def _logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, block: int,
-                priority: int = 0) -> torch.Tensor:
-        """The last `block` positions' logits of one plain forward (shared with other requests' by the batcher,
-        higher `priority` first)."""
+                priority: int = 0):
+        """(In a task) the last `block` positions' logits of one plain forward (shared with other requests' by the
+        batcher, higher `priority` first)."""
         if self.batcher is not None:
-            return self.batcher.logits(ids, attention, positions, block, priority)
-        return self.model(ids, attention_mask=attention, position_ids=positions).logits[:, -block:, :]
+            return (yield from wait_for(self.batcher.forward(ids, attention, positions, block, priority)))
+        with torch.inference_mode():
+            return self.model(ids, attention_mask=attention, position_ids=positions).logits[:, -block:, :]
 
 
 class DetokenizeStage(Stage):
@@ -457,23 +466,29 @@ class TextPipeline(ComposedPipeline):
                                             self.device, self.batcher, self.scheduler_setting("editing_threshold")))
         self.add_stage(DetokenizeStage(self.tokenizer, eos))
 
-    def run(self, batch: TextBatch) -> TextBatch:
-        """Every stage over `batch` (the refinement stage at once with other requests'; the others one request at a
-        time per module). The request holds its place at the gate: set_lora waits for it."""
-        with self.gate.request():
-            for stage in self.stages:
-                with self._stage_lock(stage):
-                    batch = stage(batch)
+    def run_task(self, batch: TextBatch):
+        """The request as a task (composer/engine/loop.py): every stage over `batch`, the refinement's forwards
+        shared with other requests'; returns the batch. The engine core runs it (`TextGenerator`), or `drive` on a
+        thread (a parallel layout's one request at a time)."""
+        pieces = self.stream(batch)
+        while (yield from pieces.next_task()) is not None:
+            pass
         return batch
 
-    def stream(self, batch: TextBatch) -> Iterator[int]:
-        """As `run`, yielding after each block the count of generated tokens that are final (in `batch.sequences`);
-        `batch.texts` is set at the end."""
+    def stream(self, batch: TextBatch) -> _RequestIterator:
+        """The request's pieces: after each block the count of generated tokens that are final (in
+        `batch.sequences`); `batch.texts` is set at the end. Read on a thread (`next`, each wait done there) or as
+        tasks of the engine core (`next_task`). The request holds its place at the gate (set_lora waits for it)
+        from its first piece to its end."""
+        context = RequestContext(priority=batch.priority, cancel=batch.cancel)
+        return _RequestIterator(self._pieces(batch), context, self.gate)
+
+    def _pieces(self, batch: TextBatch):
         tokenize, refine, detokenize = self.stages
-        with self.gate.request(key=("stream", id(batch))):
-            with self._stage_lock(tokenize):
-                batch = tokenize(batch)
-            with self._stage_lock(refine):
-                yield from refine.blocks(batch)
-            with self._stage_lock(detokenize):
-                detokenize(batch)
+        yield from wait_for(Blocking(lambda: self._run_stage(tokenize, batch)))
+        refine.check(batch, "input")
+        start = time.perf_counter()
+        yield from refine.steps(batch)
+        batch.timings[refine.name] += time.perf_counter() - start
+        refine.check(batch, "output")
+        yield from wait_for(Blocking(lambda: self._run_stage(detokenize, batch)))

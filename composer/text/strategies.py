@@ -89,13 +89,16 @@ class Decoder:
 
     # -- the forward
 
+    @property
+    def plain_forward(self) -> bool:
+        """Whether this step's forward is a plain one over the window (which other requests' may share): neither
+        `smooth` (its own input embeddings) nor `kv` (its own cached prefix)."""
+        return "smooth" not in self.names and "kv" not in self.names
+
     def logits(self, model: torch.nn.Module, window: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
-               block: int, plain=None) -> torch.Tensor:
-        """The block's logits [rows, block, vocab] for this step (`plain(window, attention, positions, block)`: a
-        plain forward, which other requests' may share)."""
+               block: int) -> torch.Tensor:
+        """The block's logits [rows, block, vocab] for this step."""
         embeds = self._embeds(model, window, block) if "smooth" in self.names else None
-        if embeds is None and "kv" not in self.names and plain is not None:
-            return plain(window, attention, positions, block)
         if "kv" not in self.names:
             out = model(None if embeds is not None else window, attention_mask=attention, position_ids=positions,
                         **({"inputs_embeds": embeds} if embeds is not None else {}))
