@@ -22,8 +22,10 @@ A request is checked whole before anything runs, a stream's included (its first 
 an error the library finds before generating has its real status): the fields on the event loop, the tokens on a
 worker thread. It then waits for one of --max-concurrent slots (composer/serve/slots.py: an asyncio future, higher
 `priority` first, then by arrival; more than --max-queue waiting: 429, as a full video queue) and runs, for at most
---request-timeout seconds (then it is cancelled: a 504, or a stream's error event). Running requests' refinement
-steps share model forwards (composer/text/batching.py), and no forward is longer than the model's context allows.
+--request-timeout seconds (then it is cancelled: a 504, or a stream's error event). A request runs as a task of the
+text model's engine core (`TextGenerator.submit_text`, whose future the route awaits: no thread waits for it); a
+stream's blocks are read one at a time on a worker thread. Running requests' refinement steps share model forwards
+(composer/text/batching.py), and no forward is longer than the model's context allows.
 """
 
 from __future__ import annotations
