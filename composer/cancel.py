@@ -20,9 +20,12 @@ class CancelToken:
     """A one-way flag a request is cancelled with: `cancel()` from any thread (or a signal handler); the
     pipeline's `check()` then raises `Cancelled`. One token per request; it cannot be un-cancelled."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_behalf_of: CancelToken | None = None) -> None:
         self._event = threading.Event()
         self.reason = "cancel() was called"
+        # the caller's token this one stands in for (a parallel layout's call: rank 0 cancels it at a sync point,
+        # never directly), by which the caller's bookkeeping finds its request
+        self.on_behalf_of = on_behalf_of
 
     def cancel(self, reason: str = "cancel() was called") -> None:
         """Ask the request to stop at its next check (safe from other threads and signal handlers)."""

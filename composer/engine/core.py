@@ -80,6 +80,7 @@ class EngineCore:
         self._pool: ThreadPoolExecutor | None = None
         self._side: ThreadPoolExecutor | None = None
         self._closed = False
+        self.submitted = 0  # tasks submitted since the core was made
         # a CUDA device's index is per thread: the core's threads work on the model's device (a rank's own GPU)
         self.device = torch.device(device) if device is not None else None
         self.attach()
@@ -103,6 +104,7 @@ class EngineCore:
             if self._closed:
                 raise RuntimeError("this model's engine core is closed")
             self._tasks.add(entry)
+            self.submitted += 1
         self._start()
         self._resume(entry)
         return future
@@ -122,6 +124,18 @@ class EngineCore:
         if self._pool is None:  # closed before it ever started
             raise RuntimeError("this model's engine core is closed")
         return self._pool.submit(_called, fn, args)
+
+    def ensure_stage_threads(self, count: int) -> None:
+        """At least `count` stage threads (blocking work that waits for other processes, as a parallel layout's
+        sync points do, must always find one: each request at once may hold one)."""
+        with self._lock:
+            if count <= self.stage_threads:
+                return
+            self.stage_threads = count
+            if self._pool is not None:  # started: a larger pool from now on (the old one's work runs to its end)
+                old, self._pool = self._pool, ThreadPoolExecutor(count, thread_name_prefix=f"{self.name}-stage",
+                                                                 initializer=self._on_device)
+                old.shutdown(wait=False)
 
     def wake(self) -> None:
         """A unit was queued, a hold released or a batch ended: the loop looks at its queues again."""
@@ -337,9 +351,6 @@ class EngineCore:
                         item.run_here(entry.context)
                     self._resume(entry)
                     return
-                if scheduler.planner is not None:
-                    raise RuntimeError("a task's transformer unit cannot be planned by rank 0 (a parallel layout's "
-                                       "requests run on threads)")
 
                 def done(unit, item=item) -> None:
                     item.result, item.error = unit.result, unit.error

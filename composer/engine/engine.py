@@ -6,7 +6,9 @@
     model call:     hooks.around_model wrap the transformer call (outermost hook first)
 
 Hooks are objects with any of `before_step(info)`, `after_step(info)` and `around_model(call, model_call)`;
-a step cache, CFG parallel or a profiler attaches here once for every pipeline.
+a step cache, CFG parallel or a profiler attaches here once for every pipeline. A `before_step` that must wait for
+something outside this process (the rank protocol's sync point with the other ranks) returns a Wait
+(composer/engine/loop.py), which the step loop waits for as a task does: off the engine core's thread.
 
 Several requests (threads) may run loops on one engine at once: with a `scheduler` (composer/engine/scheduler.py,
 set by the pipeline) every transformer call goes through it, one call at a time, and compatible steps of different
@@ -26,7 +28,7 @@ import torch
 
 from composer.engine.guidance import ClassifierFreeGuidance
 from composer.engine.inputs import ModelInputs
-from composer.engine.loop import ModelStep, drive, wait_for
+from composer.engine.loop import ModelStep, drive, is_wait, wait_for
 from composer.engine.scheduler import (
     RequestContext,
     StepScheduler,
@@ -291,7 +293,9 @@ class DenoisingEngine:
                 info = StepInfo(index, num_steps, float(t), run, latents, schedule)
                 for hook in self.hooks:
                     if hasattr(hook, "before_step"):
-                        hook.before_step(info)
+                        wait = hook.before_step(info)
+                        if is_wait(wait):  # a hook that waits for others (the rank protocol's sync point)
+                            yield from wait_for(wait)
                 model_timestep = steps.model_timestep(t, latents)
                 if guidance is None or not guidance.active(index, num_steps):
                     pred = (yield from wait_for(ModelStep(self, latents, model_timestep, [cond], None, "step",

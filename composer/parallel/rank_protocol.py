@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from composer.cancel import CancelToken
 from composer.engine.engine import EngineHook
+from composer.engine.loop import Blocking
 from composer.engine.scheduler import current_request
 from composer.errors import Cancelled
 
@@ -109,14 +110,17 @@ class CallHooks(EngineHook):
     each call's requests carry a token of its own (never cancelled: it names the call), by which its step finds
     its Runner. A step of no protocol call has no sync point."""
 
-    def __init__(self, generator: Any):
+    def __init__(self, generator: Any, slots: int = SLOTS):
         self._runners: dict[int, Runner] = {}
         self._lock = threading.Lock()
+        core = getattr(generator, "core", None)
+        if core is not None:  # every call at once may wait at a sync point on a stage thread, and still go on
+            core.ensure_stage_threads(slots + 1)
         for engine in getattr(getattr(generator, "pipeline", None), "engines", []):
             engine.add_hook(self)
 
-    def bind(self, runner: Runner) -> CancelToken:
-        token = CancelToken()
+    def bind(self, runner: Runner, caller: Any = None) -> CancelToken:
+        token = CancelToken(on_behalf_of=caller)
         with self._lock:
             self._runners[id(token)] = runner
         return token
@@ -126,13 +130,14 @@ class CallHooks(EngineHook):
             with self._lock:
                 self._runners.pop(id(token), None)
 
-    def before_step(self, info: Any) -> None:
+    def before_step(self, info: Any) -> Blocking | None:
+        """The call's sync point, as a wait (Blocking: the gather runs on a stage thread of the engine core, whose
+        own thread goes on with the other requests' work; driven on a thread, there and then)."""
         request = current_request()
         token = getattr(request, "cancel", None)
         with self._lock:
             runner = self._runners.get(id(token)) if token is not None else None
-        if runner is not None:
-            runner.sync_point()
+        return Blocking(runner.sync_point) if runner is not None else None
 
 
 class Runner:
@@ -201,7 +206,7 @@ class Runner:
                 segments.ends_segment = segments.cut
             args = (segments, *args[1:])
         if method in ("generate_video", "stream_video"):  # the call's requests carry its token (CallHooks)
-            self.token = self.hooks.bind(self)
+            self.token = self.hooks.bind(self, cancel)
             kwargs = {**kwargs, "cancel": self.token}
         return getattr(self.generator, method)(*args, **kwargs)
 

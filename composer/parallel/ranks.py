@@ -70,6 +70,7 @@ from composer.parallel.rank_protocol import (
 
 logger = get_logger(__name__)
 
+_LOCAL_ONLY = ("submit_video", "agenerate_video", "astream_video", "open_session")
 HEARTBEAT_S = 5.0  # an idle leader pings this often, so followers waiting for work never reach the timeout
 
 
@@ -120,7 +121,7 @@ class RankLeader:
     def __init__(self, generator: Any, channel: ControlChannel, heartbeat_s: float = HEARTBEAT_S):
         self._generator = generator
         self._channel = channel
-        self._hooks = CallHooks(generator)
+        self._hooks = CallHooks(generator, len(channel.calls))
         self._runners = [Runner(generator, c, self._hooks) for c in channel.calls]
         if not self._runners:
             raise ValueError("the control channel has no call slots (ControlChannel(slots=...) >= 1)")
@@ -136,6 +137,8 @@ class RankLeader:
         self._pinger.start()
 
     def __getattr__(self, name: str) -> Any:
+        if name in _LOCAL_ONLY:  # rank 0's own request API: a call there would run on rank 0 alone
+            raise AttributeError(f"{name} is not a call the ranks run together (use generate_video / stream_video)")
         return getattr(self._generator, name)
 
     @property
@@ -425,7 +428,7 @@ def follow(generator: Any, channel: ControlChannel) -> int:
     """A rank other than 0: run every call rank 0 broadcasts, until it says stop. Each call runs on a thread of
     its own, as on rank 0 (set_lora / unset_lora once the calls before them have ended). Returns the process's
     exit code (1 when a control group failed: rank 0 died, or a collective timed out)."""
-    hooks = CallHooks(generator)
+    hooks = CallHooks(generator, len(channel.calls))
     runners = [Runner(generator, c, hooks) for c in channel.calls]
     threads: dict[int, threading.Thread] = {}  # slot -> the thread of its latest call
     broken = threading.Event()

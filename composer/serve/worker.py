@@ -276,7 +276,8 @@ class Worker(AdmissionQueue):
         if run is None:
             request = current_request()
             token = getattr(request, "cancel", None)
-            if token is not None:
+            if token is not None:  # (on several ranks: the call's token, on behalf of the job's)
+                token = getattr(token, "on_behalf_of", None) or token
                 with self._cv:
                     run = self._by_token.get(id(token))
         return run
