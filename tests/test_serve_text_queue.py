@@ -110,14 +110,18 @@ class Gated:
         threading.Thread(target=held, daemon=True).start()
         return future
 
-    def stream_text(self, prompt=None, *, cancel=None, **kwargs):
-        pieces = self._generator.stream_text(prompt, cancel=cancel, **kwargs)
+    def astream_text(self, prompt=None, *, cancel=None, **kwargs):
+        pieces = self._generator.astream_text(prompt, cancel=cancel, **kwargs)
         if prompt != GATED:
             return pieces
 
-        def held():
-            self._hold(cancel)
-            yield from pieces
+        async def held():  # (the hold on a worker thread: the server's event loop goes on)
+            try:
+                await asyncio.to_thread(self._hold, cancel)
+                async for piece in pieces:
+                    yield piece
+            finally:
+                await pieces.aclose()
 
         return held()
 
@@ -272,3 +276,47 @@ def test_composer_serve_gives_a_text_model_its_flags(monkeypatch, capsys):
     assert state.modality == "text" and state.store is None
     assert (state.slots.max_concurrent, state.slots.max_queue, state.config.request_timeout) == (2, 3, 7.0)
     assert "a text model: /v1/completions" in capsys.readouterr().out
+
+
+def test_a_stream_whose_client_leaves_midway_stops_and_frees_its_slot(tmp_path):
+    """A streamed completion whose client closes its connection after the first event: the request leaves the
+    pipeline (no more forwards run for it), its slot is free, and the next request is answered."""
+    import json
+    import socket
+
+    import torch
+
+    gen = TextGenerator.from_pretrained(None, progress=False)
+    forwards = []
+    inner = gen.pipeline.batcher.model
+
+    class Slow(torch.nn.Module):  # 50 ms a forward: the stream is still running when its client leaves
+        def forward(self, *args, **kwargs):
+            forwards.append(time.monotonic())
+            time.sleep(0.05)
+            return inner(*args, **kwargs)
+
+    gen.pipeline.batcher.model = Slow()
+    srv = served(gen, tmp_path, max_concurrent=1)
+    try:
+        body = json.dumps({"prompt": "what is the sea", "max_tokens": 48, "stream": True, "block_length": 4,
+                           "steps": 4, "eos_early_stop": False, "use_chat_template": False}).encode()
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            received = b""
+            while b"data: " not in received:  # the first event: the stream is under way
+                chunk = sock.recv(65536)
+                assert chunk, received
+                received += chunk
+        deadline = time.monotonic() + 30
+        while gen.pipeline.gate.running or gauge(srv, "composer_text_requests_running"):
+            assert time.monotonic() < deadline, "the stream did not leave the pipeline"
+            time.sleep(0.02)
+        ran = len(forwards)
+        assert ran < 12 * 4  # it stopped before its 12 blocks of 4 steps
+        time.sleep(0.3)
+        assert len(forwards) == ran  # and nothing more runs for it
+        assert srv.request("POST", "/v1/completions", {"prompt": "1 =", "max_tokens": 4}).status == 200
+    finally:
+        srv.stop()

@@ -147,3 +147,41 @@ def test_text_requests_are_tasks_of_the_engine_core_no_thread_waits_for_them():
     assert [r.token_ids for r in together] == [r.token_ids for r in solo]
     pieces = list(gen.stream_text(asks[0][0], gen_length=8, seed=asks[0][1]))
     assert pieces[-1].done and pieces[-1].token_ids == solo[0].token_ids
+
+
+def test_astream_text_awaits_each_block_on_the_core_and_equals_stream_text():
+    """astream_text: the same pieces as stream_text, each block a task of the engine core awaited on the event loop
+    (the core's tasks count them); a reader that stops early leaves the pipeline (its place at the gate is given
+    back)."""
+    import asyncio
+
+    gen = TextGenerator.from_pretrained(None, progress=False)
+    settings = {"gen_length": 16, "block_length": 4, "seed": 3}
+    expected = [(p.row, p.text, p.token_ids, p.done) for p in gen.stream_text("1 2 3 + 4 5 6 =", **settings)]
+
+    async def read(limit=None):
+        got = []
+        pieces = gen.astream_text("1 2 3 + 4 5 6 =", **settings)
+        try:
+            async for piece in pieces:
+                got.append((piece.row, piece.text, piece.token_ids, piece.done))
+                if limit is not None and len(got) >= limit:
+                    break
+        finally:
+            await pieces.aclose()
+        return got
+
+    before = gen.core.submitted
+    assert asyncio.run(read()) == expected
+    assert gen.core.submitted - before >= 2  # a task per block, and one that finds the end
+    assert asyncio.run(read(limit=1)) == expected[:1]
+    assert until(lambda: gen.pipeline.gate.running == 0)  # the early reader's request left the pipeline
+
+
+def until(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

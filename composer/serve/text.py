@@ -24,7 +24,7 @@ worker thread. It then waits for one of --max-concurrent slots (composer/serve/s
 `priority` first, then by arrival; more than --max-queue waiting: 429, as a full video queue) and runs, for at most
 --request-timeout seconds (then it is cancelled: a 504, or a stream's error event). A request runs as a task of the
 text model's engine core (`TextGenerator.submit_text`, whose future the route awaits: no thread waits for it); a
-stream's blocks are read one at a time on a worker thread. Running requests' refinement steps share model forwards
+stream's blocks are awaited one at a time the same way (`astream_text`). Running requests' refinement steps share model forwards
 (composer/text/batching.py), and no forward is longer than the model's context allows.
 """
 
@@ -34,7 +34,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -217,15 +217,15 @@ def text_routes(state: ServerState) -> APIRouter:
         """Server-sent events, once the first piece is made: what fails before it (the library's checks, the
         tokenizer's) is an error with its status, as the SDK expects, not a 200 with an error event. The slot is
         held until the last event (or the client leaves)."""
-        def begin() -> tuple[Iterator[Any], Any]:
-            pieces = state.text_generator.stream_text(**checked.inputs(), **checked.settings, cancel=cancel,
-                                                 priority=checked.priority)
-            return pieces, next(pieces, None)
-
         start = time.perf_counter()
-        try:
-            pieces, first = await run_in_threadpool(begin)
+        pieces = None
+        try:  # each block a task of the text model's core, awaited here: no thread waits for the stream
+            pieces = state.text_generator.astream_text(**checked.inputs(), **checked.settings, cancel=cancel,
+                                                       priority=checked.priority)
+            first = await anext(pieces, None)
         except BaseException as exc:
+            if pieces is not None:
+                await pieces.aclose()
             release()
             state.counters.count([], time.perf_counter() - start, failed=True)
             if not isinstance(exc, ComposerError):
@@ -234,11 +234,12 @@ def text_routes(state: ServerState) -> APIRouter:
             return error(504, late) if late is not None else error(_status(exc), str(exc))
         gone.cancel()  # from here the response watches its client (StreamingResponse reads the disconnect)
 
-        def end() -> None:
+        closing: list = []
+
+        def end() -> None:  # (its callers may both call it)
             release()
-            close = getattr(pieces, "close", None)
-            if close is not None:  # a client gone mid-stream: the request leaves the pipeline now, not when collected
-                close()
+            if not closing:  # a client gone mid-stream: the request leaves the pipeline now, not when collected
+                closing.append(asyncio.get_running_loop().create_task(pieces.aclose()))
 
         events = _events(state, pieces, first, checked, ident, created, start, lambda: timed_out(cancel), end)
         return _HeldStream(events, end, media_type="text/event-stream")
@@ -281,11 +282,11 @@ def _status(exc: ComposerError) -> int:
     return 400 if isinstance(exc, (ValueError, NotImplementedError)) else 500
 
 
-async def _events(state: ServerState, pieces: Iterator[Any], first: Any, checked: TextRequest, ident: str,
+async def _events(state: ServerState, pieces: AsyncIterator[Any], first: Any, checked: TextRequest, ident: str,
                   created: int, start: float, timed_out: Callable[[], str | None],
                   end: Callable[[], None]) -> AsyncIterator[bytes]:
     """Server-sent events: the text each block makes final, per choice (from the first piece, already made), then a
-    last chunk with each choice's finish reason, then [DONE]. Each next piece is made on a worker thread; `end`
+    last chunk with each choice's finish reason, then [DONE]. Each next block is a task of the core, awaited; `end`
     (the slot released, the pieces closed) runs before [DONE], or when the client leaves."""
     chat, stop = checked.chat, checked.stop
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -325,7 +326,7 @@ async def _events(state: ServerState, pieces: Iterator[Any], first: Any, checked
                     finished = cut or (piece.token_ids and piece.token_ids[-1] == state.text_generator.pipeline.stages[-1]
                                        .eos_id)
                     yield event(row, None, "stop" if finished else "length")
-            piece = await run_in_threadpool(next, pieces, None)
+            piece = await anext(pieces, None)
         state.counters.count([_Counted(p.token_ids, p.stats) for p in results], time.perf_counter() - start)
     except Exception as exc:  # noqa: BLE001 - the stream is already open: said in an error event
         state.counters.count([], time.perf_counter() - start, failed=True)

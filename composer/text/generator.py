@@ -10,10 +10,11 @@ one call.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -177,28 +178,43 @@ class TextGenerator:
         return self._stream(batch)
 
     def _stream(self, batch: TextBatch) -> Iterator[TextPiece]:
-        """A row's piece is its last (`done`) once its text cannot change: it holds EOS, or the last block is made;
-        a row whose last block added no text gets an empty last piece at the end (the only empty one)."""
-        eos = self.pipeline.stages[-1].eos_id
-        gen_length = batch.sampling.gen_length
-        shown = [""] * batch.rows
-        done = [False] * batch.rows
+        made = _PieceMaker(self, batch)
         for final in self._pieces(batch):
-            for row in range(batch.rows):
-                if done[row]:
-                    continue
-                ids = until_eos(batch.sequences[row, :final].cpu(), eos)
-                text = self.pipeline.tokenizer.decode(ids, skip_special_tokens=True)
-                last = final >= gen_length or (eos is not None and bool(ids.numel()) and int(ids[-1]) == eos)
-                if text != shown[row] and text.startswith(shown[row]):
-                    done[row] = last
-                    yield TextPiece(row, text[len(shown[row]):], text, ids.tolist(), last,
-                                    batch.stats if last else None)
-                    shown[row] = text
-        for row, (text, ids) in enumerate(zip(batch.texts, batch.token_ids)):
-            if not done[row]:
-                yield TextPiece(row, text[len(shown[row]):] if text.startswith(shown[row]) else text, text, ids,
-                                True, batch.stats)
+            yield from made.after_block(final)
+        yield from made.at_end()
+
+    def astream_text(self, prompt: str | list[str] | None = None, *, messages: Any = None,
+                     sampling_param: TextSamplingParam | None = None, cancel: CancelToken | None = None,
+                     priority: int = 0, **overrides: Any) -> AsyncIterator[TextPiece]:
+        """As stream_text, for asyncio code (`async for piece in gen.astream_text(...)`): each block is a task of the
+        engine core, awaited, so no thread waits for the stream. A bad request raises here, before the first piece
+        is asked for."""
+        batch = self._batch(prompt, sampling_param, cancel, overrides, messages, priority)
+        return self._astream(batch)
+
+    async def _astream(self, batch: TextBatch) -> AsyncIterator[TextPiece]:
+        made = _PieceMaker(self, batch)
+        pieces = self.pipeline.stream(batch)
+        running: Future | None = None  # the block under way on the core
+        try:
+            while True:
+                if self.pipeline.runs_tasks:
+                    running = self.core.submit(pieces.next_task(), pieces.context)
+                    final = await asyncio.wrap_future(running)
+                    running = None
+                else:  # a parallel layout's one request at a time: read on a worker thread
+                    final = await asyncio.to_thread(next, pieces, None)
+                if final is None:
+                    break
+                for piece in made.after_block(final):
+                    yield piece
+            for piece in made.at_end():
+                yield piece
+        finally:
+            if running is not None and not running.done():  # (a reader gone mid-block) the stream's generator is
+                running.add_done_callback(lambda _: pieces.close())  # running on the core: closed once it stops
+            else:
+                pieces.close()
 
     def submit_text(self, prompt: str | list[str] | None = None, *, messages: Any = None,
                     sampling_param: TextSamplingParam | None = None, cancel: CancelToken | None = None,
@@ -254,6 +270,43 @@ class TextGenerator:
         return [TextResult(prompt, text, ids, batch.sampling.seed, batch.stats, int(length),
                            bool(ids) and eos is not None and ids[-1] == eos)
                 for prompt, text, ids, length in zip(batch.prompts, batch.texts, batch.token_ids, lengths)]
+
+
+class _PieceMaker:
+    """A stream's TextPieces from the count of final tokens after each block. A row's piece is its last (`done`)
+    once its text cannot change: it holds EOS, or the last block is made; a row whose last block added no text gets
+    an empty last piece at the end (the only empty one)."""
+
+    def __init__(self, generator: TextGenerator, batch: TextBatch):
+        self.batch = batch
+        self.tokenizer = generator.pipeline.tokenizer
+        self.eos = generator.pipeline.stages[-1].eos_id
+        self.shown = [""] * batch.rows
+        self.done = [False] * batch.rows
+
+    def after_block(self, final: int) -> list[TextPiece]:
+        batch, eos, out = self.batch, self.eos, []
+        for row in range(batch.rows):
+            if self.done[row]:
+                continue
+            ids = until_eos(batch.sequences[row, :final].cpu(), eos)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            last = final >= batch.sampling.gen_length or (eos is not None and bool(ids.numel()) and int(ids[-1]) == eos)
+            shown = self.shown[row]
+            if text != shown and text.startswith(shown):
+                self.done[row] = last
+                out.append(TextPiece(row, text[len(shown):], text, ids.tolist(), last, batch.stats if last else None))
+                self.shown[row] = text
+        return out
+
+    def at_end(self) -> list[TextPiece]:
+        batch, out = self.batch, []
+        for row, (text, ids) in enumerate(zip(batch.texts, batch.token_ids)):
+            if not self.done[row]:
+                shown = self.shown[row]
+                out.append(TextPiece(row, text[len(shown):] if text.startswith(shown) else text, text, ids, True,
+                                     batch.stats))
+        return out
 
 
 def _conversations(messages: Any) -> list[list[dict[str, str]]]:
