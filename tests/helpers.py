@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -163,3 +164,13 @@ def generate_at_once(gen, requests: list[dict]) -> tuple[dict[int, np.ndarray], 
     finally:
         handle.remove()
     return together, rows
+
+
+def until(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Wait (up to `timeout`) for a state another thread reaches (an engine core's, a server's); False on timeout."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

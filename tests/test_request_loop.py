@@ -13,7 +13,7 @@ from multiprocessing.pool import ThreadPool
 import numpy as np
 import pytest
 import torch
-from helpers import held
+from helpers import held, until
 
 from composer import VideoGenerator
 from composer.admission import AdmissionQueue
@@ -281,15 +281,6 @@ def test_a_loop_refuses_what_it_cannot_wait_for():
     with pytest.raises(RuntimeError, match="closed"):
         loop.submit(task(), RequestContext())
 
-
-def until(condition, timeout: float = 30.0) -> bool:
-    """Wait (up to `timeout`) for a state the core reaches on its own thread."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 class Tokens(AdmissionQueue):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers import held
+from helpers import held, until
 
 from composer import TextGenerator
 from composer.errors import UnsupportedError
@@ -176,12 +176,3 @@ def test_astream_text_awaits_each_block_on_the_core_and_equals_stream_text():
     assert gen.core.submitted - before >= 2  # a task per block, and one that finds the end
     assert asyncio.run(read(limit=1)) == expected[:1]
     assert until(lambda: gen.pipeline.gate.running == 0)  # the early reader's request left the pipeline
-
-
-def until(condition, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
