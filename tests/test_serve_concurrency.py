@@ -253,7 +253,7 @@ def holding_stream_threads() -> list[str]:
     holding = []
     for ident, frame in sys._current_frames().items():
         while frame is not None:
-            if frame.f_code.co_name in ("_stream_blocks", "_stream_next_here", "_stream_chunk", "_run_stream"):
+            if frame.f_code.co_name in ("_stream_blocks", "_stream_next_here", "_stream_chunk"):
                 holding.append(names.get(ident, str(ident)))
                 break
             frame = frame.f_back

@@ -382,6 +382,8 @@ class _LeaderStream:
         self._chunks = self._run()
 
     def __getattr__(self, name: str) -> Any:
+        if name == "next_task":  # rank 0's own stream's: its chunks are read through the protocol (iterate this)
+            raise AttributeError("a stream on several ranks is read by iterating it")
         return getattr(self._stream, name)
 
     def __iter__(self) -> Iterator[Any]:

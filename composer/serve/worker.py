@@ -8,8 +8,11 @@ thread waits for it between its denoising steps, and its file and record are wri
 A live stream (serve/stream.py) is a job too, submitted with its StreamSession: each chunk a task on the core (or
 made on a stream thread where the pipeline cannot), handed to the session, which resumes the stream once its client
 has read (no thread waits while the client is behind), and written to the file. A job that must switch the LoRA
-adapters first has the switch run on the core's stage threads, then starts the same way. On several ranks each job
-runs on a thread of its own (its call runs on every rank at once with the others': composer/parallel/ranks.py).
+adapters first has the switch run on the core's stage threads, then starts the same way. A generator whose
+requests are not tasks here (several ranks' RankLeader, whose calls run on every rank at once with the others':
+composer/parallel/ranks.py; `num_gpus` workers) has each job's blocking call run on a thread of the worker's pool,
+its future ended as a task's, and its streams' chunks made on the stream threads: one way to run a job, one to run
+a stream.
 A job's CancelToken stops it at the next transformer block (DELETE, or the request timeout); any exception fails
 that job alone.
 
@@ -166,7 +169,9 @@ class Worker(AdmissionQueue):
         core = getattr(generator, "core", None)
         self._finisher = None if core is not None else ThreadPoolExecutor(2, thread_name_prefix="composer-serve-finish")
         self._core = core
-        self._threads: list[threading.Thread] = []  # the job threads (ended ones pruned)
+        # a generator whose requests are not tasks here (several ranks' RankLeader, num_gpus workers): each job's
+        # blocking call on a thread of this pool, its future awaited like a task's
+        self._calls: ThreadPoolExecutor | None = None
         self._pumping = threading.local()  # this thread is starting jobs (`_pump`): a nested call leaves it to it
         # live streams (one process): a thread makes each block, none waits for the client (`_stream_blocks`)
         self._stream_pool = ThreadPoolExecutor(max(1, self.max_concurrent), thread_name_prefix="composer-serve-stream")
@@ -174,15 +179,9 @@ class Worker(AdmissionQueue):
         self._watchdog: threading.Thread | None = None
 
     @property
-    def streams_unthreaded(self) -> bool:
-        """Whether live streams hold a thread only while a block is made (one process); on several ranks each
-        stream runs on a thread of its own (the ranks' protocol)."""
-        ranks = getattr(self.generator, "world_size", 1)
-        return (not isinstance(ranks, int) or ranks <= 1) and getattr(self.generator, "pipeline", None) is not None
-
-    @property
     def runs_tasks(self) -> bool:
-        """Whether text-to-video jobs run as tasks on the generator's request loop (no thread each)."""
+        """Whether text-to-video jobs run as tasks on the generator's engine core (no thread each); else each job's
+        call runs on a thread of the worker's pool (a generator that only has the blocking call)."""
         pipeline = getattr(self.generator, "pipeline", None)
         return bool(getattr(pipeline, "runs_tasks", False)) and callable(getattr(self.generator, "submit_video", None))
 
@@ -298,13 +297,12 @@ class Worker(AdmissionQueue):
                 run.token.cancel("the server stopped")
             self._cv.notify_all()
         deadline = time.monotonic() + 30
-        for thread in list(self._threads):
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        with self._cv:  # the jobs running as tasks end at their next step
+        with self._cv:  # the running jobs end at their next step
             while self._runs and time.monotonic() < deadline:
                 self._cv.wait(timeout=max(0.0, deadline - time.monotonic()))
-        if self._finisher is not None:
-            self._finisher.shutdown(wait=False)
+        for pool in (self._finisher, self._calls):
+            if pool is not None:
+                pool.shutdown(wait=False)
         self._stream_pool.shutdown(wait=False)
         for handle in self._hook_handles:
             handle.remove()
@@ -366,20 +364,14 @@ class Worker(AdmissionQueue):
             self._pumping.on = False
 
     def _start(self, run: _Run, switch: bool) -> None:
-        stream = run.job.id in self._streams
-        if (self.runs_tasks and not stream) or (stream and self.streams_unthreaded):
-            if switch:  # the adapters first (no job runs now, none starts meanwhile), as work on the core's threads
-                self._off_loop(self._switch_then_start, run)
-            elif stream:
-                self._stream_pool.submit(self._start_stream, run)
-            else:
-                self._start_task(run)
-            return
-        thread = threading.Thread(target=self._thread_job, args=(run, switch), daemon=True,
-                                  name=f"composer-serve-job-{run.job.id[:12]}")
-        with self._cv:
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
+        """Start a job the one way every job starts: a future of its video (a task of the engine core, or the
+        generator's blocking call on the worker's pool), or a live stream's first chunk."""
+        if switch:  # the adapters first (no job runs now, none starts meanwhile), as work on the core's threads
+            self._off_loop(self._switch_then_start, run)
+        elif run.job.id in self._streams:
+            self._stream_pool.submit(self._start_stream, run)
+        else:
+            self._start_task(run)
 
     def _switch_then_start(self, run: _Run) -> None:
         """Switch the adapters to the job's, then start it as its kind starts (a task, a stream); a switch that
@@ -422,41 +414,13 @@ class Worker(AdmissionQueue):
         timer.start()
         return timer
 
-    def _thread_job(self, run: _Run, switch: bool) -> None:
-        """A job on a thread of its own (a generator whose requests are not tasks: several ranks)."""
-        self._local.run = run
-        try:
-            self._run(run, switch)
-        finally:
-            self._local.run = None
-            self._release(run)
-
-    def _run(self, run: _Run, switch: bool) -> None:
-        job, token = run.job, run.token
-        timer = self._start_timer(run)
-        stream = self._streams.get(job.id)
-        def work() -> None:
-            if switch:
-                self._switch_lora(job.lora)
-            if stream is not None:
-                self._run_stream(run, stream)
-            else:
-                self._save(job, self.generator.generate_video(*_request(job), cancel=token, priority=job.priority,
-                                                              **_fields(job)))
-
-        try:
-            self._settle(job, token, work)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._end_stream(job)
-
     def _start_task(self, run: _Run) -> None:
-        """(The dispatcher) Submit a text-to-video job as a task; a finishing thread ends it."""
+        """Submit a text-to-video job (a task, or the blocking call on the worker's pool); its end is recorded off
+        the thread that ends it."""
         job, token = run.job, run.token
         timer = self._start_timer(run)
         try:
-            future = self.generator.submit_video(*_request(job), cancel=token, priority=job.priority, **_fields(job))
+            future = self._submit(job, token)
         except Exception as exc:  # noqa: BLE001 - refused at once (bad input): this job fails, the server goes on
             self._conclude(job, token, exc)
             if timer is not None:
@@ -464,6 +428,17 @@ class Worker(AdmissionQueue):
             self._release(run)
             return
         future.add_done_callback(lambda f: self._finish_later(self._finish_task, run, f, timer))
+
+    def _submit(self, job: Job, token: CancelToken) -> Any:
+        """A future of the job's result: a task of the generator's engine core, else its blocking call on a thread
+        of the worker's pool (its progress found by its token: `current`)."""
+        if self.runs_tasks:
+            return self.generator.submit_video(*_request(job), cancel=token, priority=job.priority, **_fields(job))
+        with self._cv:
+            if self._calls is None:
+                self._calls = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="composer-serve-call")
+        return self._calls.submit(self.generator.generate_video, *_request(job), cancel=token, priority=job.priority,
+                                  **_fields(job))
 
     def _finish_later(self, fn: Callable[..., None], *args: Any) -> None:
         """(A done callback, on the engine core's thread: keep it short) Record the job's end off that thread."""
@@ -505,30 +480,6 @@ class Worker(AdmissionQueue):
         else:
             logger.warning("job %s failed: %s: %s", job.id, type(error).__name__, error)
             self._finish(job, FAILED, f"{type(error).__name__}: {error}")
-
-    def _run_stream(self, run: _Run, session: Any) -> None:
-        """A live stream: its chunks to the session (which waits while the client is behind) and to the file."""
-        job, token = run.job, run.token
-        request = {k: v for k, v in job.request.items() if k != "prompt"}  # the session's prompts name them
-        stream = self.generator.stream_video(session.prompts, keep_video=False, cancel=token, priority=job.priority,
-                                             **request, **job.inputs)  # (inputs: an rtmp_url, kept off the record)
-        session.source = stream  # its stats (the frame rate reached) for /metrics and the chunk messages
-        chunks = iter(stream)
-        session.started(job)
-        total = max(session.num_blocks, 1)
-        run.span = (0.0, 1 / total)
-        try:
-            with VideoWriter(self.store.video_path(job.id), fps=job.request.get("fps", 16)) as writer:
-                for done, chunk in enumerate(chunks, 1):
-                    writer.append(chunk.frames)
-                    session.chunk(chunk, token)
-                    self.store.update(job, persist=False, progress=min(done / total, 0.99))
-                    run.span = (done / total, 1 / total)
-        finally:
-            for source in (chunks, stream):  # the pipeline's stream lets go of the request (and its KV cache) at once
-                close = getattr(source, "close", None)
-                if close is not None:
-                    close()
 
     # -- live streams that hold no thread between blocks --------------------------------------------------
     def _start_stream(self, run: _Run) -> None:
