@@ -342,7 +342,7 @@ class ComposedPipeline:
                 f"{type(self).__name__} makes the whole video at once and cannot stream; causal (block-autoregressive) "
                 "models can"
             )
-        return _RequestIterator(self._stream(batch), self.request_context(batch), self.gate)
+        return RequestIterator(self._stream(batch), self.request_context(batch), self.gate)
 
     def _stream(self, batch: ForwardBatch) -> Iterator[Any]:
         batch.started = time.perf_counter()  # the request starts when its stream is first read
@@ -501,7 +501,7 @@ class RequestGate(AdmissionQueue):
 _END = object()
 
 
-class _RequestIterator:
+class RequestIterator:
     """A stream's pieces, each made with its request as this thread's (its cancel token and priority), whichever
     thread reads it; the request holds its place at the gate from the first piece until the stream ends or is
     closed."""
@@ -513,7 +513,7 @@ class _RequestIterator:
         self._slot: ExitStack | None = None
         self._done = False
 
-    def __iter__(self) -> _RequestIterator:
+    def __iter__(self) -> RequestIterator:
         return self
 
     def __next__(self) -> Any:

@@ -20,7 +20,7 @@ from composer.cancel import CancelToken
 from composer.engine.loop import Blocking, drive, is_wait, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.logging import get_logger
-from composer.pipelines.base import ComposedPipeline, RequestGate, _RequestIterator
+from composer.pipelines.base import ComposedPipeline, RequestGate, RequestIterator
 from composer.stages.base import Stage, drives_task, tokenizer_lock
 from composer.stages.validators import VerificationResult
 from composer.text import refinement, strategies
@@ -475,13 +475,13 @@ class TextPipeline(ComposedPipeline):
             pass
         return batch
 
-    def stream(self, batch: TextBatch) -> _RequestIterator:
+    def stream(self, batch: TextBatch) -> RequestIterator:
         """The request's pieces: after each block the count of generated tokens that are final (in
         `batch.sequences`); `batch.texts` is set at the end. Read on a thread (`next`, each wait done there) or as
         tasks of the engine core (`next_task`). The request holds its place at the gate (set_lora waits for it)
         from its first piece to its end."""
         context = RequestContext(priority=batch.priority, cancel=batch.cancel)
-        return _RequestIterator(self._pieces(batch), context, self.gate)
+        return RequestIterator(self._pieces(batch), context, self.gate)
 
     def _pieces(self, batch: TextBatch):
         tokenize, refine, detokenize = self.stages
