@@ -125,18 +125,6 @@ class EngineCore:
             raise RuntimeError("this model's engine core is closed")
         return self._pool.submit(_called, fn, args)
 
-    def ensure_stage_threads(self, count: int) -> None:
-        """At least `count` stage threads (blocking work that waits for other processes, as a parallel layout's
-        sync points do, must always find one: each request at once may hold one)."""
-        with self._lock:
-            if count <= self.stage_threads:
-                return
-            self.stage_threads = count
-            if self._pool is not None:  # started: a larger pool from now on (the old one's work runs to its end)
-                old, self._pool = self._pool, ThreadPoolExecutor(count, thread_name_prefix=f"{self.name}-stage",
-                                                                 initializer=self._on_device)
-                old.shutdown(wait=False)
-
     def wake(self) -> None:
         """A unit was queued, a hold released or a batch ended: the loop looks at its queues again."""
         self._start()
@@ -351,6 +339,9 @@ class EngineCore:
                         item.run_here(entry.context)
                     self._resume(entry)
                     return
+                if scheduler.planner is not None:
+                    raise RuntimeError("a task's transformer unit cannot be planned by rank 0 (a parallel layout's "
+                                       "requests run on threads)")
 
                 def done(unit, item=item) -> None:
                     item.result, item.error = unit.result, unit.error
