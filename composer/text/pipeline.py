@@ -165,9 +165,9 @@ def warn_unknown_tokens(tokenizer: Any, batch: TextBatch) -> None:
 
 class BlockRefinementStage(Stage):
     """The block refinement loop (composer/text/refinement.py) over the model. `steps` is the loop as a task
-    (composer/engine/loop.py) that also yields the count of final tokens after every block; `forward_task` runs it
-    whole; `blocks` drives it on the calling thread, yielding the counts. Requests run it at once, each a task of the
-    engine core; their plain forwards meet in the batcher (composer/text/batching.py)."""
+    (composer/engine/loop.py) that also yields the count of final tokens after every block (the pipeline's stream
+    reads them); `forward_task` runs it whole. Requests run it at once, each a task of the engine core; their plain
+    forwards meet in the batcher (composer/text/batching.py)."""
 
     concurrent = True
 
@@ -272,7 +272,7 @@ class BlockRefinementStage(Stage):
 
     def _fast_block(self, batch: TextBatch, decoder: strategies.Decoder, window: torch.Tensor,
                     attention: torch.Tensor, positions: torch.Tensor, block: int, finished: torch.Tensor,
-                    prompt_length: int, multinomial: bool, early_stop: bool) -> torch.Tensor:
+                    prompt_length: int, multinomial: bool, early_stop: bool):
         """A block under a strategy other than exact: steps until the block has no mask (each commits at least one
         token per row that has one), or every row is finished; no editing. Returns the finished rows."""
         sp = batch.sampling
