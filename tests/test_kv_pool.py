@@ -245,6 +245,57 @@ def test_fork_during_a_pass_or_of_a_closed_cache_is_an_error():
 
 
 # -- export / load -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_group_of_paged_caches_reads_what_each_reads_alone(layout, offload, device):
+    """KVCacheGroup over caches of one arena joins their pages once a pass and serves a layer with one index_copy_
+    and one index_select: a fork reading shared history, a cache of scattered pages, 2-row caches and a plain one,
+    each in a group equal to its contiguous twin alone, pass after pass (copy-on-write of the shared pages
+    included)."""
+    from composer.cache import KVCacheGroup
+    from composer.cache.kv_pool import _PagedGroupPass
+
+    pool = KVPool(device=device)
+    s1, s2 = spec(**LAYOUTS[layout]), spec(rows=2, **LAYOUTS[layout])
+    keep = fragment(pool, s2, offload, device)
+    scattered = paged(s2, pool, device, offload=offload)
+    assert scattered.base is None
+    parent = paged(s1, pool, device, offload=offload)
+    twin_parent = KVCache(s1, F32, device, offload=offload)
+    same_passes([twin_parent, parent], sampler_passes(5), seed=5)
+    child = parent.fork()
+    twin_child = KVCache(s1, F32, device, offload=offload)
+    twin_child.keys = [k.clone() for k in twin_parent.keys]
+    twin_child.values = [v.clone() for v in twin_parent.values]
+    twin_child.end_frame = 5
+    plain = paged(s1, pool, device, offload=offload)
+    twins = [KVCache(s, F32, device, offload=offload) for s in (s2, s1)]
+    same_passes([twins[0], scattered], sampler_passes(5), seed=6)
+    same_passes([twins[1], plain], sampler_passes(5), seed=7)
+    members, alone = [child, scattered, parent, plain], [twin_child, twins[0], twin_parent, twins[1]]
+    group = KVCacheGroup(members)
+    g = torch.Generator().manual_seed(8)
+    for start, end in blocks(5, 11):
+        with group.pass_over(start, end - start):
+            assert isinstance(group._fused, _PagedGroupPass)
+            for c in alone:
+                c.begin(start, end - start)
+            for i in range(LAYERS):
+                shape = (sum(group.rows), (end - start) * TPF, HEADS, DIM)
+                k, v = torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device)
+                got_k, got_v = group.layer(i).update(k, v)
+                want = [c.layer(i).update(kp, vp) for c, kp, vp in zip(alone, k.split(group.rows), v.split(group.rows))]
+                assert torch.equal(got_k, torch.cat([w[0] for w in want])), (start, end, i)
+                assert torch.equal(got_v, torch.cat([w[1] for w in want])), (start, end, i)
+            for c in alone:
+                c.finish()
+    assert [c.end_frame for c in members] == [11] * 4
+    for c in [*members, *keep]:
+        c.close()
+    assert pool.stats().used_bytes == 0
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_export_load_round_trip_continues_identically(layout):
     s = spec(rows=2, **LAYOUTS[layout])

@@ -171,6 +171,12 @@ class KVCache:
         self.end_frame = 0
         self._pass = None
 
+    @classmethod
+    def group_pass(cls, caches: list[KVCache]):
+        """An object whose `write_and_read(index, k, v)` serves a KVCacheGroup's layer for all of `caches` at once,
+        or None: each cache writes and reads its own rows (the contiguous cache has nothing better)."""
+        return None
+
     def layer(self, index: int) -> _LayerHandle:
         if self._pass is None:
             raise RuntimeError("KVCache.layer() outside a pass: call begin(start, num_frames) first")
@@ -225,6 +231,7 @@ class KVCacheGroup:
     def __init__(self, caches: list[KVCache]):
         self.caches = caches
         self.rows = [c.spec.batch_size for c in caches]
+        self._fused = None  # during a pass: the caches' own way to serve every cache at once (PagedKVCache's), if any
 
     @staticmethod
     def signature(cache: KVCache, start: int, num_frames: int) -> tuple:
@@ -242,7 +249,12 @@ class KVCacheGroup:
         with ExitStack() as stack:
             for cache in self.caches:
                 stack.enter_context(cache.pass_over(start, num_frames))
-            yield self
+            kind = type(self.caches[0])
+            self._fused = kind.group_pass(self.caches) if all(type(c) is kind for c in self.caches) else None
+            try:
+                yield self
+            finally:
+                self._fused = None
 
     def layer(self, index: int) -> _GroupLayerHandle:
         return _GroupLayerHandle(self, index)
@@ -256,6 +268,8 @@ class _GroupLayerHandle:
         self.index = index
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.group._fused is not None:
+            return self.group._fused.write_and_read(self.index, k, v)
         rows = self.group.rows
         seen = [cache._write_and_read(self.index, kp, vp)
                 for cache, kp, vp in zip(self.group.caches, k.split(rows), v.split(rows))]

@@ -188,6 +188,7 @@ class _Arena:
                 src, dst = cache.table[hit], cache.own[hit]
                 self.copy(src, dst)
                 cache.table[hit] = dst
+                cache._table_changed()
                 cache._foreign -= int(hit.sum())
                 self.unref(src.tolist())
                 dropped += len(src)
@@ -404,7 +405,12 @@ class PagedKVCache(KVCache):
         self.own = torch.tensor(pages, dtype=torch.long).view(rows, slots)  # this cache's extent
         self.base = pages[0] if pages == list(range(pages[0], pages[0] + len(pages))) else None
         self.table = self.own.clone()  # [rows, slots] -> page
+        self._own_rows = self.own.tolist()  # the extent as Python lists: the bookkeeping of a pass needs no tensors
         self._foreign = 0  # table entries pointing at pages not of the extent (a fork's shared history)
+        self._version = 0  # counts the table's changes: a pass's pages are kept while the table stays as it was
+        self._pages_key: tuple | None = None
+        self._pages: tuple[torch.Tensor, torch.Tensor] | None = None  # a pass's (written, read) pages, on the host
+        self._device_pages: tuple[torch.Tensor, torch.Tensor] | None = None  # the same on the arena's device
         self._closed = False
         self.end_frame = 0
         self._pass = None
@@ -467,6 +473,7 @@ class PagedKVCache(KVCache):
             shared = parent.table[:, :written]
             self.arena.retain(shared.flatten().tolist())
             self.table[:, :written] = shared
+            self._table_changed()
             self._foreign = int((shared != self.own[:, :written]).sum())
             self.end_frame = parent.end_frame
 
@@ -516,10 +523,48 @@ class PagedKVCache(KVCache):
         self._write_own(sorted({self.slot(f) for f in range(start, start + num_frames)}))
         return self
 
+    def _table_changed(self) -> None:
+        self._version += 1
+        self._pages_key = self._pages = self._device_pages = None
+
+    def pass_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages this pass writes ([rows * frames], row-major) and the pages it reads ([rows * visible], the
+        contiguous cache's order), on the host. Taken from the table once a pass, not once a layer, and kept for the
+        next pass over the same frames (a block's steps) while the table is unchanged (`_table_changed`: this
+        cache's copy-on-write in begin(), a lender's, a resume)."""
+        start, end = self._pass
+        key = (start, end, self._version)
+        if self._pages_key != key:
+            slots = [self.slot(f) for f in range(start, end)]
+            self._pages = (self.table[:, slots].flatten(), self.table[:, :min(end, self.spec.slots)].flatten())
+            self._device_pages, self._pages_key = None, key
+        return self._pages
+
+    def _pass_device_pages(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        pages = self.pass_pages()
+        if self._device_pages is None or self._device_pages[0].device != device:
+            self._device_pages = _to_device(pages, device)
+        return self._device_pages
+
+    @classmethod
+    def group_pass(cls, caches: list[KVCache]) -> _PagedGroupPass | None:
+        """One index_copy_ and one index_select a layer for a group of caches of one arena (see KVCacheGroup)."""
+        if len(caches) > 1 and all(type(c) is cls and c.arena is caches[0].arena for c in caches):
+            return _PagedGroupPass(caches)
+        return None
+
     def _write_own(self, slots: list[int]) -> None:
         """Copy-on-write before `slots` are written: the pages of those slots become this cache's alone, with the
         keys/values they held (a pass that fails before writing them all leaves the frames as they were)."""
         arena = self.arena
+        if not self._foreign:  # the table is the extent: nothing borrowed, only pages lent to forks to take back
+            with arena.lock:
+                refs = arena.refs
+                lent = [row[s] for row in self._own_rows for s in slots if refs[row[s]] > 1]
+                dropped = arena.unshare(lent, self) if lent else 0
+            if dropped:
+                self.pool.changed()
+            return
         idx = torch.tensor(slots, dtype=torch.long)
         with arena.lock:
             current, own = self.table[:, idx], self.own[:, idx]
@@ -531,6 +576,7 @@ class PagedKVCache(KVCache):
                 src, dst = current[borrowed], own[borrowed]
                 arena.copy(src, dst)
                 self.table[:, idx] = own
+                self._table_changed()
                 self._foreign -= int(borrowed.sum())
                 arena.unref(src.tolist())
                 dropped += len(src)
@@ -581,8 +627,10 @@ class PagedKVCache(KVCache):
             arena.keys.index_copy_(1, idx.to(arena.keys.device), keys.to(arena.keys.device))
             arena.values.index_copy_(1, idx.to(arena.keys.device), values.to(arena.keys.device))
             self.own = idx.view(rows, slots)
+            self._own_rows = self.own.tolist()
             self.base = pages[0] if pages == list(range(pages[0], pages[0] + len(pages))) else None
             self.table = self.own.clone()
+            self._table_changed()
             self.swapped = None
             arena.caches.add(self)
             self.pool.swapped_bytes -= self.nbytes
@@ -599,6 +647,7 @@ class PagedKVCache(KVCache):
             with self.arena.lock:
                 self.arena.unref(self.table[self.table != self.own].tolist())
                 self.table = self.own.clone()
+                self._table_changed()
                 self._foreign = 0
             self.pool.changed()
 
@@ -615,13 +664,16 @@ class PagedKVCache(KVCache):
     def values(self) -> list[torch.Tensor]:
         return [self._read(self.arena.values[i], self.spec.slots) for i in range(self.spec.num_layers)]
 
-    def _read(self, layer: torch.Tensor, visible: int) -> torch.Tensor:
+    def _read(self, layer: torch.Tensor, visible: int, pages: torch.Tensor | None = None) -> torch.Tensor:
+        """The `visible` slots' keys (or values) of one layer of the arena: a view of the extent when the table is
+        the extent in slot order, else the pages gathered (`pages`: the table's, already on the layer's device)."""
         rows, slots = self.spec.batch_size, self.spec.slots
         tpf, heads, dim = self.arena.page_shape
         if self._foreign == 0 and self.base is not None:
             extent = layer[self.base:self.base + rows * slots].view(rows, slots * tpf, heads, dim)
             return extent[:, :visible * tpf]
-        pages = self.table[:, :visible].flatten().to(layer.device)
+        if pages is None:
+            pages = self.table[:, :visible].flatten().to(layer.device)
         return layer.index_select(0, pages).view(rows, visible * tpf, heads, dim)
 
     # -- data ----------------------------------------------------------------------------------------------
@@ -635,15 +687,14 @@ class PagedKVCache(KVCache):
         arena = self.arena
         with arena.lock:
             keys, values = arena.keys[index], arena.values[index]
-            slots = [self.slot(f) for f in range(start, end)]
-            pages = self.table[:, slots].flatten().to(keys.device)  # [rows * frames], row-major
+            written, read = self._pass_device_pages(keys.device)
             frames = end - start
             kp = k.reshape(rows, frames, tpf, *k.shape[2:]).flatten(0, 1).to(keys.device, keys.dtype)
             vp = v.reshape(rows, frames, tpf, *v.shape[2:]).flatten(0, 1).to(keys.device, keys.dtype)
-            keys.index_copy_(0, pages, kp)
-            values.index_copy_(0, pages, vp)
+            keys.index_copy_(0, written, kp)
+            values.index_copy_(0, written, vp)
             visible = min(end, self.spec.slots)
-            k_all, v_all = self._read(keys, visible), self._read(values, visible)
+            k_all, v_all = self._read(keys, visible, read), self._read(values, visible, read)
         if self.offload:
             k_all = k_all.to(self.device, non_blocking=True)
             v_all = v_all.to(self.device, non_blocking=True)
@@ -690,3 +741,53 @@ class PagedKVCache(KVCache):
                     part = src[i].reshape(rows, written, tpf, *src.shape[3:]).flatten(0, 1)
                     store[i].index_copy_(0, pages, part.to(store.device, store.dtype))
         self.end_frame = int(data["end_frame"])
+
+
+def _to_device(pages: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Host index tensors on `device` in one copy that does not wait for the device's queued work (a plain copy from
+    pageable memory synchronises the stream: once a layer, it kept the host from running ahead of the device)."""
+    if device.type == "cpu":
+        return pages
+    joined = platform_for(device).pinned(torch.cat(pages)).to(device, non_blocking=True)
+    return joined.split([len(p) for p in pages])
+
+
+class _PagedGroupPass:
+    """A KVCacheGroup's pass over caches of one arena: their pages joined once a pass, then one index_copy_ (keys,
+    values) and one index_select a layer for every cache together, instead of each cache's own copies and reads and a
+    concatenation. Every written page belongs to its writer alone (copy-on-write in begin()), so writing all before
+    reading any reads what each cache alone would: the same tensors as the per-cache path, bit for bit."""
+
+    def __init__(self, caches: list[PagedKVCache]):
+        self.caches = caches
+        self.arena = caches[0].arena
+        self._of: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._device_pages: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def pages(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        per_cache = [c.pass_pages() for c in self.caches]
+        if self._device_pages is None or any(a is not b for a, b in zip(per_cache, self._of)):
+            self._of = per_cache
+            self._device_pages = _to_device((torch.cat([w for w, _ in per_cache]), torch.cat([r for _, r in per_cache])),
+                                            device)
+        return self._device_pages
+
+    @torch.compiler.disable
+    def write_and_read(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self.caches[0]
+        start, end = first._pass
+        tpf, heads, dim = self.arena.page_shape
+        if k.shape[1] != (end - start) * tpf:
+            raise InvalidInputError(f"pass over {end - start} frames of {tpf} tokens got {k.shape[1]} key tokens")
+        rows, frames, visible = k.shape[0], end - start, min(end, first.spec.slots)
+        with self.arena.lock:
+            keys, values = self.arena.keys[index], self.arena.values[index]
+            written, read = self.pages(keys.device)
+            keys.index_copy_(0, written, k.reshape(rows * frames, tpf, *k.shape[2:]).to(keys.device, keys.dtype))
+            values.index_copy_(0, written, v.reshape(rows * frames, tpf, *v.shape[2:]).to(keys.device, keys.dtype))
+            k_all = keys.index_select(0, read).view(rows, visible * tpf, heads, dim)
+            v_all = values.index_select(0, read).view(rows, visible * tpf, heads, dim)
+        if first.offload:
+            k_all = k_all.to(first.device, non_blocking=True)
+            v_all = v_all.to(first.device, non_blocking=True)
+        return k_all, v_all
