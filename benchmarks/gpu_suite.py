@@ -687,6 +687,7 @@ def part_vae_hunyuan(args) -> dict:
     dtype = torch.float32 if args.tiny else {"fp32": torch.float32, "bf16": torch.bfloat16,
                                              "fp16": torch.float16}[args.dtype]
     torch.manual_seed(SEED)
+    built = time.perf_counter()
     if args.tiny:
         vae = AutoencoderKLHunyuanVideo(latent_channels=4, block_out_channels=(16, 32, 32, 32), layers_per_block=1,
                                         norm_num_groups=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
@@ -694,6 +695,7 @@ def part_vae_hunyuan(args) -> dict:
     else:
         vae = AutoencoderKLHunyuanVideo()
     vae = vae.eval().to(device, dtype)
+    print(f"vae-hunyuan: built in {time.perf_counter() - built:.1f} s", file=sys.stderr, flush=True)
     g = torch.Generator("cpu").manual_seed(SEED)
     latents = torch.randn(1, vae.config.latent_channels, (video["num_frames"] - 1) // 4 + 1, video["height"] // 8,
                           video["width"] // 8, generator=g).to(device)
@@ -732,6 +734,7 @@ def part_vae_hunyuan(args) -> dict:
             reference = got
         row["max_uint8_diff_vs_whole"] = uint8_diff(got, reference) if got is not None else None
         out["modes"][label] = row
+        print(f"vae-hunyuan {label}: {row}", file=sys.stderr, flush=True)  # progress, kept if the part times out
     free_device(device)
     return out
 
@@ -1116,8 +1119,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 lines = (res.stderr or res.stdout).strip().splitlines()
                 results[name] = {"status": "failed", "error": " / ".join(lines[-3:]), "log": res.stderr[-6000:]}
-        except subprocess.TimeoutExpired:
-            results[name] = {"status": "timeout", "error": f"over its {budget:.0f} s budget"}
+        except subprocess.TimeoutExpired as exc:  # keep what the part said before it ran out (its progress lines)
+            said = exc.stderr or b""
+            said = said.decode(errors="replace") if isinstance(said, bytes) else said
+            results[name] = {"status": "timeout", "error": f"over its {budget:.0f} s budget", "log": said[-6000:]}
         results[name]["part_wall_s"] = time.perf_counter() - start
         print(f"   {results[name]['status']} in {results[name]['part_wall_s']:.1f} s", flush=True)
         result_file.unlink(missing_ok=True)

@@ -6,6 +6,9 @@ printed: each run's seconds and frames/s (best and median). Optional:
   frame and the function it is in): which thread is busy, and where; the engine core's share waiting shows how
   much of the time the device's work, not the host, is the limit;
 - `--cprofile`: Python's profiler on the engine core's executor thread and its side lane (whole run, by own time);
+- `--ops`: the tensor operations (aten calls, each a kernel launch or more on a GPU) the engine core's executor
+  thread and side lane dispatch in the timed runs, per frame and by the composer function that issues them: the host
+  cost of an iteration in a figure no CPU or load changes (a launch-bound device runs at the host's pace);
 - `--no-release`: the engine core's threads keep their OpenMP teams (composer/platform/openmp.py), for an A/B;
 - `--settle-ms`: how long a ready call may wait for requests outside a loop to join it, for an A/B.
 Also printed: the step scheduler's calls and the time its ready calls were held back for partners, and the decode
@@ -111,6 +114,65 @@ def profile_core(profiles: dict[str, cProfile.Profile]):
     return restore
 
 
+class OpCounter:
+    """Counts the aten operations dispatched under it, by the innermost composer function (file:function) that
+    issued them."""
+
+    def __init__(self):
+        self.by_site: collections.Counter = collections.Counter()
+        self.enabled = False
+
+    def total(self) -> int:
+        return sum(self.by_site.values())
+
+    def mode(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Counting(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if counter.enabled:
+                    frame = sys._getframe(1)
+                    while frame is not None and ("/composer/" not in frame.f_code.co_filename
+                                                 or "/torch/" in frame.f_code.co_filename):
+                        frame = frame.f_back
+                    site = ("(outside composer)" if frame is None else
+                            f"{frame.f_code.co_filename.split('/composer/', 1)[1]}:{frame.f_code.co_name}")
+                    counter.by_site[site] += 1
+                return func(*args, **(kwargs or {}))
+
+        return Counting()
+
+    def report(self, frames: int, top: int = 15) -> str:
+        n = self.total()
+        lines = [f"-- tensor operations on the engine core's threads, the timed runs: {n} ({n / max(frames, 1):.1f} a "
+                 "frame)"]
+        lines += [f"   {c:8d}  {c / max(n, 1):6.1%}  {site}" for site, c in self.by_site.most_common(top)]
+        return "\n".join(lines)
+
+
+def count_core_ops(counter: OpCounter):
+    """Run the engine core's executor loop and its side lane's work under `counter`'s dispatch mode; returns the
+    function that puts the originals back."""
+    import composer.engine.core as core_module
+
+    loop, logged = core_module.EngineCore._loop, core_module._logged
+
+    def counted(fn):
+        def run(*a):
+            with counter.mode():
+                return fn(*a)
+        return run
+
+    core_module.EngineCore._loop = counted(loop)
+    core_module._logged = counted(logged)
+
+    def restore() -> None:
+        core_module.EngineCore._loop, core_module._logged = loop, logged
+    return restore
+
+
 def no_release():
     """The engine core's threads keep their OpenMP teams; returns the function that puts the release back."""
     import composer.engine.batcher as batcher_module
@@ -135,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--sample", action="store_true", help="sample every thread's stack during the last run")
     p.add_argument("--cprofile", action="store_true", help="cProfile the engine core's thread and its side lane")
+    p.add_argument("--ops", action="store_true", help="count the tensor operations of the engine core's threads")
     p.add_argument("--no-release", action="store_true", help="the core's threads keep their OpenMP teams")
     p.add_argument("--settle-ms", type=float, default=None,
                    help="how long a ready call (a step, a decode) may wait for requests outside a loop to join it "
@@ -144,15 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     profiles: dict[str, cProfile.Profile] = {}
     if args.cprofile:
         restores.append(profile_core(profiles))
+    counter = OpCounter() if args.ops else None
+    if counter is not None:
+        restores.append(count_core_ops(counter))
     try:
-        run(args, profiles)
+        run(args, profiles, counter)
     finally:
         for restore in restores:
             restore()
     return 0
 
 
-def run(args: argparse.Namespace, profiles: dict[str, cProfile.Profile]) -> None:
+def run(args: argparse.Namespace, profiles: dict[str, cProfile.Profile], counter: OpCounter | None = None) -> None:
     from composer import VideoGenerator
     from composer.engine.core import unit_queues
 
@@ -163,6 +229,8 @@ def run(args: argparse.Namespace, profiles: dict[str, cProfile.Profile]) -> None
     concurrency.warm_pool(pool, args.n, gen, concurrency.one_stream, request)
     for profile in profiles.values():  # count the timed runs only
         profile.clear()
+    if counter is not None:
+        counter.enabled = True
     schedulers = [e.scheduler for e in gen.pipeline.engines if e.scheduler is not None]
     decoders = [q for q in unit_queues(gen.pipeline) if q not in schedulers]
     if args.settle_ms is not None:
@@ -201,6 +269,8 @@ def run(args: argparse.Namespace, profiles: dict[str, cProfile.Profile]) -> None
         pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(25)
         print(f"-- cProfile, {name} (the timed runs), by own time")
         print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
+    if counter is not None:
+        print(counter.report(frames * args.repeats))
     if sampler is not None:
         print(sampler.report())
 

@@ -20,6 +20,7 @@ class FlowMatchTable:
         s = torch.linspace(1.0, 0.0, num_train_timesteps + 1)[:-1]
         self.sigmas = shift * s / (1 + (shift - 1) * s)
         self.timesteps = self.sigmas * num_train_timesteps
+        self._values: dict[float, float] = {}  # timestep -> sigma (the float32 table entry), see sigma_value
 
     def step_list(self, steps: Sequence[float], warp: bool) -> torch.Tensor:
         """The denoising timesteps; with `warp`, step t becomes the table timestep at index N - t (so the
@@ -39,12 +40,21 @@ class FlowMatchTable:
         index = torch.argmin((self.timesteps.double()[None, :] - timestep[:, None].cpu()).abs(), dim=1)
         return self.sigmas.to(dtype)[index]
 
+    def sigma_value(self, timestep: float) -> float:
+        """`sigma(timestep)` as a Python float, looked up once per timestep (a stream asks for the same few timesteps
+        at every block: no tensor work on the host per step)."""
+        key = float(timestep)
+        value = self._values.get(key)
+        if value is None:
+            value = self._values[key] = self.sigma(torch.tensor([key])).item()  # as the float32 tensor it was
+        return value
+
     def to_x0(self, flow: torch.Tensor, x_t: torch.Tensor, timestep: float) -> torch.Tensor:
         """x0 = x_t - sigma(t) * v, computed in float64, returned in the dtype of `flow`."""
-        sigma = self.sigma(torch.tensor([timestep]), torch.float64).item()
+        sigma = self.sigma_value(timestep)
         return (x_t.double() - sigma * flow.double()).to(flow.dtype)
 
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, timestep: float) -> torch.Tensor:
         """(1 - sigma(t)) * x0 + sigma(t) * noise, in the dtype of `noise`."""
-        sigma = self.sigma(torch.tensor([timestep])).item()
+        sigma = self.sigma_value(timestep)
         return ((1 - sigma) * x0 + sigma * noise).to(noise.dtype)
