@@ -99,7 +99,7 @@ PARTS: dict[str, tuple[int, str]] = {
     "cache-1.3b": (200, "TeaCache and DBCache at their defaults vs the exact path, 10 CFG steps, 480p 81 frames"),
     "causal-1.3b": (200, "Self-Forcing 1.3B causal streaming, 480x832, 81 frames, 3 latent frames a block, 4 steps"),
     "vae": (150, "the Wan VAE decoding 81x480x832: whole, diffusers-tiled, streamed per block; fp32 and bf16"),
-    "vae-hunyuan": (150, "the HunyuanVideo VAE decoding 33x720x1280 in bf16: whole (its own split in time), "
+    "vae-hunyuan": (300, "the HunyuanVideo VAE decoding 33x720x1280 in bf16: whole (its own split in time), "
                          "diffusers-tiled, composer's exact tiles (GroupNorm statistics over the whole video)"),
     "offload-disk-1.3b": (120, "the disk tier (blocks from the memory-mapped files) vs resident, 480p"),
     "memory": (200, "the memory predictor vs measured peaks (1.3B, 480p and 720p) and offload = auto under 10 GB"),
