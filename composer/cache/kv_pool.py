@@ -748,8 +748,7 @@ def _to_device(pages: tuple[torch.Tensor, ...], device: torch.device) -> tuple[t
     pageable memory synchronises the stream: once a layer, it kept the host from running ahead of the device)."""
     if device.type == "cpu":
         return pages
-    joined = platform_for(device).pinned(torch.cat(pages)).to(device, non_blocking=True)
-    return joined.split([len(p) for p in pages])
+    return platform_for(device).to_device(torch.cat(pages), device).split([len(p) for p in pages])
 
 
 class _PagedGroupPass:

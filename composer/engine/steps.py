@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from composer.platform import platform_for
 from composer.schedulers import FlowMatchTable
 
 
@@ -56,5 +57,5 @@ class FewStepFlow:
             return x0
         bsz, channels, n, h, w = latents.shape
         eps = torch.randn((bsz * n, channels, h, w), generator=self.generator)
-        eps = eps.unflatten(0, (bsz, n)).permute(0, 2, 1, 3, 4).to(latents.device)
+        eps = platform_for(latents.device).to_device(eps.unflatten(0, (bsz, n)).permute(0, 2, 1, 3, 4), latents.device)
         return self.table.add_noise(x0, eps, self.timesteps[index + 1])

@@ -102,6 +102,16 @@ class HostPlatform:
         copy.copy_(host)
         return copy
 
+    def to_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A host tensor (noise drawn on the CPU generator, an index) on `device` without waiting for the device's
+        queued work: a plain copy from pageable memory synchronises the stream, so a host that makes one per step
+        could never run ahead of the device. Through pinned memory, copied asynchronously (the caching host
+        allocator keeps the pinned block until the copy is done); the same values either way."""
+        device = torch.device(device)
+        if device.type == "cpu" or tensor.device == device:
+            return tensor.to(device)
+        return self.pinned(tensor).to(device, non_blocking=True)
+
     def empty_host(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
         """Zeroed host memory, page-locked when `pinned` and this platform pins."""
         return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=pinned and self.pins_host_memory)

@@ -47,6 +47,7 @@ from composer.engine.scheduler import current_request
 from composer.errors import InvalidInputError
 from composer.logging import progress_bar
 from composer.models.wan.causal import block_causal_mask
+from composer.platform import platform_for
 from composer.schedulers import FlowMatchTable
 from composer.stages.base import Stage, drives_task
 from composer.stages.validators import V, VerificationResult
@@ -277,10 +278,12 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _sync(device: torch.device) -> None:
-    from composer.platform import platform_for
-
-    platform_for(device).synchronize(device)
+def _synced(device: torch.device):
+    """Wait until `device` has run the work queued so far (what a block's seconds are measured to). A task waits for
+    it on one of the engine core's stage threads, so the core goes on queueing the other requests' steps meanwhile;
+    on a thread, that thread waits. Nothing to wait for on the CPU."""
+    if torch.device(device).type != "cpu":
+        yield from wait_for(Blocking(lambda: platform_for(device).synchronize(device)))
 
 
 class CausalDenoisingStage(Stage):
@@ -590,12 +593,12 @@ class CausalDenoisingStage(Stage):
             for s, e in self._chunks(0, prefix):
                 yield from wait_for(ModelStep(engine, context[:, :, s:e], self._timesteps(cfg.context_noise, bsz, e - s),
                                               _cached(texts, caches, s), None, "context", None))
-        _sync(device)
+        yield from _synced(device)
         stats.prefill_seconds += prefill + time.perf_counter() - start
         noise = torch.randn((bsz, blocks * n, channels, h, w), generator=state.generator)
         state.rollout = Rollout(
             caches=caches, frames=frames, blocks=blocks, left=blocks, prefix=prefix,
-            noise=noise.permute(0, 2, 1, 3, 4).to(device),  # [B, C, F, h, w]
+            noise=platform_for(device).to_device(noise.permute(0, 2, 1, 3, 4), device),  # [B, C, F, h, w]
             # the recompute path re-reads the rollout's clean frames; the cached path has them as keys
             clean=[] if context is None or caches is not None else [context],
         )
@@ -637,7 +640,7 @@ class CausalDenoisingStage(Stage):
         if not plan.keep_video:
             keep, pinned = self._frames_to_keep(plan, state)
             state.forget_old_frames(keep, pinned)
-        _sync(device)
+        yield from _synced(device)
         elapsed = time.perf_counter() - start
         batch.stats.block_seconds.append(elapsed)
         block = LatentBlock(state.block_index, state.segment, state.prompt, state.frames_done, x0, elapsed)
