@@ -288,7 +288,7 @@ class VideoGenerator:
         (composer/engine/loop.py): no thread waits for it between its steps, its steps are batched with every other
         request's (under model offload, requests run one at a time, the others waiting in the gate's queue), and its
         stages other than denoising run on the core's stage threads (`RuntimeArgs.stage_threads`) only while they
-        work. On several ranks it runs on a thread of its own. The future's result is `generate_video`'s; a `Cancelled` (its
+        work (under a parallel layout too: rank 0's core plans every batch). The future's result is `generate_video`'s; a `Cancelled` (its
         `cancel` token) or any error of the request is the future's exception."""
         request, priority, share = self._checked(prompt, sampling_param, segments, overrides, priority)
         sp, videos, segments = request.sampling, request.videos, request.segments

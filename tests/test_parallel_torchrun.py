@@ -136,8 +136,9 @@ CONCURRENT = Path(__file__).parent / "scripts" / "concurrent_ranks_script.py"
 
 def test_concurrent_requests_on_two_ranks_equal_their_single_process_runs(folder, causal_folder, tmp_path):
     """Two text-to-video jobs and two causal streams from four threads on each of 2 Ulysses ranks (started in
-    another order on rank 1): rank 0 plans every transformer call, every rank makes the same calls, and each
-    request's frames equal its run alone in one process; the steps were batched (fewer calls than units)."""
+    another order on rank 1): each request is a task of its rank's engine core (each stream's chunk one), rank 0
+    plans every transformer call, every rank makes the same calls, and each request's frames equal its run alone
+    in one process; the steps were batched (fewer calls than units)."""
     proc = _torchrun(str(CONCURRENT), str(folder), str(causal_folder), str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     from composer import VideoGenerator
@@ -158,5 +159,6 @@ def test_concurrent_requests_on_two_ranks_equal_their_single_process_runs(folder
             diff = np.abs(got["frames"][name].numpy().astype(int) - frames.astype(int)).max()
             assert diff <= 1, f"rank {rank} {name}: {diff}"
         assert got["calls"] == torch.load(tmp_path / "rank0.pt")["calls"]  # the same calls on every rank
+        assert got["tasks"][0] >= 2 and got["tasks"][1] >= 2 * 3, got["tasks"]  # 2 jobs; 2 streams of 3 chunks
     calls, units = got["calls"], got["units"]
     assert calls[0] < units[0] and calls[1] < units[1], (calls, units)

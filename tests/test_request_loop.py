@@ -19,7 +19,7 @@ from composer import VideoGenerator
 from composer.admission import AdmissionQueue
 from composer.cancel import CancelToken
 from composer.engine.core import EngineCore
-from composer.engine.loop import Admit, Blocking, ModelStep, drive, wait_for
+from composer.engine.loop import Admit, Blocking, drive, wait_for
 from composer.engine.scheduler import RequestContext
 from composer.errors import Cancelled, InvalidInputError
 
@@ -277,14 +277,6 @@ def test_a_loop_refuses_what_it_cannot_wait_for():
     with pytest.raises(TypeError, match="expected a Wait"):
         future.result(timeout=30)
 
-    class Planned:  # a parallel layout's engine: rank 0 plans its calls, which tasks cannot take part in
-        scheduler = type("Scheduler", (), {"planner": object()})()
-
-    def model_task():
-        yield ModelStep(Planned(), torch.zeros(1), torch.zeros(1), [], None, "step", None)
-
-    with pytest.raises(RuntimeError, match="cannot be planned"):
-        loop.submit(model_task(), RequestContext()).result(timeout=30)
     loop.close()
     with pytest.raises(RuntimeError, match="closed"):
         loop.submit(task(), RequestContext())
@@ -514,3 +506,20 @@ def test_a_ready_step_does_not_wait_for_requests_whose_decode_is_queued(causal):
     finally:
         for key in keys:
             gate.leave(key)
+
+
+def test_blocking_work_that_waits_for_each_other_finds_a_stage_thread_each():
+    """A parallel layout's sync points wait on stage threads for the other ranks: ensure_stage_threads gives every
+    call at once a thread (three pieces of blocking work that meet at a barrier all run, also when the core had
+    started with one thread)."""
+    core = EngineCore(lambda: [], stage_threads=1)
+    assert core.run(iter_task(lambda: "warm"), RequestContext()) == "warm"  # started, with one stage thread
+    core.ensure_stage_threads(3)
+    barrier = threading.Barrier(3, timeout=30)
+    futures = [core.submit(iter_task(barrier.wait), RequestContext()) for _ in range(3)]
+    assert sorted(f.result(timeout=60) for f in futures) == [0, 1, 2]
+    core.close()
+
+
+def iter_task(fn):
+    return (yield from wait_for(Blocking(fn)))

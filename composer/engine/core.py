@@ -125,6 +125,18 @@ class EngineCore:
             raise RuntimeError("this model's engine core is closed")
         return self._pool.submit(_called, fn, args)
 
+    def ensure_stage_threads(self, count: int) -> None:
+        """At least `count` stage threads (blocking work that waits for other processes, as a parallel layout's
+        sync points do, must always find one: each request at once may hold one)."""
+        with self._lock:
+            if count <= self.stage_threads:
+                return
+            self.stage_threads = count
+            if self._pool is not None:  # started: a larger pool from now on (the old one's work runs to its end)
+                old, self._pool = self._pool, ThreadPoolExecutor(count, thread_name_prefix=f"{self.name}-stage",
+                                                                 initializer=self._on_device)
+                old.shutdown(wait=False)
+
     def wake(self) -> None:
         """A unit was queued, a hold released or a batch ended: the loop looks at its queues again."""
         self._start()
@@ -308,7 +320,7 @@ class EngineCore:
         if not waiting and not planner.outstanding:
             return Follow.NOTHING
         try:
-            return planner.follow(stop=lambda: not any(q._pending for q in followers))
+            return planner.follow(stop=lambda: not any(q._pending for q in followers), wake=self._wake.set)
         except BaseException as exc:  # noqa: BLE001 - no plan can come: nobody here goes on
             logger.warning("no plan from rank 0: %s: %s", type(exc).__name__, exc)
             for queue in queues:
@@ -339,9 +351,6 @@ class EngineCore:
                         item.run_here(entry.context)
                     self._resume(entry)
                     return
-                if scheduler.planner is not None:
-                    raise RuntimeError("a task's transformer unit cannot be planned by rank 0 (a parallel layout's "
-                                       "requests run on threads)")
 
                 def done(unit, item=item) -> None:
                     item.result, item.error = unit.result, unit.error

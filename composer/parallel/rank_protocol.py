@@ -110,9 +110,12 @@ class CallHooks(EngineHook):
     each call's requests carry a token of its own (never cancelled: it names the call), by which its step finds
     its Runner. A step of no protocol call has no sync point."""
 
-    def __init__(self, generator: Any):
+    def __init__(self, generator: Any, slots: int = SLOTS):
         self._runners: dict[int, Runner] = {}
         self._lock = threading.Lock()
+        core = getattr(generator, "core", None)
+        if core is not None:  # every call at once may wait at a sync point on a stage thread, and still go on
+            core.ensure_stage_threads(slots + 1)
         for engine in getattr(getattr(generator, "pipeline", None), "engines", []):
             engine.add_hook(self)
 

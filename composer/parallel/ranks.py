@@ -121,7 +121,7 @@ class RankLeader:
     def __init__(self, generator: Any, channel: ControlChannel, heartbeat_s: float = HEARTBEAT_S):
         self._generator = generator
         self._channel = channel
-        self._hooks = CallHooks(generator)
+        self._hooks = CallHooks(generator, len(channel.calls))
         self._runners = [Runner(generator, c, self._hooks) for c in channel.calls]
         if not self._runners:
             raise ValueError("the control channel has no call slots (ControlChannel(slots=...) >= 1)")
@@ -430,7 +430,7 @@ def follow(generator: Any, channel: ControlChannel) -> int:
     """A rank other than 0: run every call rank 0 broadcasts, until it says stop. Each call runs on a thread of
     its own, as on rank 0 (set_lora / unset_lora once the calls before them have ended). Returns the process's
     exit code (1 when a control group failed: rank 0 died, or a collective timed out)."""
-    hooks = CallHooks(generator)
+    hooks = CallHooks(generator, len(channel.calls))
     runners = [Runner(generator, c, hooks) for c in channel.calls]
     threads: dict[int, threading.Thread] = {}  # slot -> the thread of its latest call
     broken = threading.Event()

@@ -298,18 +298,17 @@ class ComposedPipeline:
         """Whether this pipeline's requests can run as tasks on the engine core (composer/engine/core.py), holding no
         thread between their transformer units: on one process, a pipeline whose requests share it (batch or
         interleave mode) or run one at a time (serial: model offload; the others wait for their place at the gate in
-        its queue, and the one running has its steps run by the core directly). A parallel layout's requests (rank 0
-        plans the calls; every rank's threads follow) run on a thread each instead: a follower's core receives rank
-        0's next plan while one of its units waits, and could not advance its tasks meanwhile."""
-        return (not self.gate.refuse_overlap
-                and all(e.scheduler is None or e.scheduler.planner is None for e in self.engines))
+        its queue, and the one running has its steps run by the core directly). Under a parallel layout too: rank 0's
+        core plans the calls, every other rank's core runs the same ones (a serial pipeline's one request at a time is
+        driven on its thread there: a second one is refused, never admitted in another order on another rank)."""
+        return not self.gate.refuse_overlap
 
     @property
     def streams_as_tasks(self) -> bool:
         """Whether this pipeline's streams can be read as tasks (`VideoStream.next_task` on the engine core): a causal
-        pipeline whose requests share it, on one process."""
+        pipeline whose requests share it."""
         return (self.can_stream and self.concurrency in ("batch", "interleave") and not self.gate.serial
-                and all(e.scheduler is not None and e.scheduler.planner is None for e in self.engines))
+                and all(e.scheduler is not None for e in self.engines))
 
     def forward_task(self, batch: ForwardBatch):
         """`forward` as a task: the denoising stages yield their transformer units (each step's), every other

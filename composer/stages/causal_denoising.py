@@ -492,19 +492,20 @@ class CausalDenoisingStage(Stage):
         while True:
             rollout = state.rollout
             if rollout is not None and rollout.left > 0:
-                if rollout.left < rollout.blocks and self._cut(plan, state.segment_start, state.block_index):
+                if rollout.left < rollout.blocks and (yield from self._cut(plan, state.segment_start,
+                                                                           state.block_index)):
                     rollout.left = 0  # the rest of this rollout's noise goes unused
                     state.remaining = 0
                     continue
                 return (yield from self._run_block_task(batch, plan, state))
-            if state.remaining > 0 and self._cut(plan, state.segment_start, state.block_index):
+            if state.remaining > 0 and (yield from self._cut(plan, state.segment_start, state.block_index)):
                 state.remaining = 0  # a live source ends the segment where a rollout ended
             if rollout is not None and (state.remaining > 0 or plan.switch == "restart"):
                 state.close_rollout()  # a segment's next rollout, or a restart: this cache is done
             if state.remaining > 0:
                 yield from self._start_rollout_task(batch, plan, state, switch=False)
                 continue
-            item = next(state.segments, None)
+            item = yield from self._asked(lambda: next(state.segments, None))
             if item is None:
                 return None
             prompt, num_blocks = item
@@ -672,10 +673,21 @@ class CausalDenoisingStage(Stage):
             return nullcontext()
         return scheduler.denoising(request)
 
-    @staticmethod
-    def _cut(plan: CausalPlan, segment_start: int, block_index: int) -> bool:
-        """Whether a live source ends the current segment before `block_index` (never before its first block)."""
-        return plan.ends_segment is not None and block_index > segment_start and bool(plan.ends_segment(block_index))
+    def _cut(self, plan: CausalPlan, segment_start: int, block_index: int):
+        """(In a task) whether a live source ends the current segment before `block_index` (never before its first
+        block)."""
+        if plan.ends_segment is None or block_index <= segment_start:
+            return False
+        return bool((yield from self._asked(lambda: plan.ends_segment(block_index))))
+
+    def _asked(self, fn: Callable[[], Any]):
+        """(In a task) `fn()`, a live source's answer (its next segment, whether it cuts). Under a parallel layout the
+        answer is rank 0's, told to every rank: it may wait for another process, so it runs on a stage thread and the
+        engine core goes on meanwhile. On one process it is asked inline (no thread hop per block)."""
+        scheduler = self.engine.scheduler
+        if scheduler is None or scheduler.planner is None:
+            return fn()
+        return (yield from wait_for(Blocking(fn)))
 
     def _recompute_inputs(self, texts: list[ModelInputs], rollout_clean: list[torch.Tensor], prefill_frames: int,
                           n: int, tpf: int, device: torch.device) -> list[ModelInputs]:

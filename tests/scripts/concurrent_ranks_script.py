@@ -67,5 +67,6 @@ if errors:
     sys.exit(f"rank {rank}: " + "\n".join(errors))
 stats = [scheduler.stats for scheduler in schedulers]
 torch.save({"frames": {k: torch.from_numpy(v) for k, v in results.items()},
-            "calls": [s.calls for s in stats], "units": [s.units for s in stats]}, f"{out_dir}/rank{rank}.pt")
+            "calls": [s.calls for s in stats], "units": [s.units for s in stats],
+            "tasks": [gen.core.submitted, causal.core.submitted]}, f"{out_dir}/rank{rank}.pt")
 print(f"rank {rank} done", flush=True)
