@@ -2,7 +2,8 @@
 without torchrun: rank 0's plans come from a script. A plan names units this rank's threads have not queued yet, and
 one of those threads first waits for unplanned work (a decode) that only the same core runs: the core must go on
 with that work while the plan waits, then run the plan once its units are there, in rank 0's order. (Waiting inside
-the plan instead deadlocked a stream under torchrun until the plan's timeout: CI, 2026-11-27.)"""
+the plan instead deadlocked a stream under torchrun until the plan's timeout: CI, 2026-11-27.) Rank 0's plans are
+received on the channel's receiver thread: the core never blocks for one."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class ScriptedChannel(PlanChannel):
         self.schedulers = []
         self._turn = threading.Lock()
         self._next = None
+        self._init_receiver()
         self._plans: queue.Queue = queue.Queue()
         for plan in plans:
             self._plans.put(plan)
@@ -84,3 +86,30 @@ def test_a_plan_whose_units_never_come_fails_the_waiting_units_after_the_timeout
     finally:
         core.close()
     assert log == []
+
+
+def test_the_core_goes_on_while_rank_0s_next_plan_is_on_its_way():
+    """A unit of this rank waits, so its core asks for rank 0's next plan, which has not been sent yet: the receive
+    waits on the channel's own thread, and the core runs other work meanwhile (a decode completes); the plan's
+    arrival wakes the core, which runs it."""
+    log: list = []
+    planned, decodes = _batcher(log, "step"), _batcher(log, "decode")
+    channel = ScriptedChannel([])  # rank 0 has sent nothing yet
+    channel.register(planned)
+    core = EngineCore(lambda: [planned, decodes], name="test-follower-receiving")
+    results: dict = {}
+    job = threading.Thread(target=lambda: results.setdefault("job", planned.submit("k", "job step",
+                                                                                   plan_key=("job", 0))))
+    try:
+        job.start()
+        decoded = threading.Thread(target=lambda: results.setdefault("decode", decodes.submit("d", "a decode")))
+        decoded.start()
+        decoded.join(timeout=30)
+        assert not decoded.is_alive(), "the core blocked receiving rank 0's plan and ran nothing else"
+        assert results == {"decode": "decode:a decode"} and channel.outstanding
+        channel._plans.put((0, [["job", 0]]))  # rank 0 sends the plan
+        job.join(timeout=30)
+        assert not job.is_alive()
+    finally:
+        core.close()
+    assert results["job"] == "step:job step"

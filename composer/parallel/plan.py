@@ -61,7 +61,10 @@ class PlanChannel:
         self.schedulers: list[Any] = []
         self._turn = threading.Lock()  # one call at a time in this process, in plan order
         self._next: tuple[Any, list, float] | None = None  # (another rank) a plan received, waiting for its units
-        # (another rank) the receiver thread: asked for one plan at a time; what it got, and whom to wake then
+        self._init_receiver()
+
+    def _init_receiver(self) -> None:
+        """(Another rank) the receiver thread's state: asked for one plan at a time; what it got, and whom to wake."""
         self._cv = threading.Condition()
         self._asked = False
         self._inbox: tuple[Any, Any] | None = None  # (plan, None) or (None, the receive's error)
