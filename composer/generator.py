@@ -27,7 +27,7 @@ from composer.cancel import CancelToken
 from composer.configs.base import SamplingParam
 from composer.engine.core import EngineCore, unit_queues
 from composer.engine.loop import Blocking, admitted, drive, wait_for
-from composer.engine.scheduler import RequestContext
+from composer.engine.scheduler import RequestContext, request_key
 from composer.errors import ConfigError, InvalidInputError, UnsupportedError
 from composer.images import refuse_image_knobs
 from composer.loader.folder_settings import FolderSettings
@@ -711,44 +711,6 @@ class StreamPace:
         target = self.target_fps
         if target is not None and self._start is not None:
             self.context.deadline = self._start + self._stretch_frames / target
-
-
-def request_key(*parts: Any) -> str:
-    """A digest of a request's arguments, equal on every rank that makes the same call (object addresses, which
-    differ between processes, never enter it): rank 0's step plans name requests by it (composer/parallel/plan.py)."""
-    import hashlib
-
-    digest = hashlib.sha1()
-
-    def feed(value: Any) -> None:
-        if value is None or isinstance(value, (bool, int, float, str)):
-            digest.update(repr(value).encode())
-        elif isinstance(value, (list, tuple)):
-            digest.update(b"[")
-            for v in value:
-                feed(v)
-            digest.update(b"]")
-        elif isinstance(value, dict):
-            for k in sorted(value, key=str):
-                feed(str(k))
-                feed(value[k])
-        elif isinstance(value, torch.Tensor):
-            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            digest.update(value.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, np.ndarray):
-            digest.update(np.ascontiguousarray(value).tobytes())
-        elif hasattr(value, "tobytes") and hasattr(value, "size"):  # a PIL image
-            digest.update(value.tobytes())
-        elif dataclasses.is_dataclass(value):
-            for f in dataclasses.fields(value):
-                feed(f.name)
-                feed(getattr(value, f.name))
-        else:
-            digest.update(type(value).__name__.encode())
-
-    for part in parts:
-        feed(part)
-    return digest.hexdigest()
 
 
 class VideoStream:

@@ -35,6 +35,7 @@ output equals its solo run up to the floating-point order of a larger matrix pro
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -52,6 +53,46 @@ from composer.logging import get_logger
 logger = get_logger(__name__)
 
 CALL_POLL_S = 0.005  # a call held back for another scheduler's call (memory_budget) is looked at again this soon
+
+def request_key(*parts: Any) -> str:
+    """A digest of a request's arguments, equal on every rank that makes the same call (object addresses, which
+    differ between processes, never enter it): rank 0's step plans name requests by it (composer/parallel/plan.py)."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha1()
+
+    def feed(value: Any) -> None:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            digest.update(repr(value).encode())
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[")
+            for v in value:
+                feed(v)
+            digest.update(b"]")
+        elif isinstance(value, dict):
+            for k in sorted(value, key=str):
+                feed(str(k))
+                feed(value[k])
+        elif isinstance(value, torch.Tensor):
+            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            digest.update(value.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, np.ndarray):
+            digest.update(np.ascontiguousarray(value).tobytes())
+        elif hasattr(value, "tobytes") and hasattr(value, "size"):  # a PIL image
+            digest.update(value.tobytes())
+        elif dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                feed(f.name)
+                feed(getattr(value, f.name))
+        else:
+            digest.update(type(value).__name__.encode())
+
+    for part in parts:
+        feed(part)
+    return digest.hexdigest()
+
 
 # -- the request a thread is running -------------------------------------------------------------------------
 

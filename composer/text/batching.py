@@ -12,11 +12,19 @@ model never sees the padding after it; a bidirectional one has it masked). So a 
 
 While a call runs, the units of the other requests queue; the next call takes them all: requests in step with one
 another share every call.
+
+Under tensor parallel every rank holds a slice of the model and each forward holds collectives: the batcher is
+registered on the plan channel (composer/parallel/plan.py), rank 0 plans its calls and the other ranks run the same
+ones, each unit named by its request's key (a digest of the request, equal on every rank) and its forward's number;
+a decoding strategy's own model calls (`call`: its KV cache) go through the same queue, alone, so that every call
+with collectives is planned.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,10 +55,17 @@ class ForwardBatcher(CallBatcher):
         self.stats = BatchStats()
 
     def forward(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, block: int,
-                priority: int = 0) -> Queued:
+                priority: int = 0, plan_key: Any = None) -> Queued:
         """What a request's task waits for: the logits of the last `block` positions of `ids` [rows, length], run
-        with whatever else is pending (higher `priority` first, then the oldest)."""
-        return Queued(self, ("forward", (ids, attention, positions, block), ids.shape[0], None, priority))
+        with whatever else is pending (higher `priority` first, then the oldest). `plan_key`: the forward's name on
+        every rank, where rank 0 plans the calls (tensor parallel)."""
+        return Queued(self, ("forward", (ids, attention, positions, block), ids.shape[0], plan_key, priority))
+
+    def call(self, fn: Callable[[], Any], rows: int, priority: int = 0, plan_key: Any = None) -> Queued:
+        """What a request's task waits for: `fn()`, a model call of its own (a decoding strategy's forward with its
+        KV cache), run alone, in this queue's order: under tensor parallel every call that holds collectives is
+        one of this queue's, which rank 0 plans."""
+        return Queued(self, (None, fn, rows, plan_key, priority))
 
     def _fits(self, rows: int, chosen: list, call) -> bool:
         if self.max_tokens is None:
@@ -61,6 +76,8 @@ class ForwardBatcher(CallBatcher):
     @torch.inference_mode()
     def _forward(self, payloads: list[tuple]) -> list[torch.Tensor]:
         try:
+            if len(payloads) == 1 and callable(payloads[0]):  # a call of its own (`call`: never batched)
+                return [payloads[0]()]
             if len(payloads) == 1:
                 ids, attention, positions, block = payloads[0]
                 return [self.model(ids, attention_mask=attention, position_ids=positions).logits[:, -block:, :]]

@@ -23,8 +23,7 @@ import torch
 
 from composer import seeds
 from composer.cancel import CancelToken
-from composer.engine.loop import drive
-from composer.engine.scheduler import RequestContext, running_request
+from composer.engine.scheduler import RequestContext
 from composer.errors import UnsupportedError
 from composer.logging import get_logger
 from composer.runtime import RuntimeArgs, apply_threads
@@ -198,12 +197,9 @@ class TextGenerator:
         running: Future | None = None  # the block under way on the core
         try:
             while True:
-                if self.pipeline.runs_tasks:
-                    running = self.core.submit(pieces.next_task(), pieces.context)
-                    final = await asyncio.wrap_future(running)
-                    running = None
-                else:  # a parallel layout's one request at a time: read on a worker thread
-                    final = await asyncio.to_thread(next, pieces, None)
+                running = self.core.submit(pieces.next_task(), pieces.context)
+                final = await asyncio.wrap_future(running)
+                running = None
                 if final is None:
                     break
                 for piece in made.after_block(final):
@@ -222,8 +218,6 @@ class TextGenerator:
         """As generate_text, without waiting: a Future of its result (or results), the request a task of the model's
         engine core (no thread waits for it). A bad request raises here, before anything runs."""
         batch = self._batch(prompt, sampling_param, cancel, overrides, messages, priority)
-        if not self.pipeline.runs_tasks:  # a parallel layout: its one request at a time, on a thread of its own
-            return self.core.call(lambda: self._finished(self._run(batch)))
         pieces = self.pipeline.stream(batch)
         outcome: Future = Future()
         outcome.set_running_or_notify_cancel()  # it stops through `cancel`, never by dropping its future
@@ -238,22 +232,15 @@ class TextGenerator:
         return outcome
 
     def _run(self, batch: TextBatch) -> TextBatch:
-        """The request to its end: a task of the engine core (this thread waits), or, under a parallel layout (one
-        request at a time, the same on every rank), driven on this thread."""
-        task = self.pipeline.run_task(batch)
-        context = RequestContext(priority=batch.priority, cancel=batch.cancel)
-        if self.pipeline.runs_tasks:
-            return self.core.run(task, context)
-        with running_request(context):
-            return drive(task, context)
+        """The request to its end: a task of the engine core (this thread waits; under tensor parallel too, rank 0
+        planning its forwards)."""
+        return self.core.run(self.pipeline.run_task(batch), RequestContext(priority=batch.priority,
+                                                                            cancel=batch.cancel))
 
     def _pieces(self, batch: TextBatch) -> Iterator[int]:
         """The count of final tokens after each block: each block a task of the engine core (this thread waits for
-        it), or read on this thread under a parallel layout."""
+        it)."""
         pieces = self.pipeline.stream(batch)
-        if not self.pipeline.runs_tasks:
-            yield from pieces
-            return
         try:
             while (final := self.core.run(pieces.next_task(), pieces.context)) is not None:
                 yield final

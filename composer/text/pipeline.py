@@ -18,9 +18,9 @@ import torch
 
 from composer.cancel import CancelToken
 from composer.engine.loop import Blocking, drive, is_wait, wait_for
-from composer.engine.scheduler import RequestContext
+from composer.engine.scheduler import RequestContext, request_key
 from composer.logging import get_logger
-from composer.pipelines.base import ComposedPipeline, RequestGate, RequestIterator
+from composer.pipelines.base import ComposedPipeline, RequestIterator
 from composer.stages.base import Stage, drives_task, tokenizer_lock
 from composer.stages.validators import VerificationResult
 from composer.text import refinement, strategies
@@ -70,6 +70,8 @@ class TextBatch:
     token_ids: list[list[int]] | None = None  # each row's ids up to and with its first EOS
     stats: TextStats = field(default_factory=TextStats)
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    plan_key: str | None = None  # under tensor parallel: the request's name on every rank (its forwards' plans)
+    planned_forwards: int = 0
 
     @property
     def rows(self) -> int:
@@ -221,6 +223,7 @@ class BlockRefinementStage(Stage):
         decoder = strategies.decoder_for(sp.decoding, sp, self.mask_id)
         if not decoder.exact:
             decoder.check_model(self.model)
+        self._name_forwards(batch)
         start = time.perf_counter()
         batch.sequences = x[:, prompt_length:prompt_length + gen_length]
         for index in range(prompt_length // block, num_blocks):
@@ -241,7 +244,7 @@ class BlockRefinementStage(Stage):
                 had_masks = bool((current == self.mask_id).any())
                 if not had_masks:
                     post_steps += 1
-                logits = yield from self._logits(window, window_attention, window_positions, block, batch.priority)
+                logits = yield from self._logits(window, window_attention, window_positions, block, batch)
                 batch.stats.forwards += 1
                 tokens, probs = refinement.sample(
                     logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, multinomial=multinomial,
@@ -284,10 +287,13 @@ class BlockRefinementStage(Stage):
             if batch.cancel is not None:
                 batch.cancel.check()
             if decoder.plain_forward:  # a plain forward: shared with other requests'
-                logits = yield from self._logits(window, attention, positions, block, batch.priority)
+                logits = yield from self._logits(window, attention, positions, block, batch)
+            elif self._planned:  # its own forward, planned by rank 0 with the others (it holds collectives)
+                logits = yield from wait_for(self.batcher.call(
+                    lambda: self._own_logits(decoder, window, attention, positions, block), window.shape[0],
+                    batch.priority, self._forward_name(batch)))
             else:
-                with torch.inference_mode():
-                    logits = decoder.logits(self.model, window, attention, positions, block)
+                logits = self._own_logits(decoder, window, attention, positions, block)
             batch.stats.forwards += 1
             tokens, probs = refinement.sample(logits, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
                                               multinomial=multinomial, generator=batch.generator)
@@ -299,12 +305,36 @@ class BlockRefinementStage(Stage):
                                                     mask_id=self.mask_id, prompt_length=prompt_length)
         return finished
 
+    def _own_logits(self, decoder: strategies.Decoder, window: torch.Tensor, attention: torch.Tensor,
+                    positions: torch.Tensor, block: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return decoder.logits(self.model, window, attention, positions, block)
+
+    @property
+    def _planned(self) -> bool:
+        """Whether rank 0 plans this model's calls (tensor parallel: composer/text/batching.py)."""
+        return self.batcher is not None and self.batcher.planner is not None
+
+    def _name_forwards(self, batch: TextBatch) -> None:
+        """Under tensor parallel: the request's key (a digest of the request, equal on every rank) by which rank 0's
+        plans name its forwards, each with its number (`_forward_name`)."""
+        if self._planned:
+            batch.plan_key = request_key(batch.prompts, batch.messages, batch.sampling, batch.priority)
+            batch.planned_forwards = 0
+
+    def _forward_name(self, batch: TextBatch) -> Any:
+        if batch.plan_key is None:
+            return None
+        batch.planned_forwards += 1
+        return (batch.plan_key, batch.planned_forwards)
+
     def _logits(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, block: int,
-                priority: int = 0):
+                batch: TextBatch):
         """(In a task) the last `block` positions' logits of one plain forward (shared with other requests' by the
-        batcher, higher `priority` first)."""
+        batcher, higher priority first)."""
         if self.batcher is not None:
-            return (yield from wait_for(self.batcher.forward(ids, attention, positions, block, priority)))
+            return (yield from wait_for(self.batcher.forward(ids, attention, positions, block, batch.priority,
+                                                             self._forward_name(batch))))
         with torch.inference_mode():
             return self.model(ids, attention_mask=attention, position_ids=positions).logits[:, -block:, :]
 
@@ -453,14 +483,16 @@ class TextPipeline(ComposedPipeline):
         return TextLimits.from_folder(self.folder, type(self))
 
     def create_stages(self) -> None:
-        if any(h.name == "parallel" for h in self.hooks):
-            # every rank must make the same forwards in the same order: one request at a time (a second one while
-            # one runs is refused, never admitted in another order on another rank)
-            self.gate = RequestGate(serial=True, refuse_overlap=True)
         mask, eos = self.special_ids()
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.batcher = ForwardBatcher(self.modules["model"], pad if pad is not None else (eos or 0),
                                       self.runtime.max_batch_size, self.runtime.max_batch_tokens)
+        if any(h.name == "parallel" for h in self.hooks):
+            # every rank must make the same forwards in the same order: rank 0 plans the batcher's calls, the other
+            # ranks run the ones it names (concurrent requests share them as on one process)
+            from composer.parallel.plan import plan_channel
+
+            plan_channel(self.runtime.dist_timeout).register(self.batcher)
         self.add_stage(PromptTokenizationStage(self.tokenizer, self.limits))
         self.add_stage(BlockRefinementStage(self.modules["model"], self.scheduler_block_length(), mask, eos,
                                             self.device, self.batcher, self.scheduler_setting("editing_threshold")))
@@ -468,8 +500,8 @@ class TextPipeline(ComposedPipeline):
 
     def run_task(self, batch: TextBatch):
         """The request as a task (composer/engine/loop.py): every stage over `batch`, the refinement's forwards
-        shared with other requests'; returns the batch. The engine core runs it (`TextGenerator`), or `drive` on a
-        thread (a parallel layout's one request at a time)."""
+        shared with other requests'; returns the batch. The engine core runs it (`TextGenerator`; under tensor parallel
+        too, rank 0 planning every forward)."""
         pieces = self.stream(batch)
         while (yield from pieces.next_task()) is not None:
             pass
