@@ -142,12 +142,14 @@ def test_tensor_parallel_on_two_ranks_gives_one_process_ids(tmp_path):
                 for name, settings in {"sampled": {"temperature": 1.0, "seed": 1},
                                        "threshold": {"decoding": "threshold", "threshold": 0.3, "seed": 2},
                                        "kv": {"decoding": "threshold+kv", "threshold": 0.3, "seed": 3}}.items()}
-    stats = []
+    stats, unseeded = [], []
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        unseeded.append(got["unseeded"])
         assert got["ids"] == expected, rank
         assert got["concurrent"] == expected, rank  # at once, as tasks sharing forwards: each as alone
         stats.append(got["stats"])
+    assert unseeded[0] == unseeded[1]  # a request without a seed: rank 0's draw on both ranks, the same ids
     assert stats[0] == stats[1]  # (calls, units, batched units): the same forwards on both ranks, rank 0's plan
     calls, units, batched = stats[0]
     assert batched >= 2 and calls < units, stats[0]  # the requests shared forwards

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from composer import seeds
 from composer.cancel import CancelToken
 from composer.engine.scheduler import RequestContext
 from composer.errors import UnsupportedError
 from composer.logging import get_logger
+from composer.parallel import state as parallel_state
 from composer.runtime import RuntimeArgs, apply_threads
 from composer.text.limits import check_text_request
 from composer.text.pipeline import TextBatch, TextPipeline, TextStats, until_eos
@@ -91,8 +91,6 @@ class TextGenerator:
                                    "composer.VideoGenerator")
         check_model_configs(resolved)
         resolved.pipeline_cls.check_runtime(resolved.index, runtime)
-        from composer.parallel import state as parallel_state
-
         if runtime.num_gpus and runtime.num_gpus > 1 and not parallel_state.under_launcher():
             raise UnsupportedError(f"num_gpus = {runtime.num_gpus} for a text model: launch with `torchrun "
                                    f"--nproc-per-node {runtime.num_gpus}` and tp_size = {runtime.num_gpus} instead")
@@ -147,8 +145,8 @@ class TextGenerator:
                 prompt = prompt[0]
         if prompt is not None:
             sp = dataclasses.replace(sp, prompt=prompt)
-        if sp.seed is None:
-            sp = dataclasses.replace(sp, seed=seeds.draw_seed())
+        if sp.seed is None:  # under tensor parallel rank 0's draw on every rank (the same tokens, the same plans)
+            sp = dataclasses.replace(sp, seed=parallel_state.random_seed())
         check_text_request(sp, self.limits)  # the prompt's own tokens: once tokenized, before any forward
         prompts = [sp.prompt] if isinstance(sp.prompt, str) else list(sp.prompt)
         generator = torch.Generator("cpu").manual_seed(sp.seed)  # what a seed means to diffusers' pipeline

@@ -20,6 +20,8 @@ for name, settings in {"sampled": {"temperature": 1.0, "seed": 1},
                        "kv": {"decoding": "threshold+kv", "threshold": 0.3, "seed": 3}}.items():
     results[name] = gen.generate_text("what is two plus two ?", gen_length=16, num_inference_steps=4,
                                       **settings).token_ids
+# no seed: rank 0 draws it for every rank (sampled tokens, the same on every rank)
+unseeded = gen.generate_text("what is two plus two ?", gen_length=16, num_inference_steps=4, temperature=1.0)
 # the same requests at once, submitted in another order on each rank: rank 0 plans every forward (held until all
 # three have queued their first one, so that they share calls), the other rank runs the same calls
 requests = {"sampled": ("what is two plus two ?", {"temperature": 1.0, "seed": 1}),
@@ -37,5 +39,6 @@ concurrent = {name: futures[name].result(timeout=120).token_ids for name in requ
 stats = [a - b for a, b in zip((batcher.stats.calls, batcher.stats.units, batcher.stats.batched_units), before)]
 shard = gen.pipeline.modules["model"].model.transformer["blocks"][0].q_proj.weight.shape[0]
 with open(f"{out_dir}/rank{rank}.json", "w") as f:
-    json.dump({"ids": results, "q_rows": shard, "concurrent": concurrent, "stats": stats}, f)
+    json.dump({"ids": results, "q_rows": shard, "concurrent": concurrent, "stats": stats,
+               "unseeded": [unseeded.seed, unseeded.token_ids]}, f)
 print(f"rank {rank} done", flush=True)
