@@ -366,4 +366,10 @@ def test_budgeted_requests_at_once_each_equal_their_solo_run(wan_folder):
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(lambda v: gen.generate_video("a fox", **v), sizes))
     for video, result in zip(sizes, results):
-        np.testing.assert_array_equal(result.frames, plain.generate_video("a fox", **video).frames)
+        # the bar of concurrent runs (docs/scheduling.md): within 1 uint8 level and 1e-5 in latents of the solo run
+        # (two videos whose decodes arrive together share a VAE batch, which rounds a few pixels differently; whether
+        # they do depends on the threads' timing, so equality of the frames cannot be asked)
+        solo = plain.generate_video("a fox", **video)
+        assert np.abs(result.frames.astype(np.int16) - solo.frames.astype(np.int16)).max() <= 1
+        scale = max(1.0, solo.latents.abs().max().item())
+        assert (result.latents - solo.latents).abs().max().item() <= 1e-5 * scale
